@@ -1,0 +1,349 @@
+"""Configuration types, one per concern, validated on construction.
+
+Every check repeats the bad value and names the field, so a user who mistyped a YAML key or a
+``--set`` override sees what to fix: ``num_generations must be >= 2, got 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value a user chose is invalid. The message names the field."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _enum(cls: type[enum.Enum], value: Any, field: str) -> enum.Enum:
+    """Accept an enum member or its string value (from YAML / CLI overrides)."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in cls)
+        raise ConfigError(f"{field} must be one of {choices}; got {value!r}") from None
+
+
+class _Config:
+    """Shared helpers: enum coercion from strings, dict round-trips, `replace`."""
+
+    _enums: dict[str, type[enum.Enum]] = {}
+
+    def _coerce_enums(self) -> None:
+        for name, cls in self._enums.items():
+            object.__setattr__(self, name, _enum(cls, getattr(self, name), f"{type(self).__name__}.{name}"))
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, enum.Enum):
+                v = v.value
+            elif isinstance(v, _Config):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        _check(not unknown, f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
+        kwargs = dict(data)
+        for f in dataclasses.fields(cls):
+            sub = _SUBCONFIGS.get((cls.__name__, f.name))
+            if sub is not None and isinstance(kwargs.get(f.name), dict):
+                kwargs[f.name] = sub.from_dict(kwargs[f.name])
+            elif isinstance(kwargs.get(f.name), list):
+                kwargs[f.name] = tuple(kwargs[f.name])
+        return cls(**kwargs)
+
+
+_SUBCONFIGS: dict[tuple[str, str], type[_Config]] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+class DType(enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Config):
+    """A Qwen/Llama-style decoder. Field names follow Hugging Face configs one to one."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    max_position_embeddings: int = 32768
+    # Llama 3 "rope_scaling" = {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    dtype: DType = DType.FLOAT32  # compute dtype
+    param_dtype: DType = DType.FLOAT32
+
+    _enums = {"dtype": DType, "param_dtype": DType}
+
+    def __post_init__(self) -> None:
+        self._coerce_enums()
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 1, f"model.{name} must be a positive integer, got {v!r}")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0,
+               f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+               f"model.num_key_value_heads ({self.num_key_value_heads})")
+        _check(self.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        _check(self.rms_norm_eps > 0, f"model.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+
+    def num_params(self) -> int:
+        h, d, kv, nh = self.hidden_size, self.head_dim, self.num_key_value_heads, self.num_attention_heads
+        attn = h * nh * d + 2 * h * kv * d + nh * d * h
+        if self.attention_bias:
+            attn += nh * d + 2 * kv * d
+        if self.qk_norm:
+            attn += 2 * d
+        mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return emb + self.num_hidden_layers * layer + h
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig(_Config):
+    """How completions are drawn. temperature 0 means greedy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    # Prompts are left-padded to the smallest bucket that holds them: one compiled program per
+    # bucket, and at most ~25% padding instead of padding everything to the longest prompt.
+    prompt_buckets: tuple[int, ...] = (4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256,
+                                       320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096)
+    ignore_eos: bool = False  # benchmarks force every completion to max_new_tokens
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        _check(0 < self.top_p <= 1, f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        b = tuple(self.prompt_buckets)
+        _check(len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b) and list(b) == sorted(set(b)),
+               f"sampling.prompt_buckets must be increasing positive integers, got {b}")
+        object.__setattr__(self, "prompt_buckets", b)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Algorithm
+
+
+class AdvantageEstimator(enum.Enum):
+    GRPO = "grpo"  # (r - mean_group) / (std + eps)
+    DR_GRPO = "dr_grpo"  # r - mean_group: no std (Dr. GRPO)
+    RLOO = "rloo"  # r - mean of the other G-1 completions of the group
+
+
+class RewardScaling(enum.Enum):
+    GROUP = "group"  # divide by the std of the group
+    BATCH = "batch"  # divide by the std of the whole batch
+    NONE = "none"
+
+
+class LossAggregation(enum.Enum):
+    TOKEN_MEAN = "token_mean"  # DAPO: sum over all tokens / tokens in the whole update batch
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"  # GRPO: mean over sequences of each one's token mean
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"  # Dr. GRPO: token sums / max_new_tokens
+    BNPO = "bnpo"  # token mean within each micro-batch, averaged over micro-batches
+
+
+class KLEstimator(enum.Enum):
+    K1 = "k1"  # log pi - log ref
+    K2 = "k2"  # (log pi - log ref)^2 / 2
+    K3 = "k3"  # exp(x) - x - 1, x = log ref - log pi
+
+
+class RatioLevel(enum.Enum):
+    TOKEN = "token"  # PPO/GRPO per-token importance ratio
+    SEQUENCE = "sequence"  # GSPO: exp(mean over the sequence of the log-ratio)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(_Config):
+    """The GRPO objective and its rollout batch."""
+
+    num_generations: int = 8  # G, completions per prompt
+    prompts_per_step: int = 8
+    advantage: AdvantageEstimator = AdvantageEstimator.GRPO
+    scale_rewards: RewardScaling = RewardScaling.GROUP
+    advantage_eps: float = 1e-4
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2  # DAPO's clip-higher: raise to 0.28
+    dual_clip: float | None = None  # e.g. 3.0: caps the loss of negative advantages at c·|A|
+    ratio_level: RatioLevel = RatioLevel.TOKEN
+    loss_aggregation: LossAggregation = LossAggregation.SEQ_MEAN_TOKEN_MEAN
+    beta: float = 0.0  # KL coefficient; 0 = no reference model at all
+    kl_estimator: KLEstimator = KLEstimator.K3
+    num_iterations: int = 1  # passes over each rollout batch (mu); > 1 is off-policy
+    minibatches_per_rollout: int = 1  # optimizer updates per pass
+    grad_accum_steps: int = 1  # micro-batches summed into one update
+    mask_truncated_completions: bool = False  # DAPO: no loss on completions cut at max_new_tokens
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
+    max_sampling_rounds: int = 3  # bound on extra rollouts to refill a dynamic-sampling batch
+
+    _enums = {"advantage": AdvantageEstimator, "scale_rewards": RewardScaling,
+              "loss_aggregation": LossAggregation, "kl_estimator": KLEstimator,
+              "ratio_level": RatioLevel}
+
+    def __post_init__(self) -> None:
+        self._coerce_enums()
+        _check(self.num_generations >= 2, f"grpo.num_generations must be >= 2, got {self.num_generations}")
+        _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        _check(self.advantage_eps > 0, f"grpo.advantage_eps must be > 0, got {self.advantage_eps}")
+        _check(0 <= self.epsilon_low < 1, f"grpo.epsilon_low must be in [0, 1), got {self.epsilon_low}")
+        _check(self.epsilon_high >= 0, f"grpo.epsilon_high must be >= 0, got {self.epsilon_high}")
+        _check(self.dual_clip is None or self.dual_clip > 1,
+               f"grpo.dual_clip must be > 1 (or null to disable), got {self.dual_clip}")
+        _check(self.beta >= 0, f"grpo.beta must be >= 0, got {self.beta}")
+        _check(self.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {self.num_iterations}")
+        _check(self.minibatches_per_rollout >= 1,
+               f"grpo.minibatches_per_rollout must be >= 1, got {self.minibatches_per_rollout}")
+        _check(self.grad_accum_steps >= 1, f"grpo.grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        _check(self.max_sampling_rounds >= 1,
+               f"grpo.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        _check(not (self.advantage is AdvantageEstimator.DR_GRPO and self.scale_rewards is not RewardScaling.NONE),
+               "grpo.advantage=dr_grpo does not divide by a std; set grpo.scale_rewards=none "
+               f"(got {self.scale_rewards.value}) or use grpo.advantage=grpo")
+        n = self.batch_size
+        per_update = self.minibatches_per_rollout * self.grad_accum_steps
+        _check(n % per_update == 0,
+               f"grpo.prompts_per_step * grpo.num_generations ({n}) must divide evenly into "
+               f"minibatches_per_rollout * grad_accum_steps ({per_update}) micro-batches")
+
+    @property
+    def batch_size(self) -> int:
+        """Completions per rollout."""
+        return self.prompts_per_step * self.num_generations
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(_Config):
+    """AdamW with linear warmup and cosine decay, and global-norm gradient clipping."""
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # None: cosine over the whole run; 0: constant after warmup
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.learning_rate > 0, f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+        _check(self.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.decay_steps is None or self.decay_steps >= 0,
+               f"optimizer.decay_steps must be >= 0 or null, got {self.decay_steps}")
+        _check(0 <= self.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(0 <= self.b1 < 1 and 0 <= self.b2 < 1,
+               f"optimizer.b1 and optimizer.b2 must be in [0, 1), got {self.b1}, {self.b2}")
+        _check(self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(self.max_grad_norm is None or self.max_grad_norm > 0,
+               f"optimizer.max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Training run (engine level)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Config):
+    """Everything the engine needs for one training run, apart from the model and the task."""
+
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    num_steps: int = 100
+    seed: int = 0
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps}")
+        _check(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
+        _check(not self.sampling.greedy,
+               "sampling.temperature must be > 0 for training: greedy decoding gives all "
+               f"{self.grpo.num_generations} completions of a group the same reward, so every advantage is 0")
+
+
+_SUBCONFIGS.update({
+    ("TrainConfig", "grpo"): GRPOConfig,
+    ("TrainConfig", "sampling"): SamplingConfig,
+    ("TrainConfig", "optimizer"): OptimizerConfig,
+})
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy."""
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        _check(bool(sep) and bool(key), f"override {item!r} must look like key.path=value")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            _check(isinstance(node, dict), f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    return out

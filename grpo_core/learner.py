@@ -1,0 +1,148 @@
+"""The jitted half of training: log-probs of completions, the GRPO loss and one update step
+`(state, batch) -> (state, metrics)` with donated state and gradient accumulation inside.
+
+A training batch lays each row out as [left-padded prompt (Tp) | completion (N)]; the model
+reads all but the last completion token, and the hidden states from position Tp-1 on predict
+the N completion tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from grpo_core import algo
+from grpo_core.config import GRPOConfig, KLEstimator, LossAggregation, OptimizerConfig, RatioLevel
+from grpo_core.model import CausalLM, causal_inputs
+
+# A training batch (all device arrays, B rows):
+#   tokens (B, Tp+N-1) int32, valid (B, Tp+N-1) bool, targets (B, N) int32, mask (B, N) f32,
+#   advantages (B,) f32, old_logp (B, N) f32, ref_logp (B, N) f32 (zeros when beta == 0)
+Batch = dict[str, jax.Array]
+TrainState = dict[str, Any]  # {"params": nnx.State, "opt_state": optax state, "step": int32}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossParams:
+    """The static scalars of the loss (hashable: part of the compiled program's identity)."""
+
+    epsilon_low: float
+    epsilon_high: float
+    dual_clip: float | None
+    beta: float
+    kl_estimator: KLEstimator
+    ratio_level: RatioLevel
+    aggregation: LossAggregation
+    grad_accum_steps: int
+    max_new_tokens: int
+    temperature: float
+
+    @classmethod
+    def from_config(cls, g: GRPOConfig, max_new_tokens: int, temperature: float) -> "LossParams":
+        return cls(g.epsilon_low, g.epsilon_high, g.dual_clip, g.beta, g.kl_estimator, g.ratio_level,
+                   g.loss_aggregation, g.grad_accum_steps, max_new_tokens, temperature)
+
+
+def completion_logprobs(model: CausalLM, tokens, valid, targets, temperature: float, with_entropy: bool = False):
+    """Log-prob of each completion token under softmax(logits / T). -> (B, N) [, entropy (B, N)]."""
+    n = targets.shape[1]
+    positions, mask = causal_inputs(valid)
+    h, _ = model.hidden_states(tokens, positions, mask)
+    h = h[:, -n:]  # (B, N, E): the positions that predict the completion
+    logits = model.logits(h) / (temperature if temperature > 0 else 1.0)
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+    if not with_entropy:
+        return logp
+    return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio; clipping by global norm first."""
+    decay = cfg.decay_steps if cfg.decay_steps is not None else max(total_updates - cfg.warmup_steps, 1)
+    peak = cfg.learning_rate
+    parts, bounds = [], []
+    if cfg.warmup_steps:
+        parts.append(optax.linear_schedule(0.0, peak, cfg.warmup_steps))
+        bounds.append(cfg.warmup_steps)
+    parts.append(optax.cosine_decay_schedule(peak, decay, alpha=cfg.min_lr_ratio) if decay else optax.constant_schedule(peak))
+    schedule = optax.join_schedules(parts, bounds) if bounds else parts[0]
+    # Decay matrices only: norms and biases are left alone, as in the HF trainers.
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw) if cfg.max_grad_norm else adamw
+    return tx, schedule
+
+
+def _loss(params, graphdef, micro: Batch, weights, hp: LossParams):
+    """Sum of weighted per-token losses of one micro-batch, and its metric sums."""
+    model = nnx.merge(graphdef, params)
+    logp, ent = completion_logprobs(model, micro["tokens"], micro["valid"], micro["targets"], hp.temperature, True)
+    mask = micro["mask"]
+    log_r = algo.log_ratio(logp, micro["old_logp"], mask, hp.ratio_level)
+    per_token = algo.clipped_surrogate(log_r, micro["advantages"], hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
+    kl = algo.kl_penalty(logp, micro["ref_logp"], hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)
+    per_token = per_token + hp.beta * kl
+    loss = jnp.sum(weights * per_token)
+    rho = jnp.exp(log_r)
+    a = micro["advantages"][:, None]
+    sums = {  # token sums; divided by the update batch's token count after accumulation
+        "kl": jnp.sum(kl * mask),
+        "entropy": jnp.sum(jax.lax.stop_gradient(ent) * mask),
+        "clip_ratio_low": jnp.sum(((rho < 1 - hp.epsilon_low) & (a < 0)) * mask),
+        "clip_ratio_high": jnp.sum(((rho > 1 + hp.epsilon_high) & (a > 0)) * mask),
+        "ratio_mean": jnp.sum(rho * mask),
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, sums)
+
+
+def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, hp: LossParams):
+    """One optimizer update over `batch`, split into hp.grad_accum_steps micro-batches."""
+    a = hp.grad_accum_steps
+    weights = algo.token_weights(batch["mask"], hp.aggregation, a, hp.max_new_tokens)
+    micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), dict(batch, weights=weights))
+    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+
+    def accumulate(carry, mb):
+        grads, loss, sums = carry
+        (l, s), g = grad_fn(state["params"], graphdef, mb, mb["weights"], hp)
+        return (jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, sums, s)), None
+
+    zero_sums = {k: jnp.float32(0) for k in ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "ratio_mean")}
+    init = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.float32(0), zero_sums)
+    if a == 1:  # no loop: lets XLA fuse the whole step
+        (grads, loss, sums), _ = accumulate(init, jax.tree.map(lambda x: x[0], micro))
+    else:
+        (grads, loss, sums), _ = jax.lax.scan(accumulate, init, micro)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    n_tok = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+    metrics = {k: v / n_tok for k, v in sums.items()}
+    metrics.update(loss=loss, grad_norm=optax.global_norm(grads), learning_rate=schedule(state["step"]))
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+def score_completions(graphdef, params, batch: Batch, temperature: float):
+    """Log-probs of the completions under `params` (the reference policy, or old policy)."""
+    model = nnx.merge(graphdef, params)
+    return completion_logprobs(model, batch["tokens"], batch["valid"], batch["targets"], temperature)
+
+
+class Learner:
+    """Holds the compiled step and scoring functions for one model graph and config."""
+
+    def __init__(self, graphdef, opt_cfg: OptimizerConfig, hp: LossParams, total_updates: int):
+        self.graphdef, self.hp = graphdef, hp
+        self.tx, self.schedule = make_optimizer(opt_cfg, total_updates)
+        step = lambda state, batch: train_step(state, batch, graphdef=graphdef, tx=self.tx,
+                                               schedule=self.schedule, hp=hp)
+        self.step = jax.jit(step, donate_argnums=(0,))
+        self.score = jax.jit(lambda params, batch: score_completions(graphdef, params, batch, hp.temperature))
+
+    def init_state(self, params) -> TrainState:
+        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}

@@ -1,0 +1,200 @@
+"""Batched sampling: one jitted prefill and one jitted decode loop over a preallocated KV cache.
+
+Graph and state are kept apart at the jit boundary: the jitted functions take the model's
+parameters as an `nnx.State` and rebuild the module inside the trace, so a new set of weights
+(each training step) reuses the compiled program. Prompts are left-padded to a bucket length
+(`SamplingConfig.prompt_buckets`): one program per bucket, never one per batch.
+
+Each of the `num_prompts` prompts is prefilled once and its cache repeated for its G samples,
+so prompt compute does not grow with the group size. The decode loop is a `lax.while_loop`
+that stops as soon as every row has hit EOS; the KV cache is donated to it so XLA updates the
+cache in place instead of copying (B, S, K, D) per layer each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_core.config import ConfigError, SamplingConfig
+from grpo_core.model import CausalLM, causal_inputs, init_kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOptions:
+    """The static part of sampling (a change recompiles)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+    @classmethod
+    def from_config(cls, cfg: SamplingConfig, eos_ids: Sequence[int], pad_id: int, **overrides):
+        opts = cls(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                   () if cfg.ignore_eos else tuple(int(e) for e in eos_ids), int(pad_id))
+        return dataclasses.replace(opts, **overrides)
+
+
+@dataclasses.dataclass
+class Completions:
+    """Sampler output; arrays stay on device until the caller reads them."""
+
+    prompt_tokens: jax.Array  # (B, Tp) left-padded, each prompt repeated G times
+    prompt_valid: jax.Array  # (B, Tp) bool
+    tokens: jax.Array  # (B, N) sampled ids, pad after EOS
+    logprobs: jax.Array  # (B, N) log-prob of each sampled token under softmax(logits / T)
+    lengths: jax.Array  # (B,) tokens up to and including EOS
+    truncated: jax.Array  # (B,) True where no EOS came within N tokens
+
+
+def bucket_length(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ConfigError(f"a prompt of {n} tokens is longer than the largest sampling.prompt_buckets entry "
+                      f"({buckets[-1]}); shorten prompts or add a bucket")
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token lists to the smallest bucket holding the longest. -> (tokens, valid) (P, Tp)."""
+    longest = max(len(p) for p in prompts)
+    if longest == 0:
+        raise ConfigError("an empty prompt (0 tokens) cannot be sampled from")
+    tp = bucket_length(longest, buckets)
+    tokens = np.full((len(prompts), tp), pad_id, np.int32)
+    valid = np.zeros((len(prompts), tp), bool)
+    for i, p in enumerate(prompts):
+        if len(p):
+            tokens[i, tp - len(p):] = p
+            valid[i, tp - len(p):] = True
+    return tokens, valid
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, opts: SamplerOptions) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row. logits: (B, V) f32. -> (ids (B,), logprob (B,)).
+
+    The returned log-prob is under softmax(logits / T) before top-k/top-p filtering: the same
+    distribution the learner scores, so the ratio pi_theta / pi_old starts at 1.
+    """
+    t = opts.temperature if opts.temperature > 0 else 1.0
+    scaled = logits / t
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    if opts.temperature == 0:
+        ids = jnp.argmax(logits, axis=-1)
+    else:
+        ids = _sample_filtered(scaled, key, opts.top_k, opts.top_p)
+    logp = jnp.take_along_axis(logp_all, ids[:, None], axis=-1)[:, 0]
+    return ids.astype(jnp.int32), logp
+
+
+def _sample_filtered(scaled: jax.Array, key: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    if top_k == 0 and top_p >= 1.0:
+        return jax.random.categorical(key, scaled, axis=-1)
+    # Work on the top candidates only: top-k first (cheap), then the nucleus within them.
+    k = top_k if top_k > 0 else scaled.shape[-1]
+    vals, idx = jax.lax.top_k(scaled, k)  # (B, k), sorted descending
+    if top_p < 1.0:
+        probs = jax.nn.softmax(vals, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        vals = jnp.where(before < top_p, vals, -jnp.inf)  # the first token always stays
+    choice = jax.random.categorical(key, vals, axis=-1)
+    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+
+
+def step_key(seed: int, step: int, round_: int = 0) -> jax.Array:
+    """The PRNG key of training step `step`: a function of (seed, step), never reused."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), round_)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opts", "num_samples"))
+def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: SamplerOptions, num_samples: int):
+    """Run the prompts once, fill the cache, draw every row's first token.
+
+    prompt_tokens/valid: (P, Tp). Returns a loop state for `decode` with B = P * num_samples rows.
+    """
+    model: CausalLM = nnx.merge(graphdef, params)
+    p, tp = prompt_tokens.shape
+    slots = tp + opts.max_new_tokens
+    positions, mask = causal_inputs(prompt_valid)
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, slots - tp)))  # (P, Tp, S)
+    cache = init_kv_cache(model.config, p, slots)
+    h, cache = model.hidden_states(prompt_tokens, positions, mask, cache, 0)
+    logits = model.logits(h[:, -1:])[:, 0]  # (P, V): left padding puts every prompt's end last
+
+    # Repeat each prompt's cache for its G samples: rows i*G .. i*G+G-1 belong to prompt i.
+    rep = lambda x: jnp.repeat(x, num_samples, axis=0)
+    cache = jax.tree.map(rep, cache)
+    logits, prompt_valid, prompt_tokens = rep(logits), rep(prompt_valid), rep(prompt_tokens)
+    b = p * num_samples
+    first, first_lp = sample_logits(logits, jax.random.fold_in(key, 0), opts)
+    tokens = jnp.full((b, opts.max_new_tokens), opts.pad_id, jnp.int32).at[:, 0].set(first)
+    logprobs = jnp.zeros((b, opts.max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
+    done = _is_eos(first, opts.eos_ids)
+    lengths = jnp.ones((b,), jnp.int32)
+    key_valid = jnp.concatenate([prompt_valid, jnp.zeros((b, opts.max_new_tokens), bool)], axis=1)
+    next_pos = jnp.sum(prompt_valid, axis=1).astype(jnp.int32)  # (B,) RoPE position of token 0
+    state = dict(tokens=tokens, logprobs=logprobs, done=done, lengths=lengths, key_valid=key_valid,
+                 next_pos=next_pos, t=jnp.int32(1))
+    return cache, state, prompt_tokens, prompt_valid
+
+
+def _is_eos(ids, eos_ids):
+    if not eos_ids:
+        return jnp.zeros(ids.shape, bool)
+    return jnp.isin(ids, jnp.asarray(eos_ids, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opts", "prompt_len"), donate_argnums=(2,))
+def decode(graphdef, params, cache, state, key, *, opts: SamplerOptions, prompt_len: int):
+    """Generate tokens 1..N-1 in one compiled loop. The cache (argument 2) is donated."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    n = opts.max_new_tokens
+
+    def cond(carry):
+        _, s = carry
+        return (s["t"] < n) & ~jnp.all(s["done"])
+
+    def body(carry):
+        cache, s = carry
+        t = s["t"]
+        slot = prompt_len + t - 1  # the cache slot of the previous token, fed now
+        prev = jax.lax.dynamic_slice_in_dim(s["tokens"], t - 1, 1, axis=1)  # (B, 1)
+        key_valid = jax.lax.dynamic_update_slice_in_dim(s["key_valid"], jnp.ones((prev.shape[0], 1), bool), slot, 1)
+        pos = (s["next_pos"] + t - 1)[:, None]  # (B, 1)
+        h, cache = model.hidden_states(prev, pos, key_valid[:, None, :], cache, slot)
+        ids, lp = sample_logits(model.logits(h)[:, 0], jax.random.fold_in(key, t), opts)
+        live = ~s["done"]
+        ids = jnp.where(live, ids, opts.pad_id)
+        s = dict(s, t=t + 1, key_valid=key_valid,
+                 tokens=jax.lax.dynamic_update_slice_in_dim(s["tokens"], ids[:, None], t, 1),
+                 logprobs=jax.lax.dynamic_update_slice_in_dim(s["logprobs"], jnp.where(live, lp, 0.0)[:, None], t, 1),
+                 lengths=s["lengths"] + live.astype(jnp.int32),
+                 done=s["done"] | _is_eos(ids, opts.eos_ids))
+        return cache, s
+
+    # The cache is returned (and dropped by the caller) so the donated input buffer can alias
+    # an output: XLA then updates it in place instead of copying it into the loop.
+    cache, s = jax.lax.while_loop(cond, body, (cache, state))
+    return cache, (s["tokens"], s["logprobs"], s["lengths"], ~s["done"])
+
+
+def generate(model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions,
+             num_samples: int = 1) -> Completions:
+    """Sample `num_samples` completions for each left-padded prompt. No host sync inside."""
+    graphdef = model_or_graphdef
+    if isinstance(model_or_graphdef, nnx.Module):
+        graphdef, params = nnx.split(model_or_graphdef)
+    cache, state, ptok, pvalid = prefill(graphdef, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_valid),
+                                         key, opts=opts, num_samples=num_samples)
+    _, (tokens, logprobs, lengths, truncated) = decode(graphdef, params, cache, state, key, opts=opts,
+                                                  prompt_len=int(prompt_tokens.shape[1]))
+    return Completions(ptok, pvalid, tokens, logprobs, lengths, truncated)

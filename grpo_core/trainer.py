@@ -1,0 +1,264 @@
+"""The Python driver: rollout -> rewards -> advantages -> reference -> updates, once per step.
+
+Everything heavy runs in the compiled sampler and learner; this loop only moves small arrays.
+Its host syncs are deliberate and few per step: the sampled tokens (needed to decode text for
+the reward functions) and the step's metrics at the end.
+
+Determinism for resume: step s draws its prompts from `PromptSource.sample(s, round, n)` and its
+PRNG key from (seed, s, round), so a run restored at step s continues exactly as it would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_core import algo, rewards as rw
+from grpo_core.config import TrainConfig
+from grpo_core.learner import Learner, LossParams, TrainState
+from grpo_core.model import CausalLM
+from grpo_core.sampler import SamplerOptions, generate, pad_prompts, step_key
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+    pad_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class PromptSource(Protocol):
+    def sample(self, step: int, round_: int, n: int) -> list[dict[str, Any]]:
+        """n rows, each {"prompt": str, **columns}; a pure function of (step, round_)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A training metric became NaN/Inf. The message names the step and the metric."""
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's completions on the host, P groups of G rows."""
+
+    rows: list[dict[str, Any]]  # the P prompt rows
+    prompt_tokens: np.ndarray  # (B, Tp)
+    prompt_valid: np.ndarray  # (B, Tp)
+    tokens: np.ndarray  # (B, N)
+    logprobs: np.ndarray  # (B, N)
+    lengths: np.ndarray  # (B,)
+    truncated: np.ndarray  # (B,)
+    completions: list[str]
+    rewards: np.ndarray  # (B,) NaN = excluded
+    per_function: dict[str, np.ndarray]
+
+
+def _repad(x: np.ndarray, width: int, fill) -> np.ndarray:
+    """Left-pad (B, T) to (B, width): prompts of different buckets share one batch."""
+    if x.shape[1] == width:
+        return x
+    out = np.full((x.shape[0], width), fill, x.dtype)
+    out[:, width - x.shape[1]:] = x
+    return out
+
+
+def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad: int) -> Rollout:
+    """Concatenate groups (part index, group index) from several sampling rounds."""
+    width = max(p.prompt_tokens.shape[1] for p in parts)
+    rows_of = lambda p, j: slice(j * g, (j + 1) * g)
+    cat = lambda f: np.concatenate([f(parts[p], rows_of(parts[p], j)) for p, j in idx])
+    return Rollout(
+        rows=[parts[p].rows[j] for p, j in idx],
+        prompt_tokens=cat(lambda r, s: _repad(r.prompt_tokens[s], width, pad)),
+        prompt_valid=cat(lambda r, s: _repad(r.prompt_valid[s], width, False)),
+        tokens=cat(lambda r, s: r.tokens[s]), logprobs=cat(lambda r, s: r.logprobs[s]),
+        lengths=cat(lambda r, s: r.lengths[s]), truncated=cat(lambda r, s: r.truncated[s]),
+        completions=[c for p, j in idx for c in parts[p].completions[j * g:(j + 1) * g]],
+        rewards=cat(lambda r, s: r.rewards[s]),
+        per_function={k: np.concatenate([parts[p].per_function[k][j * g:(j + 1) * g] for p, j in idx])
+                      for k in parts[0].per_function},
+    )
+
+
+_advantages = jax.jit(algo.advantages, static_argnums=(1, 2, 3, 4))
+
+
+class GRPOTrainer:
+    """GRPO on one model. `train()` runs steps; `state` is what a checkpoint must hold."""
+
+    def __init__(self, model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, rewards: Sequence[rw.Reward],
+                 prompts: PromptSource, eos_ids: Sequence[int] | None = None):
+        if not rewards:
+            raise ValueError("at least one reward function is needed")
+        self.cfg, self.tokenizer, self.rewards, self.prompts = cfg, tokenizer, list(rewards), prompts
+        self.graphdef, params = nnx.split(model)
+        g = cfg.grpo
+        self.opts = SamplerOptions.from_config(cfg.sampling, eos_ids if eos_ids is not None else [tokenizer.eos_token_id],
+                                               tokenizer.pad_token_id)
+        hp = LossParams.from_config(g, cfg.sampling.max_new_tokens, cfg.sampling.temperature)
+        total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
+        self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates)
+        # The reference is the starting policy, frozen. With beta == 0 it is never kept or scored.
+        self.ref_params = jax.tree.map(jnp.copy, params) if g.needs_reference else None
+        self.state: TrainState = self.learner.init_state(params)
+        self.step = 0  # the next step to run
+
+    @property
+    def params(self):
+        return self.state["params"]
+
+    def model(self) -> CausalLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    # -- rollout ---------------------------------------------------------------------------
+
+    def _sample_round(self, step: int, round_: int) -> Rollout:
+        g, p = self.cfg.grpo.num_generations, self.cfg.grpo.prompts_per_step
+        rows = self.prompts.sample(step, round_, p)
+        encoded = [self.tokenizer.encode(r["prompt"]) for r in rows]
+        ptok, pval = pad_prompts(encoded, self.cfg.sampling.prompt_buckets, self.opts.pad_id)
+        c = generate(self.graphdef, self.params, ptok, pval, step_key(self.cfg.seed, step, round_), self.opts, g)
+        tokens, logprobs, lengths, truncated = jax.device_get((c.tokens, c.logprobs, c.lengths, c.truncated))  # host sync
+        texts = [self.tokenizer.decode(_strip_eos(tokens[i, :lengths[i]], self.opts.eos_ids)) for i in range(len(tokens))]
+        rep = lambda xs: [x for x in xs for _ in range(g)]
+        columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k != "prompt"}
+        t_rew = time.perf_counter()
+        scored = rw.score(self.rewards, rep([r["prompt"] for r in rows]), texts, columns)
+        self._t["rewards"] += time.perf_counter() - t_rew
+        return Rollout(rows, np.repeat(ptok, g, 0), np.repeat(pval, g, 0), tokens, logprobs, lengths, truncated,
+                       texts, scored.total, scored.per_function)
+
+    def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """Sample P groups; with dynamic sampling keep only groups whose rewards differ, drawing
+        more rounds (at most max_sampling_rounds) and topping up with zero-variance groups last."""
+        g_cfg = self.cfg.grpo
+        g, p = g_cfg.num_generations, g_cfg.prompts_per_step
+        parts, keep, spare = [], [], []
+        for round_ in range(g_cfg.max_sampling_rounds if g_cfg.dynamic_sampling else 1):
+            part = self._sample_round(step, round_)
+            parts.append(part)
+            zero = np.asarray(algo.zero_std_groups(part.rewards, g))
+            for j in range(p):
+                (spare if g_cfg.dynamic_sampling and zero[j] else keep).append((round_, j))
+            if len(keep) >= p:
+                break
+        first_zero = float(np.mean(np.asarray(algo.zero_std_groups(parts[0].rewards, g))))
+        chosen = (keep + spare)[:p]
+        info = {"sampling_rounds": float(len(parts)), "frac_reward_zero_std": first_zero,
+                "rollout_tokens": float(sum(int(pt.lengths.sum()) for pt in parts))}
+        return (_select_groups(parts, g, chosen, self.opts.pad_id) if len(parts) > 1 else parts[0]), info
+
+    # -- learning --------------------------------------------------------------------------
+
+    def _batch(self, ro: Rollout) -> dict[str, jax.Array]:
+        g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
+        adv = _advantages(jnp.asarray(ro.rewards, jnp.float32), g_cfg.num_generations, g_cfg.advantage,
+                          g_cfg.scale_rewards, g_cfg.advantage_eps)
+        mask = np.arange(n)[None, :] < ro.lengths[:, None]
+        if g_cfg.mask_truncated_completions:
+            mask &= ~ro.truncated[:, None]
+        mask &= ~np.isnan(ro.rewards)[:, None]  # no reward function applies: no loss
+        b = len(ro.tokens)
+        batch = {
+            "tokens": np.concatenate([ro.prompt_tokens, ro.tokens[:, :-1]], axis=1),
+            "valid": np.concatenate([ro.prompt_valid, np.ones((b, n - 1), bool)], axis=1),
+            "targets": ro.tokens, "mask": mask.astype(np.float32), "old_logp": ro.logprobs.astype(np.float32),
+        }
+        batch = jax.device_put(batch)
+        batch["advantages"] = adv
+        batch["ref_logp"] = jnp.zeros((b, n), jnp.float32)
+        return batch
+
+    def _update(self, step: int, batch) -> dict[str, jax.Array]:
+        g_cfg = self.cfg.grpo
+        m = g_cfg.minibatches_per_rollout
+        b = batch["targets"].shape[0]
+        per = []
+        for it in range(g_cfg.num_iterations):
+            order = batch
+            if m > 1:  # fresh row order per pass, from (seed, step, pass): reproducible on resume
+                perm = jax.random.permutation(jax.random.fold_in(step_key(self.cfg.seed, step, 1 << 20), it), b)
+                order = jax.tree.map(lambda x: x[perm], batch)
+            for k in range(m):
+                mb = jax.tree.map(lambda x: x[k * b // m:(k + 1) * b // m], order) if m > 1 else order
+                self.state, metrics = self.learner.step(self.state, mb)
+                per.append(metrics)
+        return jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *per) if len(per) > 1 else per[0]
+
+    def train_step(self) -> dict[str, float]:
+        """Run step `self.step` and return its metrics (floats)."""
+        step = self.step
+        self._t = {"rollout": 0.0, "rewards": 0.0, "reference": 0.0, "update": 0.0}
+        t0 = time.perf_counter()
+        ro, info = self.rollout(step)
+        self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"]
+        batch = self._batch(ro)
+        if self.ref_params is not None:
+            t = time.perf_counter()
+            batch["ref_logp"] = self.learner.score(self.ref_params, batch).block_until_ready()
+            self._t["reference"] = time.perf_counter() - t
+        t = time.perf_counter()
+        learner_metrics = jax.device_get(self._update(step, batch))  # host sync: the step's end
+        self._t["update"] = time.perf_counter() - t
+        metrics = self._metrics(step, ro, info, learner_metrics)
+        metrics["time/step"] = time.perf_counter() - t0
+        self.step += 1
+        return metrics
+
+    def _metrics(self, step, ro: Rollout, info, lm) -> dict[str, float]:
+        r = ro.rewards[~np.isnan(ro.rewards)]
+        out = {"step": float(step), "reward": _mean(r), "reward_std": _std(r)}
+        for name, v in ro.per_function.items():
+            v = v[~np.isnan(v)]
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _mean(v), _std(v)
+        out["frac_reward_zero_std"] = info["frac_reward_zero_std"]
+        out["sampling_rounds"] = info["sampling_rounds"]
+        out["completions/mean_length"] = float(ro.lengths.mean())
+        out["completions/min_length"] = float(ro.lengths.min())
+        out["completions/max_length"] = float(ro.lengths.max())
+        out["completions/clipped_ratio"] = float(ro.truncated.mean())
+        out.update({k: float(v) for k, v in lm.items()})
+        out["rollout_tokens_per_s"] = info["rollout_tokens"] / max(self._t["rollout"], 1e-9)
+        out.update({f"time/{k}": v for k, v in self._t.items()})
+        for k in ("loss", "grad_norm", "kl", "entropy"):
+            if not math.isfinite(out[k]):
+                raise NonFiniteError(f"step {step}: {k} is {out[k]} (learning_rate={out['learning_rate']:.3g}, "
+                                     f"grad_norm={out['grad_norm']:.3g}); lower optimizer.learning_rate or check the rewards")
+        return out
+
+    def train(self, num_steps: int | None = None, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        """Run until `num_steps` steps in total have run (default: the config's num_steps)."""
+        end = self.cfg.num_steps if num_steps is None else num_steps
+        history = []
+        while self.step < end:
+            m = self.train_step()
+            history.append(m)
+            if on_step is not None:
+                on_step(m)
+        return history
+
+
+def _strip_eos(ids: np.ndarray, eos_ids: Sequence[int]) -> list[int]:
+    ids = list(ids)
+    if ids and ids[-1] in eos_ids:
+        ids = ids[:-1]
+    return ids
+
+
+def _mean(x):
+    return float(np.mean(x)) if len(x) else float("nan")
+
+
+def _std(x):
+    return float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
