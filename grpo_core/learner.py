@@ -123,7 +123,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, hp: L
     params = optax.apply_updates(state["params"], updates)
     n_tok = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
     metrics = {k: v / n_tok for k, v in sums.items()}
-    metrics.update(loss=loss, grad_norm=optax.global_norm(grads), learning_rate=schedule(state["step"]))
+    metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state["step"]))
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 

@@ -113,6 +113,7 @@ class GRPOTrainer:
         self.ref_params = jax.tree.map(jnp.copy, params) if g.needs_reference else None
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
+        self._t = dict.fromkeys(("rollout", "rewards", "reference", "update"), 0.0)  # this step's time split
 
     @property
     def params(self):
@@ -199,7 +200,7 @@ class GRPOTrainer:
     def train_step(self) -> dict[str, float]:
         """Run step `self.step` and return its metrics (floats)."""
         step = self.step
-        self._t = {"rollout": 0.0, "rewards": 0.0, "reference": 0.0, "update": 0.0}
+        self._t = dict.fromkeys(self._t, 0.0)
         t0 = time.perf_counter()
         ro, info = self.rollout(step)
         self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"]

@@ -1,0 +1,121 @@
+"""Pinned numbers for the GRPO math, each worked by hand in the comments."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_core import algo
+from grpo_core.config import AdvantageEstimator as Adv, KLEstimator, LossAggregation as Agg, RatioLevel, RewardScaling as Scale
+
+EPS = 1e-4
+# Two groups of G=4. Group 0: mean 1, deviations (1, -1, 0, 0), unbiased var 2/3. Group 1: all 3.
+REWARDS = jnp.array([2.0, 0.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0])
+
+
+def test_grpo_advantages_group_std():
+    s = math.sqrt(2 / 3) + EPS
+    want = [1 / s, -1 / s, 0, 0, 0, 0, 0, 0]  # zero-variance group: 0 / (0 + eps) = 0
+    np.testing.assert_allclose(algo.advantages(REWARDS, 4, Adv.GRPO, Scale.GROUP, EPS), want, rtol=1e-6)
+
+
+def test_grpo_advantages_batch_std():
+    # Batch: mean 2, deviations (0,-2,-1,-1,1,1,1,1), sum of squares 10, unbiased var 10/7.
+    s = math.sqrt(10 / 7) + EPS
+    want = [1 / s, -1 / s, 0, 0, 0, 0, 0, 0]
+    np.testing.assert_allclose(algo.advantages(REWARDS, 4, Adv.GRPO, Scale.BATCH, EPS), want, rtol=1e-6)
+
+
+def test_dr_grpo_advantages_no_std():
+    np.testing.assert_allclose(algo.advantages(REWARDS, 4, Adv.DR_GRPO, Scale.NONE), [1, -1, 0, 0, 0, 0, 0, 0], atol=1e-7)
+
+
+def test_rloo_advantages_leave_one_out():
+    # 2 - (0+1+1)/3 = 4/3; 0 - (2+1+1)/3 = -4/3; 1 - (2+0+1)/3 = 0.
+    want = [4 / 3, -4 / 3, 0, 0, 0, 0, 0, 0]
+    np.testing.assert_allclose(algo.advantages(REWARDS, 4, Adv.RLOO, Scale.NONE), want, rtol=1e-6, atol=1e-7)
+
+
+def test_excluded_rows_do_not_count():
+    # Group (1, None, 0, 1): mean 2/3 over 3 rows; deviations (1/3, -2/3, 1/3), var (6/9)/2 = 1/3.
+    r = jnp.array([1.0, jnp.nan, 0.0, 1.0])
+    s = math.sqrt(1 / 3) + EPS
+    want = [(1 / 3) / s, 0.0, (-2 / 3) / s, (1 / 3) / s]
+    np.testing.assert_allclose(algo.advantages(r, 4, Adv.GRPO, Scale.GROUP, EPS), want, rtol=1e-5)
+    assert list(np.asarray(algo.zero_std_groups(jnp.array([1.0, jnp.nan, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), 4))) == [True, False]
+
+
+# Four rows of three tokens; micro-batches of two rows each for BNPO.
+LOSS = jnp.array([[1.0, 2, 3], [4, 5, 6], [1, 1, 1], [2, 2, 2]])
+MASK = jnp.array([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])
+
+
+@pytest.mark.parametrize("mode, micro, want", [
+    (Agg.TOKEN_MEAN, 1, 12 / 7),  # (1+2 + 4 + 1+1+1 + 2) / 7 tokens
+    (Agg.SEQ_MEAN_TOKEN_MEAN, 1, (1.5 + 4 + 1 + 2) / 4),  # mean of per-row token means
+    (Agg.SEQ_MEAN_TOKEN_SUM_NORM, 1, (3 + 4 + 3 + 2) / (3 * 4)),  # token sums / (max_len 3 * 4 rows)
+    (Agg.BNPO, 2, (7 / 3 + 5 / 4) / 2),  # micro-batch token means: 7/3 and 5/4, averaged
+    (Agg.BNPO, 1, 12 / 7),  # one micro-batch: the token mean
+])
+def test_loss_aggregation(mode, micro, want):
+    assert float(algo.aggregate(LOSS, MASK, mode, num_micro=micro, max_len=3)) == pytest.approx(want, rel=1e-6)
+
+
+def test_token_weights_make_accumulation_exact():
+    # The sum of per-micro-batch weighted losses equals the whole batch's aggregated loss.
+    for mode in (Agg.TOKEN_MEAN, Agg.SEQ_MEAN_TOKEN_MEAN, Agg.SEQ_MEAN_TOKEN_SUM_NORM):
+        w = algo.token_weights(MASK, mode, 2, 3)
+        parts = float(jnp.sum(w[:2] * LOSS[:2]) + jnp.sum(w[2:] * LOSS[2:]))
+        assert parts == pytest.approx(float(algo.aggregate(LOSS, MASK, mode, 1, 3)), rel=1e-6)
+
+
+@pytest.mark.parametrize("est, want", [
+    # x = log ref - log pi = log(0.25) - log(0.5) = -ln 2
+    (KLEstimator.K1, math.log(2)),  # -x
+    (KLEstimator.K2, 0.5 * math.log(2) ** 2),  # x^2 / 2
+    (KLEstimator.K3, 0.5 + math.log(2) - 1),  # e^x - x - 1 = 1/2 + ln 2 - 1
+])
+def test_kl_estimators(est, want):
+    got = algo.kl_penalty(jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25])), est)
+    assert float(got[0]) == pytest.approx(want, rel=1e-6)
+
+
+def test_kl_is_zero_at_the_reference():
+    lp = jnp.log(jnp.array([0.1, 0.7]))
+    for est in KLEstimator:
+        np.testing.assert_allclose(algo.kl_penalty(lp, lp, est), 0.0, atol=1e-7)
+
+
+@pytest.mark.parametrize("rho, adv, eps_high, dual, want", [
+    (1.5, 1.0, 0.2, None, -1.2),  # max(-1.5, -1.2): clipped at 1 + eps_high
+    (1.5, 1.0, 0.28, None, -1.28),  # DAPO clip-higher
+    (0.5, 1.0, 0.2, None, -0.5),  # max(-0.5, -0.8): the unclipped term is pessimistic
+    (0.5, -1.0, 0.2, None, 0.8),  # max(0.5, 0.8): clipped at 1 - eps_low
+    (1.5, -1.0, 0.2, None, 1.5),  # max(1.5, 1.2)
+    (4.0, -1.0, 0.2, 3.0, 3.0),  # dual-clip caps -A*rho = 4 at -c*A = 3
+    (1.5, -1.0, 0.2, 3.0, 1.5),  # below the cap: unchanged
+    (4.0, 1.0, 0.2, 3.0, -1.2),  # dual-clip only touches negative advantages
+])
+def test_clipped_surrogate(rho, adv, eps_high, dual, want):
+    got = algo.clipped_surrogate(jnp.log(jnp.array([[rho]])), jnp.array([adv]), 0.2, eps_high, dual)
+    assert float(got[0, 0]) == pytest.approx(want, rel=1e-6)
+
+
+def test_gspo_sequence_ratio_is_masked_mean():
+    logp = jnp.array([[0.1, 0.3, 9.0]])
+    old = jnp.zeros((1, 3))
+    mask = jnp.array([[1.0, 1.0, 0.0]])
+    np.testing.assert_allclose(algo.log_ratio(logp, old, mask, RatioLevel.SEQUENCE), [[0.2, 0.2, 0.2]], rtol=1e-6)
+    np.testing.assert_allclose(algo.log_ratio(logp, old, mask, RatioLevel.TOKEN), logp)
+
+
+def test_clip_fractions():
+    log_r = jnp.log(jnp.array([[0.5, 1.5, 1.0, 1.5]]))
+    adv = jnp.array([[-1.0, 1.0, 1.0, -1.0]])
+    low, high = algo.clip_fractions(log_r, adv, jnp.ones((1, 4)), 0.2, 0.2)
+    assert (float(low), float(high)) == (0.25, 0.25)
+
+
+def test_entropy_of_uniform_is_log_v():
+    assert float(algo.entropy_from_logits(jnp.zeros((7,)))) == pytest.approx(math.log(7), rel=1e-6)

@@ -1,0 +1,108 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_core.config import ConfigError, ModelConfig
+from grpo_core.learner import completion_logprobs
+from grpo_core.model import create_model
+from grpo_core.sampler import SamplerOptions, bucket_length, generate, pad_prompts, sample_logits, step_key
+
+CFG = ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=48, qk_norm=True)
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12]]
+
+
+def opts(**kw):
+    base = dict(max_new_tokens=7, temperature=1.0, top_k=0, top_p=1.0, eos_ids=(), pad_id=0)
+    return SamplerOptions(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CFG, seed=3)
+
+
+def test_greedy_equals_argmax_of_full_forward(model):
+    tok, val = pad_prompts(PROMPTS, (4, 8), 0)
+    out = generate(model, None, tok, val, jax.random.key(0), opts(temperature=0.0))
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))  # causal: right padding is harmless
+    for i, p in enumerate(PROMPTS):
+        seq = np.zeros((1, 16), np.int32)
+        seq[0, :len(p)] = p
+        for j in range(len(p), len(p) + 7):
+            seq[0, j] = int(jnp.argmax(forward(params, seq)[0, j - 1]))
+        assert list(np.asarray(out.tokens[i])) == seq[0, len(p):len(p) + 7].tolist()
+
+
+def test_kv_cache_logprobs_match_full_forward(model):
+    """Sampled tokens' log-probs from the cached decode equal a full forward's, per token."""
+    tok, val = pad_prompts(PROMPTS, (8,), 0)
+    out = generate(model, None, tok, val, jax.random.key(1), opts(temperature=0.7), num_samples=2)
+    n = out.tokens.shape[1]
+    tokens = jnp.concatenate([out.prompt_tokens, out.tokens[:, :-1]], axis=1)
+    valid = jnp.concatenate([out.prompt_valid, jnp.ones((tokens.shape[0], n - 1), bool)], axis=1)
+    full = completion_logprobs(model, tokens, valid, out.tokens, 0.7)
+    np.testing.assert_allclose(out.logprobs, full, atol=2e-5, rtol=1e-4)
+    assert out.prompt_tokens.shape[0] == 6 and (np.asarray(out.prompt_tokens[0]) == np.asarray(out.prompt_tokens[1])).all()
+
+
+def test_eos_stops_rows_and_reports_lengths(model):
+    tok, val = pad_prompts(PROMPTS, (8,), 0)
+    greedy = generate(model, None, tok, val, jax.random.key(0), opts(temperature=0.0))
+    eos = int(greedy.tokens[0, 2])  # the token row 0 emits third becomes EOS
+    out = generate(model, None, tok, val, jax.random.key(0), opts(temperature=0.0, eos_ids=(eos,), pad_id=39))
+    row = np.asarray(out.tokens[0])
+    first = list(np.asarray(greedy.tokens[0])).index(eos)
+    assert int(out.lengths[0]) == first + 1 and not bool(out.truncated[0])
+    assert (row[first + 1:] == 39).all()
+    for i in range(3):
+        toks = list(np.asarray(greedy.tokens[i]))
+        if eos not in toks:
+            assert bool(out.truncated[i]) and int(out.lengths[i]) == 7
+
+
+def test_top_k_and_top_p_stay_in_their_set():
+    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    for k, p in ((5, 1.0), (0, 0.6), (8, 0.5)):
+        allowed = []
+        for row in probs:
+            order = np.argsort(-row)
+            keep = order[:k] if k else order
+            mass_before = np.cumsum(row[keep]) / row[keep].sum() - row[keep] / row[keep].sum()
+            allowed.append(set(keep[mass_before < p].tolist()))
+        o = opts(top_k=k, top_p=p)
+        draw = jax.jit(jax.vmap(lambda key: sample_logits(logits, key, o)[0]))
+        ids = np.asarray(draw(jax.random.split(jax.random.key(k), 500)))  # (500, 4)
+        seen = [set(ids[:, r].tolist()) for r in range(4)]
+        for r in range(4):
+            assert seen[r] <= allowed[r], (k, p, r)
+        assert max(len(x) for x in seen) > 1  # it does sample, not argmax
+
+
+def test_step_keys_differ_and_repeat():
+    assert not np.array_equal(jax.random.key_data(step_key(0, 1)), jax.random.key_data(step_key(0, 2)))
+    assert np.array_equal(jax.random.key_data(step_key(5, 3)), jax.random.key_data(step_key(5, 3)))
+
+
+def test_buckets_pad_left_to_the_smallest_fit():
+    tok, val = pad_prompts([[1, 2, 3], [4, 5, 6, 7, 8]], (4, 8, 16), 0)
+    assert tok.shape == (2, 8)
+    assert tok[0].tolist() == [0, 0, 0, 0, 0, 1, 2, 3] and val[0].sum() == 3
+    assert bucket_length(9, (4, 8, 16)) == 16
+    with pytest.raises(ConfigError, match="longer than the largest sampling.prompt_buckets entry"):
+        bucket_length(17, (4, 8, 16))
+
+
+def test_one_compile_per_bucket(model):
+    from grpo_core import sampler
+    graphdef, params = nnx.split(model)
+    key = jax.random.key(0)
+    before = sampler.decode._cache_size()
+    for prompts in ([[1, 2, 3]], [[4, 5]], [[6, 7, 8, 9]]):  # all in bucket 4
+        tok, val = pad_prompts(prompts, (4, 8), 0)
+        generate(graphdef, params, tok, val, key, opts())
+    assert sampler.decode._cache_size() - before <= 1
