@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+import typing
 from typing import Any
 
 
@@ -36,9 +38,18 @@ class _Config:
 
     _enums: dict[str, type[enum.Enum]] = {}
 
-    def _coerce_enums(self) -> None:
-        for name, cls in self._enums.items():
-            object.__setattr__(self, name, _enum(cls, getattr(self, name), f"{type(self).__name__}.{name}"))
+    def _normalize(self) -> None:
+        """Coerce values from YAML/CLI to the declared field types (`5e-4` arrives as a string
+        from YAML), or fail naming the field."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            name = f"{type(self).__name__}.{f.name}"
+            value = getattr(self, f.name)
+            if f.name in self._enums:
+                value = _enum(self._enums[f.name], value, name)
+            else:
+                value = _coerce(hints[f.name], value, name)
+            object.__setattr__(self, f.name, value)
 
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)
@@ -72,6 +83,41 @@ class _Config:
 
 
 _SUBCONFIGS: dict[tuple[str, str], type[_Config]] = {}
+
+
+def _coerce(hint, value, name: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    bad = ConfigError(f"{name} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if hint is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise bad
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if origin is tuple and args and args[-1] is Ellipsis:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return tuple(_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value))
+    return value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,9 +155,9 @@ class ModelConfig(_Config):
     _enums = {"dtype": DType, "param_dtype": DType}
 
     def __post_init__(self) -> None:
-        self._coerce_enums()
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        self._normalize()
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "intermediate_size"):
             v = getattr(self, name)
@@ -155,6 +201,7 @@ class SamplingConfig(_Config):
     ignore_eos: bool = False  # benchmarks force every completion to max_new_tokens
 
     def __post_init__(self) -> None:
+        self._normalize()
         _check(self.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.temperature >= 0, f"sampling.temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
@@ -231,7 +278,7 @@ class GRPOConfig(_Config):
               "ratio_level": RatioLevel}
 
     def __post_init__(self) -> None:
-        self._coerce_enums()
+        self._normalize()
         _check(self.num_generations >= 2, f"grpo.num_generations must be >= 2, got {self.num_generations}")
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.advantage_eps > 0, f"grpo.advantage_eps must be > 0, got {self.advantage_eps}")
@@ -284,6 +331,7 @@ class OptimizerConfig(_Config):
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
+        self._normalize()
         _check(self.learning_rate > 0, f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
         _check(self.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(self.decay_steps is None or self.decay_steps >= 0,
@@ -312,6 +360,7 @@ class TrainConfig(_Config):
     log_every: int = 1
 
     def __post_init__(self) -> None:
+        self._normalize()
         _check(self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps}")
         _check(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
         _check(not self.sampling.greedy,

@@ -22,9 +22,9 @@ SYNTHETIC_DEFAULT: dict[str, Any] = {
     "train": {
         "num_steps": 800,
         "seed": 0,
-        "grpo": {"num_generations": 8, "prompts_per_step": 8, "loss_aggregation": "token_mean"},
+        "grpo": {"num_generations": 8, "prompts_per_step": 16, "loss_aggregation": "token_mean"},
         "sampling": {"max_new_tokens": 6, "temperature": 1.0},
-        "optimizer": {"learning_rate": 3e-4, "warmup_steps": 5, "max_grad_norm": 1.0},
+        "optimizer": {"learning_rate": 5e-4, "warmup_steps": 5, "max_grad_norm": 1.0},
     },
 }
 

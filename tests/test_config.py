@@ -44,3 +44,12 @@ def test_overrides():
     assert d == {"train": {"grpo": {"beta": 0.04}, "sampling": {"top_k": 5}}, "x": [1, 2]}
     with pytest.raises(ConfigError, match="must look like key.path=value"):
         apply_overrides({}, ["train.grpo.beta"])
+
+
+def test_yaml_strings_are_coerced_or_named():
+    cfg = TrainConfig.from_dict({"optimizer": {"learning_rate": "5e-4"}, "grpo": {"dynamic_sampling": "true"}})
+    assert cfg.optimizer.learning_rate == 5e-4 and cfg.grpo.dynamic_sampling is True
+    with pytest.raises(ConfigError, match="OptimizerConfig.learning_rate must be float, got 'fast'"):
+        OptimizerConfig(learning_rate="fast")
+    with pytest.raises(ConfigError, match="GRPOConfig.num_generations must be int, got 2.5"):
+        GRPOConfig(num_generations=2.5)

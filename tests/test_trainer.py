@@ -129,7 +129,7 @@ def test_iterations_and_minibatches_run_every_update():
 
 @pytest.mark.slow
 def test_tiny_preset_learns_the_synthetic_task():
-    tr, run = make(steps=500)
+    tr, run = make(steps=600)
     hist = tr.train()
     first = np.mean([m["reward"] for m in hist[:50]])
     last = np.mean([m["reward"] for m in hist[-50:]])
