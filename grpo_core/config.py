@@ -296,11 +296,10 @@ class GRPOConfig(_Config):
         _check(not (self.advantage is AdvantageEstimator.DR_GRPO and self.scale_rewards is not RewardScaling.NONE),
                "grpo.advantage=dr_grpo does not divide by a std; set grpo.scale_rewards=none "
                f"(got {self.scale_rewards.value}) or use grpo.advantage=grpo")
-        n = self.batch_size
         per_update = self.minibatches_per_rollout * self.grad_accum_steps
-        _check(n % per_update == 0,
-               f"grpo.prompts_per_step * grpo.num_generations ({n}) must divide evenly into "
-               f"minibatches_per_rollout * grad_accum_steps ({per_update}) micro-batches")
+        _check(self.prompts_per_step % per_update == 0,
+               f"grpo.prompts_per_step ({self.prompts_per_step}) must divide evenly into "
+               f"minibatches_per_rollout * grad_accum_steps ({per_update}) micro-batches of whole groups")
 
     @property
     def batch_size(self) -> int:

@@ -1,9 +1,10 @@
 """The jitted half of training: log-probs of completions, the GRPO loss and one update step
 `(state, batch) -> (state, metrics)` with donated state and gradient accumulation inside.
 
-A training batch lays each row out as [left-padded prompt (Tp) | completion (N)]; the model
-reads all but the last completion token, and the hidden states from position Tp-1 on predict
-the N completion tokens.
+A training batch holds each prompt once (P rows, left-padded to Tp) and its G completions
+(B = P*G rows of N tokens). The model runs the prompt once per group and the completions
+against it (CausalLM.hidden_states_grouped): with short prompts and G = 8 that is a quarter
+less compute than scoring B full rows.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from flax import nnx
 
 from grpo_core import algo
 from grpo_core.config import GRPOConfig, KLEstimator, LossAggregation, OptimizerConfig, RatioLevel
-from grpo_core.model import CausalLM, causal_inputs
+from grpo_core.model import CausalLM
 
-# A training batch (all device arrays, B rows):
-#   tokens (B, Tp+N-1) int32, valid (B, Tp+N-1) bool, targets (B, N) int32, mask (B, N) f32,
+# A training batch (all device arrays; P prompts, B = P*G completions):
+#   prompt_tokens (P, Tp) int32, prompt_valid (P, Tp) bool, targets (B, N) int32, mask (B, N) f32,
 #   advantages (B,) f32, old_logp (B, N) f32, ref_logp (B, N) f32 (zeros when beta == 0)
 Batch = dict[str, jax.Array]
 TrainState = dict[str, Any]  # {"params": nnx.State, "opt_state": optax state, "step": int32}
@@ -48,12 +49,10 @@ class LossParams:
                    g.loss_aggregation, g.grad_accum_steps, max_new_tokens, temperature)
 
 
-def completion_logprobs(model: CausalLM, tokens, valid, targets, temperature: float, with_entropy: bool = False):
+def completion_logprobs(model: CausalLM, prompt_tokens, prompt_valid, targets, temperature: float,
+                        with_entropy: bool = False):
     """Log-prob of each completion token under softmax(logits / T). -> (B, N) [, entropy (B, N)]."""
-    n = targets.shape[1]
-    positions, mask = causal_inputs(valid)
-    h, _ = model.hidden_states(tokens, positions, mask)
-    h = h[:, -n:]  # (B, N, E): the positions that predict the completion
+    h = model.hidden_states_grouped(prompt_tokens, prompt_valid, targets[:, :-1])  # (B, N, E)
     logits = model.logits(h) / (temperature if temperature > 0 else 1.0)
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
@@ -82,7 +81,7 @@ def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.Grad
 def _loss(params, graphdef, micro: Batch, weights, hp: LossParams):
     """Sum of weighted per-token losses of one micro-batch, and its metric sums."""
     model = nnx.merge(graphdef, params)
-    logp, ent = completion_logprobs(model, micro["tokens"], micro["valid"], micro["targets"], hp.temperature, True)
+    logp, ent = completion_logprobs(model, micro["prompt_tokens"], micro["prompt_valid"], micro["targets"], hp.temperature, True)
     mask = micro["mask"]
     log_r = algo.log_ratio(logp, micro["old_logp"], mask, hp.ratio_level)
     per_token = algo.clipped_surrogate(log_r, micro["advantages"], hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
@@ -102,7 +101,8 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams):
 
 
 def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, hp: LossParams):
-    """One optimizer update over `batch`, split into hp.grad_accum_steps micro-batches."""
+    """One optimizer update over `batch`, split into hp.grad_accum_steps micro-batches of whole
+    groups (prompt arrays split P/A ways, completion arrays B/A ways: rows stay with their prompt)."""
     a = hp.grad_accum_steps
     weights = algo.token_weights(batch["mask"], hp.aggregation, a, hp.max_new_tokens)
     micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), dict(batch, weights=weights))
@@ -130,7 +130,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, hp: L
 def score_completions(graphdef, params, batch: Batch, temperature: float):
     """Log-probs of the completions under `params` (the reference policy, or old policy)."""
     model = nnx.merge(graphdef, params)
-    return completion_logprobs(model, batch["tokens"], batch["valid"], batch["targets"], temperature)
+    return completion_logprobs(model, batch["prompt_tokens"], batch["prompt_valid"], batch["targets"], temperature)
 
 
 class Learner:

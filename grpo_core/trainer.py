@@ -170,10 +170,9 @@ class GRPOTrainer:
         if g_cfg.mask_truncated_completions:
             mask &= ~ro.truncated[:, None]
         mask &= ~np.isnan(ro.rewards)[:, None]  # no reward function applies: no loss
-        b = len(ro.tokens)
-        batch = {
-            "tokens": np.concatenate([ro.prompt_tokens, ro.tokens[:, :-1]], axis=1),
-            "valid": np.concatenate([ro.prompt_valid, np.ones((b, n - 1), bool)], axis=1),
+        b, g = len(ro.tokens), g_cfg.num_generations
+        batch = {  # each prompt once: the learner runs it once per group
+            "prompt_tokens": ro.prompt_tokens[::g], "prompt_valid": ro.prompt_valid[::g],
             "targets": ro.tokens, "mask": mask.astype(np.float32), "old_logp": ro.logprobs.astype(np.float32),
         }
         batch = jax.device_put(batch)
@@ -183,16 +182,16 @@ class GRPOTrainer:
 
     def _update(self, step: int, batch) -> dict[str, jax.Array]:
         g_cfg = self.cfg.grpo
-        m = g_cfg.minibatches_per_rollout
-        b = batch["targets"].shape[0]
+        m, g, p = g_cfg.minibatches_per_rollout, g_cfg.num_generations, g_cfg.prompts_per_step
         per = []
         for it in range(g_cfg.num_iterations):
             order = batch
-            if m > 1:  # fresh row order per pass, from (seed, step, pass): reproducible on resume
-                perm = jax.random.permutation(jax.random.fold_in(step_key(self.cfg.seed, step, 1 << 20), it), b)
-                order = jax.tree.map(lambda x: x[perm], batch)
-            for k in range(m):
-                mb = jax.tree.map(lambda x: x[k * b // m:(k + 1) * b // m], order) if m > 1 else order
+            if m > 1:  # fresh group order per pass, from (seed, step, pass): reproducible on resume
+                perm = jax.random.permutation(jax.random.fold_in(step_key(self.cfg.seed, step, 1 << 20), it), p)
+                rows = (perm[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
+                order = jax.tree.map(lambda x: x[perm] if x.shape[0] == p else x[rows], batch)
+            for k in range(m):  # contiguous slices keep every group whole
+                mb = jax.tree.map(lambda x: x[k * x.shape[0] // m:(k + 1) * x.shape[0] // m], order) if m > 1 else order
                 self.state, metrics = self.learner.step(self.state, mb)
                 per.append(metrics)
         return jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *per) if len(per) > 1 else per[0]

@@ -19,4 +19,4 @@ def test_yaml_config_file(tmp_path, capsys):
     f = tmp_path / "run.yaml"
     f.write_text("eval_rows: 4\ntrain:\n  num_steps: 2\n  grpo:\n    beta: 0.04\n")
     assert main(["train", "--config", str(f), "--print-every", "1"]) == 0
-    assert "2 steps of 8 prompts" in capsys.readouterr().out
+    assert "2 steps of 16 prompts" in capsys.readouterr().out

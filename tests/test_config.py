@@ -11,7 +11,7 @@ from grpo_core.config import (ConfigError, GRPOConfig, LossAggregation, Optimize
     (GRPOConfig, {"dual_clip": 0.5}, "grpo.dual_clip must be > 1"),
     (GRPOConfig, {"loss_aggregation": "mean"}, "GRPOConfig.loss_aggregation must be one of token_mean, .*; got 'mean'"),
     (GRPOConfig, {"advantage": "dr_grpo"}, "dr_grpo does not divide by a std; set grpo.scale_rewards=none"),
-    (GRPOConfig, {"prompts_per_step": 3, "num_generations": 3, "grad_accum_steps": 2}, r"\(9\) must divide evenly"),
+    (GRPOConfig, {"prompts_per_step": 3, "grad_accum_steps": 2}, r"grpo.prompts_per_step \(3\) must divide evenly"),
     (SamplingConfig, {"top_p": 0.0}, r"sampling.top_p must be in \(0, 1\], got 0.0"),
     (SamplingConfig, {"prompt_buckets": (16, 8)}, "sampling.prompt_buckets must be increasing"),
     (SamplingConfig, {"max_new_tokens": 0}, "sampling.max_new_tokens must be >= 1, got 0"),

@@ -82,3 +82,19 @@ def test_presets_have_real_dimensions():
 def test_model_config_errors(bad, msg):
     with pytest.raises(ConfigError, match=msg):
         ModelConfig(**{**TINY, **bad})
+
+
+@pytest.mark.parametrize("extra", [{}, {"qk_norm": True, "attention_bias": True}])
+def test_shared_prefix_forward_equals_full_rows(extra):
+    """Each prompt run once for its G completions gives the logits of G full [prompt | completion] rows."""
+    m = create_model(ModelConfig(**{**TINY, **extra}), seed=2)
+    prompts = jnp.array([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    pvalid = prompts != 0
+    g, tc = 3, 4
+    comp = jax.random.randint(jax.random.key(0), (2 * g, tc), 1, 40)
+    h = m.hidden_states_grouped(prompts, pvalid, comp)
+    assert h.shape == (2 * g, 1 + tc, 32)
+    full_tokens = jnp.concatenate([jnp.repeat(prompts, g, 0), comp], axis=1)
+    full_valid = jnp.concatenate([jnp.repeat(pvalid, g, 0), jnp.ones((2 * g, tc), bool)], axis=1)
+    want = m(full_tokens, full_valid)[:, 4:]  # positions Tp-1 .. Tp+Tc-1
+    np.testing.assert_allclose(m.logits(h), want, rtol=1e-5, atol=1e-5)

@@ -77,7 +77,7 @@ def test_dynamic_sampling_drops_zero_variance_groups():
     starts_a = [r["prompt"].startswith("a") for r in ro.rows]
     assert info["sampling_rounds"] >= 2 or not any(starts_a)
     # zero-variance groups only fill up what the rounds could not
-    assert sum(zero) <= sum(starts_a) and ro.tokens.shape[0] == 64
+    assert sum(zero) <= sum(starts_a) and ro.tokens.shape[0] == tr.cfg.grpo.batch_size
     if info["sampling_rounds"] < 4:
         assert not any(zero)
 
@@ -95,15 +95,16 @@ def test_gradient_accumulation_matches_one_big_batch(agg):
     out = []
     for accum in (1, 4):
         hp = LossParams.from_config(GRPOConfig(loss_aggregation=agg, grad_accum_steps=accum), 6, 1.0)
-        learner = Learner(tr.graphdef, OptimizerConfig(learning_rate=1e-3), hp, 10)
+        # A large Adam eps keeps the first update ~linear in the gradient (with eps=1e-8 it is
+        # lr * sign(g), which turns last-bit differences of near-zero gradients into lr-sized ones).
+        learner = Learner(tr.graphdef, OptimizerConfig(learning_rate=1e-3, eps=1e-3), hp, 10)
         state = learner.init_state(jax.tree.map(jnp.copy, tr.params))
         state, m = learner.step(state, batch)
         out.append((state["params"], m))
     (p1, m1), (p4, m4) = out
     assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), rel=1e-4, abs=1e-6)
     assert float(m1["grad_norm"]) == pytest.approx(float(m4["grad_norm"]), rel=1e-4)
-    # Adam normalises each update to ~lr (1e-3): near-zero gradients may differ in the last bits
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), p1, p4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), p1, p4)
 
 
 def test_second_iteration_is_off_policy():
