@@ -144,5 +144,14 @@ class Learner:
         self.step = jax.jit(step, donate_argnums=(0,))
         self.score = jax.jit(lambda params, batch: score_completions(graphdef, params, batch, hp.temperature))
 
+    def compile_jobs(self, state: TrainState, batch_spec: dict, minibatches: int, with_reference: bool):
+        """Callables that compile the update step (for minibatches of the batch) and the scorer."""
+        state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        mb_spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct((s.shape[0] // minibatches, *s.shape[1:]), s.dtype), batch_spec)
+        jobs = [lambda: self.step.lower(state_spec, mb_spec).compile()]
+        if with_reference:
+            jobs.append(lambda: self.score.lower(state_spec["params"], batch_spec).compile())
+        return jobs
+
     def init_state(self, params) -> TrainState:
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}

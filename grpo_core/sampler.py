@@ -198,3 +198,22 @@ def generate(model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: 
     _, (tokens, logprobs, lengths, truncated) = decode(graphdef, params, cache, state, key, opts=opts,
                                                   prompt_len=int(prompt_tokens.shape[1]))
     return Completions(ptok, pvalid, tokens, logprobs, lengths, truncated)
+
+
+def spec_of(tree):
+    """Shapes and dtypes of a pytree of arrays, for ahead-of-time compilation."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int):
+    """Callables that compile prefill and decode for this prompt shape (run them in threads):
+    XLA compiles with the GIL released, so on a cold start they overlap each other and the
+    learner's compilation instead of running one after another."""
+    p_spec, t_spec, v_spec, k_spec = spec_of((params, prompt_tokens, prompt_valid, key))
+    kw = dict(opts=opts, num_samples=num_samples)
+    cache, state, _, _ = jax.eval_shape(lambda p, t, v, k: prefill(graphdef, p, t, v, k, **kw), p_spec, t_spec, v_spec, k_spec)
+    return [
+        lambda: prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile(),
+        lambda: decode.lower(graphdef, p_spec, cache, state, k_spec, opts=opts,
+                             prompt_len=int(prompt_tokens.shape[1])).compile(),
+    ]

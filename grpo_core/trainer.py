@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
@@ -25,7 +26,7 @@ from grpo_core import algo, rewards as rw
 from grpo_core.config import TrainConfig
 from grpo_core.learner import Learner, LossParams, TrainState
 from grpo_core.model import CausalLM
-from grpo_core.sampler import SamplerOptions, generate, pad_prompts, step_key
+from grpo_core.sampler import SamplerOptions, compile_jobs, generate, pad_prompts, spec_of, step_key
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class GRPOTrainer:
         self.ref_params = jax.tree.map(jnp.copy, params) if g.needs_reference else None
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
+        self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
         self._t = dict.fromkeys(("rollout", "rewards", "reference", "update"), 0.0)  # this step's time split
 
     @property
@@ -122,6 +124,35 @@ class GRPOTrainer:
     def model(self) -> CausalLM:
         return nnx.merge(self.graphdef, self.params)
 
+    # -- compilation -----------------------------------------------------------------------
+
+    def _precompile(self, ptok: np.ndarray, pval: np.ndarray, key) -> None:
+        """The first time a prompt bucket appears, compile the sampler, the reference scorer and
+        the update step for it concurrently (a cold first step otherwise compiles them one after
+        another). The sampler's compilation is waited for here; the learner's in `_update`."""
+        if ptok.shape in self._compiled:
+            return
+        g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
+        b = g_cfg.batch_size
+        batch_spec = {"prompt_tokens": ptok, "prompt_valid": pval,
+                      "targets": jax.ShapeDtypeStruct((b, n), jnp.int32), "mask": jax.ShapeDtypeStruct((b, n), jnp.float32),
+                      "old_logp": jax.ShapeDtypeStruct((b, n), jnp.float32), "ref_logp": jax.ShapeDtypeStruct((b, n), jnp.float32),
+                      "advantages": jax.ShapeDtypeStruct((b,), jnp.float32)}
+        batch_spec = spec_of(batch_spec)
+        sampler_jobs = compile_jobs(self.graphdef, self.params, ptok, pval, key, self.opts, g_cfg.num_generations)
+        learner_jobs = self.learner.compile_jobs(self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference)
+        pool = ThreadPoolExecutor(max_workers=len(sampler_jobs) + len(learner_jobs))
+        self._compiled[ptok.shape] = [pool.submit(job) for job in learner_jobs]  # the longest first
+        for f in [pool.submit(job) for job in sampler_jobs]:
+            f.result()
+        pool.shutdown(wait=False)  # its threads finish the learner's jobs, then exit
+
+    def _wait_compiled(self) -> None:
+        """Block until background compilation is done (a call before it would compile again)."""
+        for futures in self._compiled.values():
+            for f in futures:
+                f.result()  # raises what compilation raised
+
     # -- rollout ---------------------------------------------------------------------------
 
     def _sample_round(self, step: int, round_: int) -> Rollout:
@@ -129,6 +160,7 @@ class GRPOTrainer:
         rows = self.prompts.sample(step, round_, p)
         encoded = [self.tokenizer.encode(r["prompt"]) for r in rows]
         ptok, pval = pad_prompts(encoded, self.cfg.sampling.prompt_buckets, self.opts.pad_id)
+        self._precompile(ptok, pval, step_key(self.cfg.seed, step, round_))
         c = generate(self.graphdef, self.params, ptok, pval, step_key(self.cfg.seed, step, round_), self.opts, g)
         tokens, logprobs, lengths, truncated = jax.device_get((c.tokens, c.logprobs, c.lengths, c.truncated))  # host sync
         texts = [self.tokenizer.decode(_strip_eos(tokens[i, :lengths[i]], self.opts.eos_ids)) for i in range(len(tokens))]
@@ -204,6 +236,7 @@ class GRPOTrainer:
         ro, info = self.rollout(step)
         self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"]
         batch = self._batch(ro)
+        self._wait_compiled()
         if self.ref_params is not None:
             t = time.perf_counter()
             batch["ref_logp"] = self.learner.score(self.ref_params, batch).block_until_ready()
