@@ -1,0 +1,184 @@
+"""Benchmark: one GRPO step of the engine on two Qwen3-shaped f32 workloads.
+
+    python -m bench.grpo_step [--workload small|tiny|all] [--steps N] [--json out.json]
+
+Both workloads: tied embeddings, vocab 384, 8 prompts of 8-10 tokens, 8 completions each forced
+to 32 tokens (EOS ignored), temperature 1, beta = 0.04 (reference model on), num_iterations 1,
+AdamW with gradient clipping at 1.0. "small": hidden 512, 8 layers, 8/4 heads, head_dim 64,
+intermediate 1408. "tiny": hidden 128, 2 layers, 4/2 heads, head_dim 32, intermediate 256.
+
+Each workload runs in its own process (so peak memory is its own). Reported: first-step time
+(compilation included), then medians over N steps of wall and CPU seconds (all threads), the
+split rollout / rewards / reference / update, rollout tokens/s, peak RSS, and achieved model
+FLOP/s against this machine's f32 matmul peak measured at the start of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKLOADS = {"small": dict(steps=5), "tiny": dict(steps=20)}
+REFERENCE = {  # measured on this kind of machine with the same settings (issue 2)
+    "small": {"TRL 1.16": 6.2, "Tunix 0.1.7": 9.9, "EasyDeL 0.3": 11.2, "target": 4.5},
+    "tiny": {"TRL 1.16": 0.23, "Tunix 0.1.7": 0.35, "target": 0.08},
+}
+PROMPTS, GENERATIONS, NEW_TOKENS = 8, 8, 32
+
+
+def matmul_peak_gflops() -> float:
+    """Best f32 GFLOP/s of a jitted square matmul (1024 and 2048), after a warm-up."""
+    import jax
+    import jax.numpy as jnp
+
+    best = 0.0
+    for n in (1024, 2048):
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        f = jax.jit(lambda x: x @ x)
+        f(a).block_until_ready()
+        for _ in range(5):
+            t = time.perf_counter()
+            f(a).block_until_ready()
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def model_flops(cfg, prompt_lens: list[int]) -> dict[str, float]:
+    """Model FLOPs of one step from real (unpadded) lengths; padding shows up as lost utilisation.
+
+    Per token, a forward costs 2 * (matmul params + LM head) plus attention 4 * H * D * context
+    per layer. Rollout: each prompt prefilled once, then 64 rows x 31 decode steps. Reference:
+    one forward of prompts (once per group) and completions, logits at the 32 completion
+    positions. Update: 3x the reference forward (forward + backward).
+    """
+    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    mm = L * (h * cfg.num_attention_heads * d * 2 + 2 * h * cfg.num_key_value_heads * d + 3 * h * cfg.intermediate_size)
+    head = cfg.vocab_size * h
+    attn = lambda ctx: 4 * L * cfg.num_attention_heads * d * ctx  # QK^T and PV for one query
+
+    def forward(tokens_ctx, logits_tokens):
+        return sum(2 * mm + attn(c) for c in tokens_ctx) + 2 * head * logits_tokens
+
+    prefill = forward([c for p in prompt_lens for c in range(1, p + 1)], len(prompt_lens))
+    decode = forward([p + t for p in prompt_lens for _ in range(GENERATIONS) for t in range(1, NEW_TOKENS)],
+                     GENERATIONS * len(prompt_lens) * (NEW_TOKENS - 1))
+    score = forward([c for p in prompt_lens for c in range(1, p + 1)]
+                    + [p + t for p in prompt_lens for _ in range(GENERATIONS) for t in range(1, NEW_TOKENS)],
+                    GENERATIONS * len(prompt_lens) * NEW_TOKENS)
+    return {"rollout": prefill + decode, "reference": score, "update": 3 * score}
+
+
+class RandomPrompts:
+    """8-10 random characters per prompt, a pure function of (step, round)."""
+
+    def __init__(self, alphabet: str):
+        self.alphabet = list(alphabet)
+
+    def sample(self, step: int, round_: int, n: int):
+        import numpy as np
+
+        rng = np.random.default_rng([step, round_])
+        return [{"prompt": "".join(rng.choice(self.alphabet, size=int(rng.integers(8, 11))))} for _ in range(n)]
+
+
+def frac_a(prompts, completions, **_):
+    return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+def run_workload(name: str, steps: int) -> dict:
+    from grpo_core.config import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
+    from grpo_core.model import create_model
+    from grpo_core.presets import get_preset
+    from grpo_core.rewards import Reward
+    from grpo_core.synthetic import CharTokenizer
+    from grpo_core.trainer import GRPOTrainer
+
+    mcfg = get_preset(name, vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32")
+    cfg = TrainConfig(
+        grpo=GRPOConfig(num_generations=GENERATIONS, prompts_per_step=PROMPTS, beta=0.04, num_iterations=1),
+        sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True),
+        optimizer=OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0), num_steps=steps + 1)
+    tok = CharTokenizer()
+    prompts = RandomPrompts(tok.chars)
+    tr = GRPOTrainer(create_model(mcfg, 0), cfg, tok, [Reward(frac_a)], prompts)
+    t = time.perf_counter()
+    tr.train_step()
+    first = time.perf_counter() - t
+    per_step = []
+    for _ in range(steps):
+        c = time.process_time()
+        m = tr.train_step()
+        m["cpu_s"] = time.process_time() - c
+        per_step.append(m)
+    med = lambda k: statistics.median(m[k] for m in per_step)
+    lens = [len(r["prompt"]) for s in range(1, steps + 1) for r in prompts.sample(s, 0, PROMPTS)]
+    flops = model_flops(mcfg, lens[:PROMPTS])  # every step has 8 prompts of 8-10 tokens: use one step's
+    total = sum(flops.values())
+    return {
+        "workload": name, "params_m": mcfg.num_params() / 1e6, "first_step_s": first, "step_s": med("time/step"),
+        "cpu_s": med("cpu_s"), "rollout_s": med("time/rollout"), "rewards_s": med("time/rewards"),
+        "reference_s": med("time/reference"), "update_s": med("time/update"),
+        "rollout_tokens_per_s": med("rollout_tokens_per_s"),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "model_gflop_per_step": total / 1e9, "gflops": total / med("time/step") / 1e9,
+        "steps": [{k: m[k] for k in ("time/step", "cpu_s", "time/rollout", "time/reference", "time/update")} for m in per_step],
+    }
+
+
+def _table(peak: float, rows: list[dict]) -> str:
+    cols = [("workload", "{:<8}"), ("params_m", "{:>8.2f}"), ("first_step_s", "{:>8.2f}"), ("step_s", "{:>8.3f}"),
+            ("cpu_s", "{:>8.3f}"), ("rollout_s", "{:>8.3f}"), ("rewards_s", "{:>8.4f}"), ("reference_s", "{:>8.3f}"),
+            ("update_s", "{:>8.3f}"), ("rollout_tokens_per_s", "{:>9.0f}"), ("peak_rss_mib", "{:>8.0f}"),
+            ("gflops", "{:>8.1f}"), ("pct_peak", "{:>7.1f}")]
+    heads = ["workload", "params M", "first s", "step s", "CPU s", "rollout", "rewards", "ref", "update",
+             "roll t/s", "peak MiB", "GFLOP/s", "% peak"]
+    out = [f"f32 matmul peak on this machine: {peak:.1f} GFLOP/s (measured in this run)", "",
+           " ".join(f"{h:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" if i else f"{h:<8}"
+                    for i, (h, (_, fmt)) in enumerate(zip(heads, cols)))]
+    for r in rows:
+        r = dict(r, pct_peak=100 * r["gflops"] / peak)
+        out.append(" ".join(fmt.format(r[k]) for k, fmt in cols))
+    out.append("")
+    for r in rows:
+        refs = REFERENCE[r["workload"]]
+        cmp = ", ".join(f"{k} {v} s ({v / r['step_s']:.2f}x ours)" for k, v in refs.items() if k != "target")
+        out.append(f"{r['workload']}: median {r['step_s']:.3f} s/step vs {cmp}; target {refs['target']} s")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    ap.add_argument("--steps", type=int, help="timed steps after the first (default: 5 small, 20 tiny)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:  # one workload in this process; print its JSON
+        print(json.dumps(run_workload(args.workload, args.steps)))
+        return 0
+    peak = matmul_peak_gflops()
+    rows = []
+    for name in (WORKLOADS if args.workload == "all" else [args.workload]):
+        steps = args.steps or WORKLOADS[name]["steps"]
+        proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--child", "--workload", name, "--steps", str(steps)],
+                              capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if proc.returncode != 0:
+            print(proc.stderr, file=sys.stderr)
+            return proc.returncode
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(_table(peak, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"matmul_peak_gflops": peak, "workloads": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
