@@ -54,8 +54,8 @@ class Rollout:
     """One step's completions on the host, P groups of G rows."""
 
     rows: list[dict[str, Any]]  # the P prompt rows
-    prompt_tokens: np.ndarray  # (B, Tp)
-    prompt_valid: np.ndarray  # (B, Tp)
+    prompt_tokens: np.ndarray  # (P, Tp) left-padded, one row per group
+    prompt_valid: np.ndarray  # (P, Tp)
     tokens: np.ndarray  # (B, N)
     logprobs: np.ndarray  # (B, N)
     lengths: np.ndarray  # (B,)
@@ -77,12 +77,12 @@ def _repad(x: np.ndarray, width: int, fill) -> np.ndarray:
 def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad: int) -> Rollout:
     """Concatenate groups (part index, group index) from several sampling rounds."""
     width = max(p.prompt_tokens.shape[1] for p in parts)
-    rows_of = lambda p, j: slice(j * g, (j + 1) * g)
-    cat = lambda f: np.concatenate([f(parts[p], rows_of(parts[p], j)) for p, j in idx])
+    cat = lambda f: np.concatenate([f(parts[p], slice(j * g, (j + 1) * g)) for p, j in idx])
+    one = lambda f: np.concatenate([f(parts[p], slice(j, j + 1)) for p, j in idx])
     return Rollout(
         rows=[parts[p].rows[j] for p, j in idx],
-        prompt_tokens=cat(lambda r, s: _repad(r.prompt_tokens[s], width, pad)),
-        prompt_valid=cat(lambda r, s: _repad(r.prompt_valid[s], width, False)),
+        prompt_tokens=one(lambda r, s: _repad(r.prompt_tokens[s], width, pad)),
+        prompt_valid=one(lambda r, s: _repad(r.prompt_valid[s], width, False)),
         tokens=cat(lambda r, s: r.tokens[s]), logprobs=cat(lambda r, s: r.logprobs[s]),
         lengths=cat(lambda r, s: r.lengths[s]), truncated=cat(lambda r, s: r.truncated[s]),
         completions=[c for p, j in idx for c in parts[p].completions[j * g:(j + 1) * g]],
@@ -129,7 +129,7 @@ class GRPOTrainer:
     def _precompile(self, ptok: np.ndarray, pval: np.ndarray, key) -> None:
         """The first time a prompt bucket appears, compile the sampler, the reference scorer and
         the update step for it concurrently (a cold first step otherwise compiles them one after
-        another). The sampler's compilation is waited for here; the learner's in `_update`."""
+        another). The sampler's compilation is waited for here; the learner's in `_wait_compiled`."""
         if ptok.shape in self._compiled:
             return
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
@@ -169,7 +169,7 @@ class GRPOTrainer:
         t_rew = time.perf_counter()
         scored = rw.score(self.rewards, rep([r["prompt"] for r in rows]), texts, columns)
         self._t["rewards"] += time.perf_counter() - t_rew
-        return Rollout(rows, np.repeat(ptok, g, 0), np.repeat(pval, g, 0), tokens, logprobs, lengths, truncated,
+        return Rollout(rows, ptok, pval, tokens, logprobs, lengths, truncated,
                        texts, scored.total, scored.per_function)
 
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
@@ -182,11 +182,12 @@ class GRPOTrainer:
             part = self._sample_round(step, round_)
             parts.append(part)
             zero = np.asarray(algo.zero_std_groups(part.rewards, g))
+            if round_ == 0:
+                first_zero = float(zero.mean())
             for j in range(p):
                 (spare if g_cfg.dynamic_sampling and zero[j] else keep).append((round_, j))
             if len(keep) >= p:
                 break
-        first_zero = float(np.mean(np.asarray(algo.zero_std_groups(parts[0].rewards, g))))
         chosen = (keep + spare)[:p]
         info = {"sampling_rounds": float(len(parts)), "frac_reward_zero_std": first_zero,
                 "rollout_tokens": float(sum(int(pt.lengths.sum()) for pt in parts))}
@@ -202,9 +203,9 @@ class GRPOTrainer:
         if g_cfg.mask_truncated_completions:
             mask &= ~ro.truncated[:, None]
         mask &= ~np.isnan(ro.rewards)[:, None]  # no reward function applies: no loss
-        b, g = len(ro.tokens), g_cfg.num_generations
+        b = len(ro.tokens)
         batch = {  # each prompt once: the learner runs it once per group
-            "prompt_tokens": ro.prompt_tokens[::g], "prompt_valid": ro.prompt_valid[::g],
+            "prompt_tokens": ro.prompt_tokens, "prompt_valid": ro.prompt_valid,
             "targets": ro.tokens, "mask": mask.astype(np.float32), "old_logp": ro.logprobs.astype(np.float32),
         }
         batch = jax.device_put(batch)

@@ -80,6 +80,10 @@ def test_dynamic_sampling_drops_zero_variance_groups():
     assert sum(zero) <= sum(starts_a) and ro.tokens.shape[0] == tr.cfg.grpo.batch_size
     if info["sampling_rounds"] < 4:
         assert not any(zero)
+    assert ro.prompt_tokens.shape[0] == len(ro.rows) == tr.cfg.grpo.prompts_per_step
+    for i, row in enumerate(ro.rows):  # each group's prompt stays with its row after the merge
+        assert tr.tokenizer.decode(ro.prompt_tokens[i][ro.prompt_valid[i]]) == row["prompt"]
+    assert np.isfinite(tr.train_step()["loss"])
 
 
 def _learner_batch(tr):
