@@ -103,3 +103,16 @@ def test_one_compile_per_bucket(model):
         tok, val = pad_prompts(prompts, (4, 8), 0)
         generate(graphdef, params, tok, val, key, opts())
     assert sampler.decode._cache_size() - before <= 1
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    logits = jnp.log(jnp.array([[0.5, 0.25, 0.125, 0.125, 1e-9]]))
+    draw = jax.jit(jax.vmap(lambda key: sample_logits(logits, key, opts())[0][0]))
+    ids = np.asarray(draw(jax.random.split(jax.random.key(0), 20000)))
+    freq = np.bincount(ids, minlength=5) / len(ids)
+    np.testing.assert_allclose(freq, [0.5, 0.25, 0.125, 0.125, 0.0], atol=0.015)
+    # temperature 2 flattens: probabilities proportional to sqrt(p)
+    hot = jax.jit(jax.vmap(lambda key: sample_logits(logits[:, :4], key, opts(temperature=2.0))[0][0]))
+    freq = np.bincount(np.asarray(hot(jax.random.split(jax.random.key(1), 20000))), minlength=4) / 20000
+    want = np.sqrt([0.5, 0.25, 0.125, 0.125]) / np.sqrt([0.5, 0.25, 0.125, 0.125]).sum()
+    np.testing.assert_allclose(freq, want, atol=0.015)
