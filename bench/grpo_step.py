@@ -148,7 +148,7 @@ def _table(peak: float, rows: list[dict]) -> str:
     out.append("")
     for r in rows:
         refs = REFERENCE[r["workload"]]
-        cmp = ", ".join(f"{k} {v} s ({v / r['step_s']:.2f}x ours)" for k, v in refs.items() if k != "target")
+        cmp = ", ".join(f"{k} {v} s (ours {v / r['step_s']:.2f}x faster)" for k, v in refs.items() if k != "target")
         out.append(f"{r['workload']}: median {r['step_s']:.3f} s/step vs {cmp}; target {refs['target']} s")
     return "\n".join(out)
 
