@@ -1,0 +1,1 @@
+"""Benchmarks: python -m bench.grpo_step."""

@@ -1,0 +1,1 @@
+"""Prefect flows and the `grpo` command line (flows/cli.py)."""

@@ -1,0 +1,1 @@
+"""grpo_core: GRPO in JAX + Flax NNX + Optax. Never imports Prefect."""
