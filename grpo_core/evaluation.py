@@ -9,7 +9,7 @@ import numpy as np
 
 from grpo_core import rewards as rw
 from grpo_core.config import SamplingConfig
-from grpo_core.sampler import SamplerOptions, generate, pad_prompts, step_key
+from grpo_core.sampler import SamplerOptions, completion_texts, generate, pad_prompts, step_key
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -37,13 +37,7 @@ def evaluate(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], reward
         ptok, pval = pad_prompts(ids, sampling.prompt_buckets, opts.pad_id)
         c = generate(graphdef, params, ptok, pval, step_key(seed, start), opts, num_samples)
         tokens, lengths = jax.device_get((c.tokens, c.lengths))
-        n = real * num_samples
-        texts = []
-        for i in range(n):
-            ids_i = list(tokens[i, :lengths[i]])
-            if ids_i and ids_i[-1] in opts.eos_ids:
-                ids_i = ids_i[:-1]
-            texts.append(tokenizer.decode(ids_i))
+        texts = completion_texts(tokenizer, tokens, lengths, opts.eos_ids, rows=real * num_samples)
         rep = lambda xs: [x for x in xs[:real] for _ in range(num_samples)]
         columns = {k: rep([r[k] for r in chunk]) for k in chunk[0] if k != "prompt"}
         scored = rw.score(rewards, rep([r["prompt"] for r in chunk]), texts, columns)

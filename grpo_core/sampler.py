@@ -210,6 +210,17 @@ def generate(model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: 
     return Completions(ptok, pvalid, tokens, logprobs, lengths, truncated)
 
 
+def completion_texts(tokenizer, tokens: np.ndarray, lengths: np.ndarray, eos_ids, rows: int | None = None) -> list[str]:
+    """Decode host completions up to their length, without the closing EOS."""
+    out = []
+    for i in range(len(tokens) if rows is None else rows):
+        ids = list(tokens[i, :lengths[i]])
+        if ids and ids[-1] in eos_ids:
+            ids = ids[:-1]
+        out.append(tokenizer.decode(ids))
+    return out
+
+
 def spec_of(tree):
     """Shapes and dtypes of a pytree of arrays, for ahead-of-time compilation."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)

@@ -26,7 +26,7 @@ from grpo_core import algo, rewards as rw
 from grpo_core.config import TrainConfig
 from grpo_core.learner import Learner, LossParams, TrainState
 from grpo_core.model import CausalLM
-from grpo_core.sampler import SamplerOptions, compile_jobs, generate, pad_prompts, spec_of, step_key
+from grpo_core.sampler import SamplerOptions, compile_jobs, completion_texts, generate, pad_prompts, spec_of, step_key
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class GRPOTrainer:
         self._precompile(ptok, pval, step_key(self.cfg.seed, step, round_))
         c = generate(self.graphdef, self.params, ptok, pval, step_key(self.cfg.seed, step, round_), self.opts, g)
         tokens, logprobs, lengths, truncated = jax.device_get((c.tokens, c.logprobs, c.lengths, c.truncated))  # host sync
-        texts = [self.tokenizer.decode(_strip_eos(tokens[i, :lengths[i]], self.opts.eos_ids)) for i in range(len(tokens))]
+        texts = completion_texts(self.tokenizer, tokens, lengths, self.opts.eos_ids)
         rep = lambda xs: [x for x in xs for _ in range(g)]
         columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k != "prompt"}
         t_rew = time.perf_counter()
@@ -281,13 +281,6 @@ class GRPOTrainer:
             if on_step is not None:
                 on_step(m)
         return history
-
-
-def _strip_eos(ids: np.ndarray, eos_ids: Sequence[int]) -> list[int]:
-    ids = list(ids)
-    if ids and ids[-1] in eos_ids:
-        ids = ids[:-1]
-    return ids
 
 
 def _mean(x):
