@@ -142,7 +142,7 @@ def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: Sampler
 
     # Repeat each prompt's cache for its G samples: rows i*G .. i*G+G-1 belong to prompt i.
     rep = lambda x: jnp.repeat(x, num_samples, axis=0)
-    cache = jax.tree.map(rep, cache)
+    cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, S, K, D)
     logits, prompt_valid, prompt_tokens = rep(logits), rep(prompt_valid), rep(prompt_tokens)
     b = p * num_samples
     first, first_lp = sample_logits(logits, jax.random.fold_in(key, 0), opts)

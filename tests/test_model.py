@@ -39,11 +39,14 @@ def test_bf16_model_runs():
 def test_hf_parameter_names():
     m = create_model(ModelConfig(**TINY, attention_bias=True, qk_norm=True, tie_word_embeddings=False))
     flat = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(m))}
-    for name in ("model.embed_tokens.embedding", "model.layers.0.self_attn.q_proj.kernel",
-                 "model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.k_norm.weight",
-                 "model.layers.1.mlp.gate_proj.kernel", "model.layers.1.post_attention_layernorm.weight",
+    for name in ("model.embed_tokens.embedding", "model.layers.self_attn.q_proj.kernel",
+                 "model.layers.self_attn.q_proj.bias", "model.layers.self_attn.k_norm.weight",
+                 "model.layers.mlp.gate_proj.kernel", "model.layers.post_attention_layernorm.weight",
                  "model.norm.weight", "lm_head.kernel"):
         assert name in flat, name
+    # layer parameters are stacked: a leading axis of num_hidden_layers
+    assert m.model.layers.self_attn.q_proj.kernel[...].shape == (2, 32, 4 * 16)
+    assert m.model.layers.input_layernorm.weight[...].shape == (2, 32)
 
 
 def test_left_padding_does_not_change_logits():
