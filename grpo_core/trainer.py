@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_core import algo, rewards as rw
+from grpo_core.checkpoint import Checkpointer
 from grpo_core.config import TrainConfig
 from grpo_core.learner import Learner, LossParams, TrainState
 from grpo_core.model import CausalLM
@@ -270,6 +271,26 @@ class GRPOTrainer:
                 raise NonFiniteError(f"step {step}: {k} is {out[k]} (learning_rate={out['learning_rate']:.3g}, "
                                      f"grad_norm={out['grad_norm']:.3g}); lower optimizer.learning_rate or check the rewards")
         return out
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save(self, ckpt: Checkpointer, config_hash: str = "") -> None:
+        """Checkpoint after `self.step` steps. The reference policy is not saved: it is the model
+        this trainer was built from, which a resumed run builds again from the same source."""
+        ckpt.save(self.step, self.state, {"seed": self.cfg.seed, "config_hash": config_hash})
+
+    def restore(self, ckpt: Checkpointer, step: int | None = None, config_hash: str = "") -> bool:
+        """Continue from checkpoint `step` (default: the newest finalised one). False if none."""
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            return False
+        state, meta = ckpt.restore(step, self.state)
+        if meta.get("seed") != self.cfg.seed or meta.get("config_hash", "") != config_hash:
+            raise ValueError(f"checkpoint {step} in {ckpt.directory} was written by another run "
+                             f"(seed {meta.get('seed')}, config {meta.get('config_hash')!r}); this run has seed "
+                             f"{self.cfg.seed}, config {config_hash!r}")
+        self.state, self.step = state, int(meta["step"])
+        return True
 
     def train(self, num_steps: int | None = None, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
         """Run until `num_steps` steps in total have run (default: the config's num_steps)."""
