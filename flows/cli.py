@@ -49,7 +49,7 @@ HEADER = f"{'step':>6} {'reward':>7} {'exact':>6} {'len':>6} {'kl':>7} {'entropy
 
 def train_command(args) -> int:
     from grpo_core.config import ConfigError
-    from grpo_core.evaluation import evaluate
+    from grpo_core.evaluation import complete, evaluate
     from grpo_core.recipes import build_synthetic
     from grpo_core.trainer import GRPOTrainer
 
@@ -63,6 +63,8 @@ def train_command(args) -> int:
     tr = GRPOTrainer(run.model, run.train, run.tokenizer, run.rewards, run.task)
     ev = lambda: evaluate(tr.graphdef, tr.params, run.tokenizer, run.eval_rows, run.eval_rewards, run.train.sampling)
     before = ev()
+    shown = run.eval_rows[:4]
+    [(_, before_texts)] = list(complete(tr.graphdef, tr.params, run.tokenizer, shown, run.train.sampling))
     print(f"model: {run.model.config.num_params():,} params; {run.train.num_steps} steps of "
           f"{run.train.grpo.prompts_per_step} prompts x {run.train.grpo.num_generations} completions")
     print(f"before training: greedy accuracy {before['exact_match']:.3f}, reward {before['char_match']:.3f} "
@@ -91,8 +93,10 @@ def train_command(args) -> int:
     print(f"\ntraining reward (mean of {window} steps): {first:.3f} at the start -> {last:.3f} at the end")
     print(f"greedy accuracy on held-out prompts: {before['exact_match']:.3f} -> {after['exact_match']:.3f}")
     print(f"training {train_s:.1f} s ({1000 * train_s / len(history):.0f} ms/step), total {time.perf_counter() - t_start:.1f} s")
-    for row in run.eval_rows[:3]:
-        print(f"  example: {row['prompt']!r} -> expected {row['answer']!r}")
+    [(_, after_texts)] = list(complete(tr.graphdef, tr.params, run.tokenizer, shown, run.train.sampling))
+    print("held-out examples (greedy): prompt -> before training | after training | expected")
+    for row, b, a in zip(shown, before_texts, after_texts):
+        print(f"  {row['prompt']!r:>8} -> {b!r:>10} | {a!r:>8} | {row['answer']!r}")
     return 0
 
 
