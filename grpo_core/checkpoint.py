@@ -46,9 +46,10 @@ class Checkpointer:
         self._mngr.reload()
         return sorted(self._mngr.all_steps())
 
-    def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
-        """Restore checkpoint `step` into the structure, shapes and dtypes of `like`."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict[str, Any]]:
+        """Restore checkpoint `step` into the structure, shapes and dtypes of `like` (None: as
+        saved, plain nested dicts of arrays, e.g. for inspection or export)."""
+        abstract = None if like is None else jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
