@@ -140,3 +140,14 @@ def test_tiny_preset_learns_the_synthetic_task():
     last = np.mean([m["reward"] for m in hist[-50:]])
     assert first < 0.2, first
     assert last > 0.5, (first, last)
+
+
+def test_bf16_model_trains():
+    cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
+    cfg["model"].update(dtype="bfloat16", param_dtype="bfloat16")
+    cfg["train"].update(num_steps=2)
+    run = build_synthetic(cfg)
+    tr = GRPOTrainer(run.model, run.train, run.tokenizer, run.rewards, run.task)
+    hist = tr.train()
+    assert all(np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) for m in hist)
+    assert jax.tree.leaves(tr.params)[0].dtype == jnp.bfloat16
