@@ -22,7 +22,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 WORKLOADS = {"small": dict(steps=5), "tiny": dict(steps=20)}

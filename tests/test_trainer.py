@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_core.config import GRPOConfig, LossAggregation, OptimizerConfig, SamplingConfig, TrainConfig
+from grpo_core.config import GRPOConfig, LossAggregation, OptimizerConfig
 from grpo_core.learner import Learner, LossParams
 from grpo_core.recipes import SYNTHETIC_DEFAULT, build_synthetic
 from grpo_core.rewards import Reward
