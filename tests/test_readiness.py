@@ -1,0 +1,85 @@
+"""Readiness: TPU generations, the memory budget with pinned numbers, and the checks as a real
+process on this machine's CPU (TPU required, a stale or held lockfile, too little memory)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from grpo_core.config import TrainConfig
+from grpo_core.presets import get_preset
+from grpo_core.readiness import memory_budget, tpu_generation
+
+
+@pytest.mark.parametrize("kind, gen", [("TPU v3", 3), ("TPU v4", 4), ("TPU v5 lite", 5), ("TPU v5e", 5),
+                                       ("TPU v5p", 5), ("TPU v6 lite", 6), ("TPU v6e", 6), ("TPU7x", 7),
+                                       ("cpu", None), ("NVIDIA H100 80GB HBM3", None)])
+def test_tpu_generation(kind, gen):
+    assert tpu_generation(kind) == gen
+
+
+def test_memory_budget_pinned():
+    m = get_preset("tiny", vocab_size=50)
+    n = m.num_params()
+    train = TrainConfig.from_dict({"grpo": {"num_generations": 4, "prompts_per_step": 2},
+                                   "sampling": {"max_new_tokens": 6}})
+    b = memory_budget(m, train, max_prompt_tokens=10, device_bytes=10**9)
+    t = b["terms_bytes"]
+    assert t["params"] == t["gradients"] == 4 * n and t["optimizer"] == 8 * n and t["reference"] == 0
+    assert t["kv_cache"] == 2 * 2 * 8 * 16 * 2 * 32 * 4  # k,v x layers x rows x tokens x kv heads x head_dim x f32
+    assert t["logits"] == 8 * 16 * 50 * 4
+    assert b["total_bytes"] == sum(t.values()) and b["fits"] is True
+    with_ref = memory_budget(m, train.replace(grpo=train.grpo.replace(beta=0.04)), 10, None)
+    assert with_ref["terms_bytes"]["reference"] == 4 * n and with_ref["fits"] is None
+
+
+def run_readiness(tmp_path, **overrides):
+    m = get_preset("tiny", vocab_size=50)
+    req = {"model": m.to_dict(), "train": TrainConfig().to_dict(), "max_prompt_tokens": 16, "require_tpu": False,
+           "rollout_engine": "jax", "config_hash": "abc", "lockfile": str(tmp_path / "libtpu_lockfile"), **overrides}
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(req))
+    proc = subprocess.run([sys.executable, "-m", "grpo_core.readiness", "--request", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.returncode, report, {c["name"]: c for c in report["checks"]}
+
+
+def test_ready_on_cpu_and_tpu_required(tmp_path):
+    rc, report, checks = run_readiness(tmp_path)
+    assert rc == 0 and report["ready"] and report["backend"] == "cpu" and report["device_count"] >= 1
+    assert report["memory"]["fits"] is True and checks["tpu_lockfile"]["ok"]
+    rc, report, checks = run_readiness(tmp_path, require_tpu=True, rollout_engine="sglang-jax")
+    assert rc == 4 and not report["ready"]
+    assert "pipeline.require_tpu=false" in checks["tpu_required"]["fix"]
+    assert "needs TPU v4 or newer" in checks["rollout_engine"]["detail"]
+
+
+def test_stale_and_held_lockfiles(tmp_path):
+    lock = tmp_path / "libtpu_lockfile"
+    lock.write_text("")
+    rc, _, checks = run_readiness(tmp_path)
+    assert rc == 4 and checks["tpu_lockfile"]["fix"] == f"remove it: rm {lock}"
+    holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(lock)!r}); import time; time.sleep(120)"])
+    try:
+        for _ in range(50):  # wait until the holder has the file open
+            if str(lock) in str(subprocess.run(["ls", "-l", f"/proc/{holder.pid}/fd"], capture_output=True).stdout):
+                break
+        rc, _, checks = run_readiness(tmp_path)
+        assert rc == 4 and f"held by process(es) [{holder.pid}]" in checks["tpu_lockfile"]["detail"]
+        assert checks["tpu_lockfile"]["fix"].startswith(f"stop process {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_memory_that_does_not_fit_names_a_lever(tmp_path):
+    rc, report, checks = run_readiness(tmp_path, memory_bytes=1000)
+    assert rc == 4 and report["memory"]["fits"] is False
+    assert "largest term" in checks["memory"]["fix"] and "GiB" in checks["memory"]["fix"]
+
+
+def test_bad_request(tmp_path):
+    rc, report, _ = run_readiness(tmp_path, train={"grpo": {"num_generations": 1}})
+    assert rc == 2 and "num_generations must be >= 2, got 1" in report["error"]
