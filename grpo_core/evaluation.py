@@ -30,7 +30,7 @@ def complete(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], sampli
         chunk = list(rows[start:start + batch_size])
         real = len(chunk)
         chunk += [chunk[0]] * (batch_size - real) if len(rows) > batch_size else []  # one shape: one compile
-        ids = [tokenizer.encode(r["prompt"]) for r in chunk]
+        ids = [r["prompt_ids"] if "prompt_ids" in r else tokenizer.encode(r["prompt"]) for r in chunk]
         ptok, pval = pad_prompts(ids, sampling.prompt_buckets, opts.pad_id)
         c = generate(graphdef, params, ptok, pval, step_key(seed, start), opts, num_samples)
         tokens, lengths = jax.device_get((c.tokens, c.lengths))
@@ -47,7 +47,7 @@ def evaluate(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], reward
     for chunk, texts in complete(graphdef, params, tokenizer, rows, sampling, batch_size=batch_size,
                                  eos_ids=eos_ids, num_samples=num_samples, seed=seed):
         rep = lambda xs: [x for x in xs for _ in range(num_samples)]
-        columns = {k: rep([r[k] for r in chunk]) for k in chunk[0] if k != "prompt"}
+        columns = {k: rep([r[k] for r in chunk]) for k in chunk[0] if k not in ("prompt", "prompt_ids")}
         scored = rw.score(rewards, rep([r["prompt"] for r in chunk]), texts, columns)
         totals.append(scored.total)
         for name, v in scored.per_function.items():

@@ -159,14 +159,14 @@ class GRPOTrainer:
     def _sample_round(self, step: int, round_: int) -> Rollout:
         g, p = self.cfg.grpo.num_generations, self.cfg.grpo.prompts_per_step
         rows = self.prompts.sample(step, round_, p)
-        encoded = [self.tokenizer.encode(r["prompt"]) for r in rows]
+        encoded = [r["prompt_ids"] if "prompt_ids" in r else self.tokenizer.encode(r["prompt"]) for r in rows]
         ptok, pval = pad_prompts(encoded, self.cfg.sampling.prompt_buckets, self.opts.pad_id)
         self._precompile(ptok, pval, step_key(self.cfg.seed, step, round_))
         c = generate(self.graphdef, self.params, ptok, pval, step_key(self.cfg.seed, step, round_), self.opts, g)
         tokens, logprobs, lengths, truncated = jax.device_get((c.tokens, c.logprobs, c.lengths, c.truncated))  # host sync
         texts = completion_texts(self.tokenizer, tokens, lengths, self.opts.eos_ids)
         rep = lambda xs: [x for x in xs for _ in range(g)]
-        columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k != "prompt"}
+        columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k not in ("prompt", "prompt_ids")}
         t_rew = time.perf_counter()
         scored = rw.score(self.rewards, rep([r["prompt"] for r in rows]), texts, columns)
         self._t["rewards"] += time.perf_counter() - t_rew

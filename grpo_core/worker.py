@@ -1,33 +1,43 @@
-"""The training worker: the process a pipeline task launches and watches.
+"""The worker: the process a pipeline task launches and watches for each stage that touches an
+accelerator (DESIGN.md says why these never run inside the Prefect process).
 
-    python -m grpo_core.worker --config run.json --root URL --until-step N [--checkpoint-every K]
+    python -m grpo_core.worker train --root RUN_URL --until-step N
+    python -m grpo_core.worker eval  --root RUN_URL --steps 0,100,200
 
-It restores the newest finalised checkpoint under `{root}/checkpoints` (if any, and only one
-written for the same config hash), trains until N steps are done in total, and every K steps
-writes the metrics shard of those steps and then a checkpoint (outputs first, checkpoint last).
+The config is the run's `config.json` (written by the pipeline before any stage runs), or
+`--config FILE`. `train` restores the newest finalised checkpoint under `checkpoints/` (only
+one written for the same training hash), trains until N steps are done in total, and every
+`pipeline.checkpoint_every` steps writes the metrics shard of those steps and then a checkpoint
+(outputs first, checkpoint last). `eval` evaluates the starting policy (step 0) or a
+checkpoint and writes `eval/{step}.json`, skipping steps already evaluated with the same config.
 Progress goes to stdout as JSON lines, one object per event:
 
     {"event": "start" | "resumed", "step": s, "until": N}
     {"event": "step", "step": s, "reward": ..., ...}          # after each step
     {"event": "checkpoint", "step": s, "uri": ...}            # durable: safe to be killed now
     {"event": "done", "step": N, "steps_run": n}
-    {"event": "error", "kind": "config" | "reward", "message": ...}
+    {"event": "eval", "step": s, "uri": ..., "cached": bool, "accuracy": ..., ...}
+    {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage", "message": ...}
 
-Exit codes: 0 done, 2 config error, 3 reward-function error (neither is worth retrying);
-anything else (a crash, a kill, a storage error) is worth retrying: the next run resumes from
-the last checkpoint, re-running at most K - 1 steps, whose metric rows then replace their
-earlier copies (storage.RunRoot.read_metrics keeps one row per step).
+Exit codes: 0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf) —
+none worth retrying, a retry would fail the same way; anything else (a crash, a kill, 5 for a
+storage error) is worth retrying: the next run resumes from the last checkpoint, re-running at
+most checkpoint_every - 1 steps, whose metric rows then replace their earlier copies
+(storage.RunRoot.read_metrics keeps one row per step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from typing import Any
 
-EXIT_CONFIG, EXIT_REWARD = 2, 3
+EXIT_CONFIG, EXIT_REWARD, EXIT_STORAGE, EXIT_DIVERGED = 2, 3, 5, 6
+NOT_RETRYABLE = frozenset({EXIT_CONFIG, EXIT_REWARD, EXIT_DIVERGED})
 _STEP_KEYS = ("reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "completions/mean_length",
               "time/step")
 
@@ -36,70 +46,180 @@ def _emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-def run(cfg: dict[str, Any], root_url: str, until_step: int, checkpoint_every: int) -> int:
+def train(parts, until_step: int) -> int:
     from grpo_core.checkpoint import Checkpointer
-    from grpo_core.recipes import build_synthetic
-    from grpo_core.rewards import RewardFunctionError
-    from grpo_core.storage import RunRoot, config_hash
+    from grpo_core.config import ConfigError
+    from grpo_core.data import DatasetPrompts
     from grpo_core.trainer import GRPOTrainer
 
-    from grpo_core.config import ConfigError
-
-    root = RunRoot(root_url)
-    run_ = build_synthetic(cfg)
-    if until_step > run_.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
-        raise ConfigError(f"--until-step {until_step} is past train.num_steps ({run_.train.num_steps})")
-    h = config_hash(cfg)
-    trainer = GRPOTrainer(run_.model, run_.train, run_.tokenizer, run_.rewards, run_.task)
+    cfg, root = parts.cfg, parts.root
+    if until_step > cfg.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
+        raise ConfigError(f"--until-step {until_step} is past train.num_steps ({cfg.train.num_steps})")
+    every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
+    trainer = GRPOTrainer(parts.create_policy(), cfg.train, parts.tokenizer, parts.rewards,
+                          DatasetPrompts(parts.train_rows, seed=cfg.data.seed))
     with Checkpointer(root.uri("checkpoints")) as ckpt:
         resumed = trainer.restore(ckpt, config_hash=h)
         start = trainer.step
         _emit("resumed" if resumed else "start", step=start, until=until_step)
         pending: list[dict[str, Any]] = []
-        try:
-            while trainer.step < until_step:
-                m = trainer.train_step()
-                pending.append(m)
-                _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m})
-                if trainer.step % checkpoint_every == 0 or trainer.step == until_step:
-                    root.write_metrics(pending)  # outputs first ...
-                    trainer.save(ckpt, config_hash=h)  # ... the checkpoint (finalised last) after
-                    ckpt.wait()
-                    pending = []
-                    _emit("checkpoint", step=trainer.step, uri=root.uri("checkpoints", str(trainer.step)))
-        except RewardFunctionError as exc:
-            _emit("error", kind="reward", message=str(exc))
-            return EXIT_REWARD
+        while trainer.step < until_step:
+            m = trainer.train_step()
+            pending.append(m)
+            _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m})
+            _fault("step", trainer.step)
+            if trainer.step % every == 0 or trainer.step == until_step:
+                root.write_metrics(pending)  # outputs first ...
+                trainer.save(ckpt, config_hash=h)  # ... the checkpoint (finalised last) after
+                ckpt.wait()
+                pending = []
+                _emit("checkpoint", step=trainer.step, uri=root.uri("checkpoints", str(trainer.step)))
+                _fault("checkpoint", trainer.step)
     _emit("done", step=trainer.step, steps_run=trainer.step - start)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m grpo_core.worker", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="JSON file: the run config (recipe sections)")
-    ap.add_argument("--root", required=True, help="run root URL: a folder or gs://bucket/prefix/run")
-    ap.add_argument("--until-step", type=int, required=True, help="train until this many steps are done")
-    ap.add_argument("--checkpoint-every", type=int, default=10)
-    args = ap.parse_args(argv)
+def _fault(where: str, step: int) -> None:
+    """Fault injection for the pipeline's tests: GRPO_FAULT="where:step:flagfile[,...]" SIGKILLs
+    this process after that step ('step') or once its checkpoint is durable ('checkpoint'). Each
+    fault fires once: its flag file records that it did, so the retried worker runs through."""
+    for spec in filter(None, os.environ.get("GRPO_FAULT", "").split(",")):
+        w, s, flag = spec.split(":", 2)
+        if w == where and int(s) == step and not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _policy_params(parts, ckpt, step: int):
+    """(graphdef, params) of the starting policy (step 0) or of checkpoint `step`."""
+    from flax import nnx
+
     from grpo_core.config import ConfigError
 
-    try:
-        with open(args.config) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        _emit("error", kind="config", message=f"cannot read config {args.config}: {exc}")
-        return EXIT_CONFIG
+    graphdef, params = nnx.split(parts.create_policy())
+    if step == 0 and 0 not in ckpt.all_steps():
+        return graphdef, params
+    if step not in ckpt.all_steps():
+        raise ConfigError(f"no checkpoint for step {step} under {ckpt.directory}; "
+                          f"finalised checkpoints: {ckpt.all_steps() or 'none'}")
+    state, meta = ckpt.restore(step)  # as saved: plain nested dicts
+    if meta.get("config_hash") != parts.cfg.train_hash:
+        raise ConfigError(f"checkpoint {step} in {ckpt.directory} was trained with another config "
+                          f"({meta.get('config_hash')!r}, this run is {parts.cfg.train_hash!r})")
+    nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
+    return graphdef, params
+
+
+def _unwrap(tree):
+    """Orbax restores an nnx.State without a target as nested dicts whose leaves sit under a
+    'value' key (the Variable's field); replace_by_pure_dict wants the arrays themselves."""
+    if isinstance(tree, dict):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {k: _unwrap(v) for k, v in tree.items()}
+    return tree
+
+
+def evaluate_steps(parts, steps: list[int]) -> int:
+    from grpo_core.checkpoint import Checkpointer
+    from grpo_core.evaluation import evaluate
+
+    cfg, root, h = parts.cfg, parts.root, parts.cfg.eval_hash
+    sampling = cfg.train.sampling.replace(temperature=cfg.eval.temperature)
+    with Checkpointer(root.uri("checkpoints"), max_to_keep=None) as ckpt:
+        for step in steps:
+            rel = f"eval/{step}.json"
+            if root.exists(rel) and root.read_json(rel).get("eval_hash") == h:
+                _emit("eval", cached=True, uri=root.uri(rel), **root.read_json(rel))
+                continue
+            t = time.perf_counter()
+            graphdef, params = _policy_params(parts, ckpt, step)
+            kw = dict(batch_size=cfg.eval.batch_size, seed=cfg.train.seed)
+            greedy = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling, **kw)
+            result = {"step": step, "eval_hash": h, "accuracy": greedy[cfg.eval.accuracy_reward], "greedy": greedy}
+            if cfg.eval.num_samples > 1:
+                sampled = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling,
+                                   num_samples=cfg.eval.num_samples, **kw)
+                result["sampled"] = sampled
+                result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
+            result["examples"] = _examples(parts, graphdef, params, sampling)
+            result["seconds"] = round(time.perf_counter() - t, 3)
+            _emit("eval", cached=False, uri=root.write_json(rel, result), **result)
+    return 0
+
+
+def _examples(parts, graphdef, params, sampling, n: int = 4) -> list[dict[str, Any]]:
+    """A few greedy completions to read next to the numbers (the demo prints them)."""
+    from grpo_core.evaluation import complete
+
+    rows = parts.eval_rows[:n]
+    [(_, texts)] = list(complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows)))
+    keep = lambda r: {k: v for k, v in r.items() if k != "prompt_ids" and isinstance(v, (str, int, float))}
+    return [dict(keep(r), completion=c) for r, c in zip(rows, texts)]
+
+
+def _load(args):
+    from grpo_core.run import open_run
+    from grpo_core.run_config import RunConfig
+    from grpo_core.storage import RunRoot
+
+    root = RunRoot(args.root)
+    raw = json.loads(open(args.config).read()) if args.config else root.read_json("config.json")
+    return open_run(RunConfig.from_dict(raw), root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grpo_core.worker", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name in ("train", "eval"):
+        p = sub.add_parser(name)
+        p.add_argument("--root", required=True, help="the run's folder or URL (gs://bucket/prefix/run)")
+        p.add_argument("--config", help="JSON run config (default: config.json in the run root)")
+    sub.choices["train"].add_argument("--until-step", type=int, required=True, help="train until this many steps")
+    sub.choices["eval"].add_argument("--steps", required=True, help="comma-separated steps; 0 = starting policy")
+    args = ap.parse_args(argv)
     t = time.perf_counter()
-    try:
-        if args.until_step < 0 or args.checkpoint_every < 1:
-            raise ConfigError(f"--until-step must be >= 0 and --checkpoint-every >= 1, got "
-                              f"{args.until_step} and {args.checkpoint_every}")
-        rc = run(cfg, args.root, args.until_step, args.checkpoint_every)
-    except ConfigError as exc:
-        _emit("error", kind="config", message=str(exc))
-        return EXIT_CONFIG
+    rc = _run(args)
     print(json.dumps({"event": "exit", "code": rc, "seconds": round(time.perf_counter() - t, 3)}), file=sys.stderr)
     return rc
+
+
+def _run(args) -> int:
+    from grpo_core.config import ConfigError
+    from grpo_core.data import DataError
+    from grpo_core.rewards import RewardFunctionError
+    from grpo_core.storage import StorageError
+    from grpo_core.trainer import NonFiniteError
+
+    try:
+        parts = _load(args)
+        if args.command == "train":
+            if args.until_step < 0:
+                raise ConfigError(f"--until-step must be >= 0, got {args.until_step}")
+            return train(parts, args.until_step)
+        try:
+            steps = sorted({int(s) for s in args.steps.split(",") if s.strip()})
+        except ValueError:
+            raise ConfigError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
+        return evaluate_steps(parts, steps)
+    except StorageError as exc:
+        _emit("error", kind="storage", message=str(exc))
+        return EXIT_STORAGE
+    except FileNotFoundError as exc:  # no config.json, a missing config file or checkpoint
+        _emit("error", kind="config", message=str(exc))
+        return EXIT_CONFIG
+    except (ConfigError, json.JSONDecodeError) as exc:
+        _emit("error", kind="config", message=str(exc))
+        return EXIT_CONFIG
+    except DataError as exc:
+        _emit("error", kind="data", message=str(exc))
+        return EXIT_CONFIG
+    except RewardFunctionError as exc:
+        _emit("error", kind="reward", message=str(exc))
+        return EXIT_REWARD
+    except NonFiniteError as exc:
+        _emit("error", kind="diverged", message=str(exc))
+        return EXIT_DIVERGED
 
 
 if __name__ == "__main__":

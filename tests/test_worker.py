@@ -1,6 +1,5 @@
-"""The training worker as a real process: JSON-line progress, SIGKILL mid-run, exact resume."""
+"""The worker as a real process: JSON-line progress, SIGKILL mid-run, exact resume, eval."""
 
-import copy
 import json
 import os
 import signal
@@ -12,26 +11,28 @@ import numpy as np
 import pytest
 
 from grpo_core.checkpoint import Checkpointer
-from grpo_core.recipes import SYNTHETIC_DEFAULT
+from grpo_core.data import prepare_dataset
+from grpo_core.run import init_run_root, make_tokenizer
+from grpo_core.run_config import RunConfig
 from grpo_core.storage import RunRoot
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory):
-    cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
-    cfg["train"]["num_steps"] = 6
-    cfg["train"]["grpo"]["prompts_per_step"] = 4
-    cfg["train"]["optimizer"]["learning_rate"] = 1e-2
-    path = tmp_path_factory.mktemp("cfg") / "run.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+def make_run(root: str, name: str, **extra) -> str:
+    """A run folder as the pipeline leaves it before training: config.json and prepared data."""
+    cfg = RunConfig.from_dict({
+        "run_name": name, "storage": {"root": root}, "data": {"eval_rows": 8, "synthetic_rows": 64},
+        "train": {"num_steps": 6, "grpo": {"prompts_per_step": 4}, "optimizer": {"learning_rate": 1e-2}},
+        "eval": {"num_samples": 2}, "pipeline": {"checkpoint_every": 2}, **extra})
+    run = init_run_root(cfg)
+    prepare_dataset(cfg.data, make_tokenizer(cfg), run, cfg.tokenizer_id)
+    return cfg.run_url
 
 
-def worker(config, root, until, every=2):
-    return subprocess.Popen([sys.executable, "-m", "grpo_core.worker", "--config", config, "--root", root,
-                             "--until-step", str(until), "--checkpoint-every", str(every)],
+def worker(root, until=None, steps=None):
+    args = ["train", "--until-step", str(until)] if steps is None else ["eval", "--steps", steps]
+    return subprocess.Popen([sys.executable, "-m", "grpo_core.worker", *args, "--root", root],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -48,15 +49,15 @@ def final_params(root, step=6):
     return state["params"]
 
 
-def test_kill_resume_equals_uninterrupted(config_file, tmp_path):
-    straight = str(tmp_path / "straight")
-    ev = events(worker(config_file, straight, 6))
+def test_kill_resume_equals_uninterrupted(tmp_path):
+    straight = make_run(str(tmp_path), "straight")
+    ev = events(worker(straight, 6))
     assert ev[0] == {"event": "start", "step": 0, "until": 6}
     assert [e["step"] for e in ev if e["event"] == "checkpoint"] == [2, 4, 6]
     assert ev[-1] == {"event": "done", "step": 6, "steps_run": 6}
 
-    killed = str(tmp_path / "killed")
-    proc = worker(config_file, killed, 6)
+    killed = make_run(str(tmp_path), "killed")
+    proc = worker(killed, 6)
     seen = []
     for line in proc.stdout:  # kill after the checkpoint at 2, in the middle of steps 3..4
         seen.append(json.loads(line))
@@ -65,7 +66,7 @@ def test_kill_resume_equals_uninterrupted(config_file, tmp_path):
             break
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    ev = events(worker(config_file, killed, 6))
+    ev = events(worker(killed, 6))
     assert ev[0] == {"event": "resumed", "step": 2, "until": 6}
     assert ev[-1] == {"event": "done", "step": 6, "steps_run": 4}
 
@@ -77,18 +78,44 @@ def test_kill_resume_equals_uninterrupted(config_file, tmp_path):
                  final_params(straight), final_params(killed))
 
 
-def test_epoch_boundary_and_finished_runs(config_file, tmp_path):
-    root = str(tmp_path / "epochs")
-    assert events(worker(config_file, root, 4))[-1]["steps_run"] == 4
-    ev = events(worker(config_file, root, 6))  # resumed exactly at the boundary: trains 4 and 5
+def test_epoch_boundary_and_finished_runs(tmp_path):
+    root = make_run(str(tmp_path), "epochs")
+    assert events(worker(root, 4))[-1]["steps_run"] == 4
+    ev = events(worker(root, 6))  # resumed exactly at the boundary: trains 4 and 5
     assert ev[0]["event"] == "resumed" and [e["step"] for e in ev if e["event"] == "step"] == [4, 5]
-    ev = events(worker(config_file, root, 6))  # finished: no training at all
+    ev = events(worker(root, 6))  # finished: no training at all
     assert [e["event"] for e in ev] == ["resumed", "done"] and ev[-1]["steps_run"] == 0
 
+    ev = events(worker(root, steps="0,6"))
+    assert [(e["step"], e["cached"]) for e in ev] == [(0, False), (6, False)]
+    stored = RunRoot(root).read_json("eval/6.json")
+    assert 0 <= stored["accuracy"] <= 1 and set(stored) >= {"pass@1", "pass@2", "greedy", "sampled", "examples"}
+    ev = events(worker(root, steps="6"))  # evaluated with the same config: read back
+    assert ev[0]["cached"] is True and ev[0]["accuracy"] == stored["accuracy"]
 
-def test_config_error_exit_code(config_file, tmp_path):
-    proc = worker(config_file, str(tmp_path / "r"), 99)
+
+def test_error_exit_codes(tmp_path):
+    root = make_run(str(tmp_path), "r")
+    proc = worker(root, 99)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert json.loads(out.splitlines()[-1]) == {"event": "error", "kind": "config",
                                                  "message": "--until-step 99 is past train.num_steps (6)"}
+    proc = worker(root, steps="4")  # no such checkpoint
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "no checkpoint for step 4" in json.loads(out.splitlines()[-1])["message"]
+    proc = worker(str(tmp_path / "not-a-run"), 2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "config.json does not exist" in out
+
+
+def test_reward_error_exit_code(tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def boom(prompts, completions, answer, **kw):\n"
+                   "    return [0.0 if c == '#' else 1 / 0 for c, a in zip(completions, answer)]\n")
+    root = make_run(str(tmp_path), "r", rewards=[{"function": f"{bad}:boom"}])
+    proc = worker(root, 2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3
+    err = json.loads(out.splitlines()[-1])
+    assert err["kind"] == "reward" and "'boom' raised ZeroDivisionError" in err["message"] and "on row" in err["message"]

@@ -1,0 +1,268 @@
+"""The pipeline's run config: one section per concern, read from YAML with `--set` overrides.
+
+    run_name: null            # null: "{preset}-{hash}" so a changed config never reuses a run
+    storage: {root: runs}     # a folder, gs://bucket/prefix or memory://...
+    model: {preset: tiny, seed: 0, tokenizer: char, ...ModelConfig overrides}
+    data: DataConfig          # grpo_core.data
+    rewards: [{function: char_match, weight: 1.0}, ...]
+    train: TrainConfig        # grpo_core.config
+    eval: EvalConfig
+    pipeline: PipelineConfig  # stages: epochs, retries, time limits
+
+Stages key their outputs by hashes of only the sections that matter to them: the prepared data
+by `data` and the tokenizer, checkpoints by everything that changes training (model, data,
+rewards, train), evaluation by `eval` and the data. Storage, run name and pipeline settings
+change no result, so retrying with more retries or a longer time limit resumes the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import pathlib
+from typing import Any
+
+from grpo_core.config import ConfigError, ModelConfig, TrainConfig, _check, _Config, apply_overrides
+from grpo_core.data import DataConfig, data_hash
+from grpo_core.storage import config_hash
+
+DEFAULT: dict[str, Any] = {
+    "run_name": None,
+    "storage": {"root": "runs"},
+    "model": {"preset": "tiny", "seed": 0, "tokenizer": "char"},
+    "data": {"source": "synthetic", "synthetic": {"alphabet": "abcde", "min_len": 3, "max_len": 3, "seed": 0},
+             "max_prompt_tokens": 16, "eval_rows": 128},
+    # char_match is optimised; exact_match (weight 0) is reported as a training metric.
+    "rewards": [{"function": "char_match", "weight": 1.0}, {"function": "exact_match", "weight": 0.0}],
+    "train": {
+        "num_steps": 400,
+        "seed": 0,
+        "grpo": {"num_generations": 8, "prompts_per_step": 16, "loss_aggregation": "token_mean"},
+        "sampling": {"max_new_tokens": 6, "temperature": 1.0},
+        "optimizer": {"learning_rate": 5e-4, "warmup_steps": 5, "max_grad_norm": 1.0},
+    },
+    "eval": {"rewards": [{"function": "exact_match"}, {"function": "char_match"}], "accuracy_reward": "exact_match",
+             "num_samples": 4},
+    "pipeline": {"epochs": 4, "checkpoint_every": 25},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec(_Config):
+    """A reward function: a built-in name (see grpo_core.rewards.BUILTIN) or `file.py:fn` /
+    `module:fn`, and its weight in the total (0: reported, not optimised)."""
+
+    function: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        _check(isinstance(self.function, str) and bool(self.function),
+               f"rewards[].function must be a name or 'file.py:function', got {self.function!r}")
+
+
+def _reward_specs(value: Any, field: str) -> tuple[RewardSpec, ...]:
+    _check(isinstance(value, (list, tuple)) and len(value) > 0,
+           f"{field} must be a non-empty list of {{function, weight}}, got {value!r}")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, RewardSpec):
+            out.append(item)
+            continue
+        if isinstance(item, str):
+            item = {"function": item}
+        _check(isinstance(item, dict), f"{field}[{i}] must be a mapping like {{function: exact_match}}, got {item!r}")
+        try:
+            out.append(RewardSpec.from_dict(item))
+        except ConfigError as exc:
+            raise ConfigError(f"{field}[{i}]: {exc}") from None
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(_Config):
+    """Evaluation of the starting policy and of each epoch's checkpoint on the eval split."""
+
+    rewards: tuple = ()  # RewardSpecs; empty: the training rewards
+    accuracy_reward: str = "exact_match"  # the eval reward whose greedy mean is "accuracy"
+    num_samples: int = 4  # sampled completions per prompt for pass@k (1: greedy only)
+    temperature: float = 1.0  # for the pass@k samples
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        object.__setattr__(self, "rewards", _reward_specs(self.rewards, "eval.rewards") if self.rewards else ())
+        _check(self.num_samples >= 1, f"eval.num_samples must be >= 1, got {self.num_samples}")
+        _check(self.temperature > 0, f"eval.temperature must be > 0, got {self.temperature}")
+        _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(super().to_dict(), rewards=[r.to_dict() for r in self.rewards])
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig(_Config):
+    """How the stages run. Nothing here changes a result, so none of it is in a stage hash."""
+
+    epochs: int = 4  # training stages; train.num_steps is split evenly across them
+    checkpoint_every: int = 25  # steps between checkpoints (and metric shards)
+    require_tpu: bool = False  # readiness fails unless the worker sees a TPU
+    retries: int = 2  # task retries of crashes, preemption and storage errors
+    retry_delay_s: float = 2.0
+    flow_retries: int = 1
+    train_timeout_s: float = 3600.0  # hard limit per training-epoch attempt: the worker is killed
+    eval_timeout_s: float = 1800.0
+    check_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        _check(self.epochs >= 1, f"pipeline.epochs must be >= 1, got {self.epochs}")
+        _check(self.checkpoint_every >= 1, f"pipeline.checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        _check(self.retries >= 0 and self.flow_retries >= 0,
+               f"pipeline.retries and pipeline.flow_retries must be >= 0, got {self.retries}, {self.flow_retries}")
+        _check(self.retry_delay_s >= 0, f"pipeline.retry_delay_s must be >= 0, got {self.retry_delay_s}")
+        for name in ("train_timeout_s", "eval_timeout_s", "check_timeout_s"):
+            _check(getattr(self, name) > 0, f"pipeline.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    run_name: str | None
+    storage_root: str
+    model: dict[str, Any]  # preset, seed, tokenizer, and ModelConfig field overrides
+    data: DataConfig
+    rewards: tuple[RewardSpec, ...]
+    train: TrainConfig
+    eval: EvalConfig
+    pipeline: PipelineConfig
+
+    SECTIONS = ("run_name", "storage", "model", "data", "rewards", "train", "eval", "pipeline")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        _check(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if k != "hashes"}  # derived; config.json records them
+        unknown = sorted(set(data) - set(cls.SECTIONS))
+        _check(not unknown, f"unknown config section(s) {unknown}; known: {list(cls.SECTIONS)}")
+        base = copy.deepcopy(DEFAULT)
+        if isinstance(data.get("data"), dict) and data["data"].get("source", "synthetic") != "synthetic":
+            base["data"] = {}  # the synthetic defaults (prompt length, task) do not apply to a user's data
+        d = _merge(base, data)
+        storage = d["storage"]
+        _check(isinstance(storage, dict) and set(storage) <= {"root"},
+               f"storage must be a mapping with 'root', got {storage!r}")
+        root = storage.get("root")
+        _check(isinstance(root, str) and bool(root), f"storage.root must be a folder or URL, got {root!r}")
+        name = d["run_name"]
+        _check(name is None or (isinstance(name, str) and name.strip("/") and "/" not in name.strip("/")),
+               f"run_name must be a single folder name, got {name!r}")
+        cfg = cls(run_name=name, storage_root=root, model=_model_section(d["model"]),
+                  data=_section(DataConfig, d["data"], "data"), rewards=_reward_specs(d["rewards"], "rewards"),
+                  train=_section(TrainConfig, d["train"], "train"), eval=_section(EvalConfig, d["eval"], "eval"),
+                  pipeline=_section(PipelineConfig, d["pipeline"], "pipeline"))
+        cfg.model_config()  # validate the model section now, not in a worker
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_name": self.run_name, "storage": {"root": self.storage_root}, "model": dict(self.model),
+                "data": self.data.to_dict(), "rewards": [r.to_dict() for r in self.rewards],
+                "train": self.train.to_dict(), "eval": self.eval.to_dict(), "pipeline": self.pipeline.to_dict()}
+
+    # -- derived ---------------------------------------------------------------------------
+
+    @property
+    def tokenizer_id(self) -> str:
+        return str(self.model.get("tokenizer", "char"))
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        from grpo_core.presets import get_preset
+
+        fields = {k: v for k, v in self.model.items() if k not in ("preset", "seed", "tokenizer")}
+        if vocab_size is not None:
+            fields.setdefault("vocab_size", vocab_size)
+        try:
+            return get_preset(self.model.get("preset", "tiny"), **fields)
+        except TypeError as exc:  # dataclasses.replace on an unknown field
+            known = sorted(f.name for f in dataclasses.fields(ModelConfig))
+            raise ConfigError(f"model: {exc}; ModelConfig fields are {known}") from None
+
+    @property
+    def data_hash(self) -> str:
+        return data_hash(self.data, self.tokenizer_id)
+
+    @property
+    def train_hash(self) -> str:
+        return config_hash({"model": self.model, "data": self.data_hash,
+                            "rewards": [r.to_dict() for r in self.rewards], "train": self.train.to_dict()})
+
+    @property
+    def eval_hash(self) -> str:
+        return config_hash({"eval": self.eval.to_dict(), "data": self.data_hash, "model": self.model,
+                            "max_new_tokens": self.train.sampling.max_new_tokens})
+
+    @property
+    def eval_rewards(self) -> tuple[RewardSpec, ...]:
+        return self.eval.rewards or self.rewards
+
+    @property
+    def name(self) -> str:
+        """The run's folder: run_name, or the preset and the training hash."""
+        return self.run_name.strip("/") if self.run_name else f"{self.model.get('preset', 'tiny')}-{self.train_hash[:8]}"
+
+    @property
+    def run_url(self) -> str:
+        root = self.storage_root
+        if "://" not in root:  # a local folder: absolute, so worker processes agree on it
+            root = os.path.abspath(os.path.expanduser(root))
+        return f"{root.rstrip('/')}/{self.name}"
+
+    def epoch_end(self, epoch: int) -> int:
+        """The step count at the end of epoch `epoch` (0-based): num_steps split evenly."""
+        e = self.pipeline.epochs
+        return (self.train.num_steps * (epoch + 1)) // e
+
+
+def _model_section(value: Any) -> dict[str, Any]:
+    _check(isinstance(value, dict), f"model must be a mapping like {{preset: tiny}}, got {value!r}")
+    out = dict(value)
+    _check(isinstance(out.get("seed", 0), int), f"model.seed must be an integer, got {out.get('seed')!r}")
+    return out
+
+
+def _section(cls, value: Any, name: str):
+    _check(isinstance(value, dict), f"{name} must be a mapping, got {value!r}")
+    try:
+        return cls.from_dict(value)
+    except ConfigError as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith(f"{name}.") else f"{name}: {msg}") from None
+    except TypeError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, recursively for mappings; lists and scalars replace."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """DEFAULT, then the YAML file, then `key=value` overrides; validated, or ConfigError."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    if path:
+        p = pathlib.Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        _check(isinstance(loaded, dict) or loaded is None,
+               f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded or {}
+    return RunConfig.from_dict(apply_overrides(data, overrides or []))

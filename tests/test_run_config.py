@@ -1,0 +1,69 @@
+"""The pipeline's run config: defaults, YAML and overrides, stage hashes, errors naming fields."""
+
+import pytest
+
+from grpo_core.config import ConfigError
+from grpo_core.run_config import DEFAULT, RunConfig, load_config
+
+
+def test_defaults_and_run_placement(tmp_path):
+    cfg = load_config(None, [f"storage.root={tmp_path}/r", "run_name=exp1"])
+    assert cfg.run_url == f"{tmp_path}/r/exp1" and cfg.name == "exp1"
+    assert cfg.model_config(vocab_size=50).vocab_size == 50  # the tokenizer's size, unless set
+    gs = load_config(None, ["storage.root=gs://bucket/prefix/"])
+    assert gs.run_url == f"gs://bucket/prefix/{gs.name}" and gs.name.startswith("tiny-")
+    assert [cfg.epoch_end(e) for e in range(4)] == [100, 200, 300, 400]
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg  # config.json round-trips
+
+
+def test_hashes_change_only_with_what_matters():
+    base = RunConfig.from_dict({})
+    same = RunConfig.from_dict({"pipeline": {"retries": 5, "train_timeout_s": 10}, "storage": {"root": "/x"}})
+    assert (same.data_hash, same.train_hash, same.eval_hash) == (base.data_hash, base.train_hash, base.eval_hash)
+    lr = RunConfig.from_dict({"train": {"optimizer": {"learning_rate": 1e-3}}})
+    assert lr.data_hash == base.data_hash and lr.train_hash != base.train_hash
+    ev = RunConfig.from_dict({"eval": {"num_samples": 8}})
+    assert ev.train_hash == base.train_hash and ev.eval_hash != base.eval_hash
+    data = RunConfig.from_dict({"data": {"synthetic_rows": 100}})
+    assert data.data_hash != base.data_hash and data.train_hash != base.train_hash
+    assert base.name != lr.name  # default run names follow the training config
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  num_steps: 8\n  optimizer:\n    learning_rate: 5e-4\npipeline:\n  epochs: 2\n")
+    cfg = load_config(str(f), ["train.grpo.beta=0.04"])
+    assert cfg.train.num_steps == 8 and cfg.train.optimizer.learning_rate == 5e-4 and cfg.train.grpo.beta == 0.04
+    assert cfg.train.grpo.prompts_per_step == DEFAULT["train"]["grpo"]["prompts_per_step"]  # merged, not replaced
+
+
+def test_user_data_drops_the_synthetic_defaults():
+    cfg = RunConfig.from_dict({"data": {"source": "prompts.jsonl"}})
+    assert cfg.data.source == "prompts.jsonl" and cfg.data.synthetic is None
+    assert cfg.data.max_prompt_tokens != DEFAULT["data"]["max_prompt_tokens"]
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"trian": {}}, "unknown config section(s) ['trian']"),
+    ({"train": {"num_stepz": 3}}, "train: TrainConfig: unknown field(s) ['num_stepz']"),
+    ({"train": {"grpo": {"num_generations": 1}}}, "grpo.num_generations must be >= 2, got 1"),
+    ({"pipeline": {"epochs": 0}}, "pipeline.epochs must be >= 1, got 0"),
+    ({"pipeline": {"train_timeout_s": -1}}, "pipeline.train_timeout_s must be > 0, got -1.0"),
+    ({"eval": {"num_samples": 0}}, "eval.num_samples must be >= 1, got 0"),
+    ({"rewards": []}, "rewards must be a non-empty list"),
+    ({"rewards": [{"fn": "x"}]}, "rewards[0]: RewardSpec: unknown field(s) ['fn']"),
+    ({"model": {"preset": "huge"}}, "model.preset must be one of"),
+    ({"model": {"hidden_sise": 3}}, "hidden_sise"),
+    ({"run_name": "a/b"}, "run_name must be a single folder name, got 'a/b'"),
+    ({"storage": {"root": ""}}, "storage.root must be a folder or URL, got ''"),
+    ({"storage": {"bucket": "x"}}, "storage must be a mapping with 'root'"),
+])
+def test_errors_name_the_field(data, message):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(data)
+    assert message in str(err.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="cannot read config file /nope.yaml"):
+        load_config("/nope.yaml")
