@@ -1,117 +1,188 @@
 """The `grpo` command line.
 
-`grpo demo` trains the embedded default (tiny preset, synthetic reverse task) and shows the
-reward rise; `grpo train` runs the same engine on a YAML config with `--set` overrides.
-These drive the engine in this process; the Prefect pipeline will take over `grpo run`.
+    grpo demo                      the pipeline on the embedded default, then where everything is
+    grpo run   [--config F] [--set k=v ...]   the pipeline, locally, with live progress
+    grpo check [--config F] [--set k=v ...] [--json]   the readiness report
+    grpo eval  RUN --step N [--step M ...]   evaluate checkpoints of a run
+    grpo status RUN [--json]       where a run stands, from its run root
+
+RUN is a run's URL (a folder or gs://bucket/prefix/name) or a run name under storage.root.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
+import os
 import sys
 import time
 
-import yaml
+
+def _prefect_defaults() -> None:
+    """Local runs start Prefect's embedded server: no telemetry, and enough time to start on a
+    small machine (it takes 10-35 s on 2 cores). Settings the user made win."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
-def _load_config(path: str | None, overrides: list[str]) -> dict:
-    from grpo_core.config import apply_overrides
-    from grpo_core.recipes import SYNTHETIC_DEFAULT
+def _config(args):
+    from grpo_core.run_config import load_config
 
-    import copy
-
-    cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
-    if path:
-        loaded = yaml.safe_load(pathlib.Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
-        cfg = _merge(cfg, loaded)
-    return apply_overrides(cfg, overrides)
+    return load_config(args.config, args.set)
 
 
-def _merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+def _run_url(run: str, args) -> str:
+    if "://" in run or os.sep in run or run.startswith("."):
+        return run if "://" in run else os.path.abspath(run)
+    from grpo_core.run_config import load_config
+
+    cfg = load_config(getattr(args, "config", None), getattr(args, "set", []) + [f"run_name={run}"])
+    return cfg.run_url
 
 
-def _row(m: dict) -> str:
-    return (f"{int(m['step']):>6d} {m['reward']:>7.3f} {m.get('rewards/exact_match/mean', float('nan')):>6.3f} "
-            f"{m['completions/mean_length']:>6.2f} {m['kl']:>7.4f} {m['entropy']:>6.3f} {m['grad_norm']:>6.2f} "
-            f"{m['time/step'] * 1000:>7.1f}")
+def _print_summary(s: dict, wall: float) -> None:
+    print(f"\nrun {s['status']}: {s['run_uri']}  ({s['steps']} steps, {wall:.0f} s)")
+    if s.get("reward_mean_first") is not None:
+        print(f"training reward (mean of the first / last tenth of steps): "
+              f"{s['reward_mean_first']:.3f} -> {s['reward_mean_last']:.3f}")
+    before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
+    for k in sorted(k for k in after if k != "step"):
+        print(f"eval {k:<12} {before.get(k, float('nan')):.3f} (step 0) -> {after[k]:.3f} (step {after['step']})")
+    print("\nin the run root:")
+    for what, rel in (("config", "config.json"), ("summary", "summary.json"), ("curve", "curve.png"),
+                      ("metrics", "metrics/"), ("evaluations", "eval/"), ("readiness", "readiness.json")):
+        print(f"  {what:<12} {s['run_uri']}/{rel}")
+    print(f"  {'checkpoint':<12} {s['checkpoint_uri']}")
 
 
-HEADER = f"{'step':>6} {'reward':>7} {'exact':>6} {'len':>6} {'kl':>7} {'entropy':>6} {'gnorm':>6} {'ms/step':>7}"
+def _print_examples(run_url: str) -> None:
+    from grpo_core.report import eval_results
+    from grpo_core.storage import RunRoot
+
+    evals = eval_results(RunRoot(run_url))
+    if len(evals) < 2 or not evals[0].get("examples"):
+        return
+    first, last = evals[0], evals[-1]
+    print(f"\nheld-out prompts, greedy: prompt -> step {first['step']} | step {last['step']} | expected")
+    for a, b in zip(first["examples"], last["examples"]):
+        print(f"  {a['prompt']!r:>10} -> {a['completion']!r:>10} | {b['completion']!r:>8} | {a.get('answer', '')!r}")
 
 
-def train_command(args) -> int:
+def run_command(args) -> int:
     from grpo_core.config import ConfigError
-    from grpo_core.evaluation import complete, evaluate
-    from grpo_core.recipes import build_synthetic
-    from grpo_core.trainer import GRPOTrainer
 
-    t_start = time.perf_counter()
     try:
-        cfg = _load_config(args.config, args.set)
-        run = build_synthetic(cfg)
+        cfg = _config(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    tr = GRPOTrainer(run.model, run.train, run.tokenizer, run.rewards, run.task)
-    ev = lambda: evaluate(tr.graphdef, tr.params, run.tokenizer, run.eval_rows, run.eval_rewards, run.train.sampling)
-    before = ev()
-    shown = run.eval_rows[:4]
-    [(_, before_texts)] = list(complete(tr.graphdef, tr.params, run.tokenizer, shown, run.train.sampling))
-    print(f"model: {run.model.config.num_params():,} params; {run.train.num_steps} steps of "
-          f"{run.train.grpo.prompts_per_step} prompts x {run.train.grpo.num_generations} completions")
-    print(f"before training: greedy accuracy {before['exact_match']:.3f}, reward {before['char_match']:.3f} "
-          f"on {len(run.eval_rows)} held-out prompts")
-    print(HEADER)
-    every = max(1, args.print_every)
-    metrics_file = open(args.metrics, "w") if args.metrics else None
-    history = []
+    _prefect_defaults()
+    from flows.pipeline import grpo_pipeline
 
-    def on_step(m):
-        history.append(m)
-        if metrics_file:
-            metrics_file.write(json.dumps(m) + "\n")
-        if int(m["step"]) % every == 0 or int(m["step"]) == run.train.num_steps - 1:
-            print(_row(m), flush=True)
+    t = time.perf_counter()
+    print(f"run {cfg.name}: {cfg.run_url}", flush=True)
+    try:
+        summary = grpo_pipeline.with_options(retries=cfg.pipeline.flow_retries)(cfg.to_dict())
+    except Exception as exc:  # noqa: BLE001 - the flow logged it; say where the evidence is
+        print(f"\nrun failed: {type(exc).__name__}: {exc}\nsee {cfg.run_url}/summary.json", file=sys.stderr)
+        return 1
+    _print_summary(summary, time.perf_counter() - t)
+    if args.command == "demo":
+        _print_examples(cfg.run_url)
+    return 0
 
-    t_train = time.perf_counter()
-    tr.train(on_step=on_step)
-    train_s = time.perf_counter() - t_train
-    if metrics_file:
-        metrics_file.close()
-    after = ev()
-    window = max(1, len(history) // 20)
-    first = sum(m["reward"] for m in history[:window]) / window
-    last = sum(m["reward"] for m in history[-window:]) / window
-    print(f"\ntraining reward (mean of {window} steps): {first:.3f} at the start -> {last:.3f} at the end")
-    print(f"greedy accuracy on held-out prompts: {before['exact_match']:.3f} -> {after['exact_match']:.3f}")
-    print(f"training {train_s:.1f} s ({1000 * train_s / len(history):.0f} ms/step), total {time.perf_counter() - t_start:.1f} s")
-    [(_, after_texts)] = list(complete(tr.graphdef, tr.params, run.tokenizer, shown, run.train.sampling))
-    print("held-out examples (greedy): prompt -> before training | after training | expected")
-    for row, b, a in zip(shown, before_texts, after_texts):
-        print(f"  {row['prompt']!r:>8} -> {b!r:>10} | {a!r:>8} | {row['answer']!r}")
+
+def check_command(args) -> int:
+    from grpo_core.config import ConfigError
+
+    try:
+        cfg = _config(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    from tasks.stages import readiness_report
+
+    report = readiness_report(cfg)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"{'ready' if report['ready'] else 'NOT READY'}: {report.get('backend')} "
+              f"{report.get('device_kind')} x {report.get('device_count')}, {report.get('process_count')} process(es)")
+        for c in report["checks"]:
+            print(f"  {'ok ' if c['ok'] else 'FAIL'} {c['name']:<18} {c['detail']}")
+            if not c["ok"] and c.get("fix"):
+                print(f"       fix: {c['fix']}")
+    return 0 if report["ready"] else 4
+
+
+def eval_command(args) -> int:
+    from tasks.process import StageError, run_worker
+
+    url = _run_url(args.run, args)
+
+    def show(e):
+        if e["event"] == "eval":
+            extra = "  ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
+            print(f"step {e['step']:>6}: accuracy {e['accuracy']:.3f}  {extra}  {e['uri']}"
+                  f"{'  (already evaluated)' if e['cached'] else ''}", flush=True)
+
+    try:
+        run_worker(["grpo_core.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
+                   timeout_s=args.timeout, on_event=show, what="evaluation")
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if not exc.retryable else 1
+    return 0
+
+
+def status_command(args) -> int:
+    from grpo_core.report import status
+    from grpo_core.storage import RunRoot
+
+    url = _run_url(args.run, args)
+    try:
+        st = status(RunRoot(url))
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return 0
+    summary = st["summary"] or {}
+    print(f"run {st['run_uri']}: {summary.get('status', 'in progress or stopped')}")
+    print(f"  steps {st['steps_done']}/{st['num_steps']}, latest checkpoint {st['latest_checkpoint']}")
+    print(f"  stages done: {', '.join(st['stages_done']) or 'none'}; readiness: {st['readiness']}")
+    if st["last_metrics"]:
+        print("  last step: " + "  ".join(f"{k} {v:.4g}" for k, v in st["last_metrics"].items()))
+    for e in st["eval"]:
+        print("  eval " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in e.items()))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO post-training in JAX")
+    parser = argparse.ArgumentParser(prog="grpo", description="GRPO post-training in JAX, run as a Prefect pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in (("demo", "train the embedded default and show the reward rise"),
-                        ("train", "train on a config file with overrides")):
-        p = sub.add_parser(name, help=help_)
+
+    def with_config(p):
         p.add_argument("--config", help="YAML file over the default config")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override, e.g. --set train.grpo.beta=0.04 (repeatable)")
-        p.add_argument("--print-every", type=int, default=50 if name == "demo" else 10)
-        p.add_argument("--metrics", help="write per-step metrics as JSON lines to this file")
-        p.set_defaults(func=train_command)
+        return p
+
+    with_config(sub.add_parser("demo", help="the pipeline on the embedded default")).set_defaults(func=run_command)
+    with_config(sub.add_parser("run", help="run the pipeline locally")).set_defaults(func=run_command)
+    p = with_config(sub.add_parser("check", help="print the readiness report"))
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.set_defaults(func=check_command)
+    p = with_config(sub.add_parser("eval", help="evaluate checkpoints of a run"))
+    p.add_argument("run", help="run URL or name under storage.root")
+    p.add_argument("--step", type=int, action="append", required=True, help="checkpoint step (0: starting policy)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the evaluation is stopped")
+    p.set_defaults(func=eval_command)
+    p = with_config(sub.add_parser("status", help="where a run stands"))
+    p.add_argument("run", help="run URL or name under storage.root")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=status_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,22 +1,52 @@
+"""The `grpo` command line: config errors, readiness, status and eval of a run folder."""
+
+import json
+
+import pytest
+
 from flows.cli import main
 
 
-def test_train_command_runs_and_reports(tmp_path, capsys):
-    metrics = tmp_path / "m.jsonl"
-    rc = main(["train", "--set", "train.num_steps=3", "--set", "eval_rows=8", "--metrics", str(metrics)])
-    out = capsys.readouterr().out
-    assert rc == 0
-    assert "greedy accuracy on held-out prompts" in out and "training reward" in out
-    assert len(metrics.read_text().splitlines()) == 3
-
-
 def test_config_error_exits_2_and_names_the_field(capsys):
-    assert main(["train", "--set", "train.grpo.num_generations=1"]) == 2
+    assert main(["run", "--set", "train.grpo.num_generations=1"]) == 2
     assert "grpo.num_generations must be >= 2, got 1" in capsys.readouterr().err
 
 
-def test_yaml_config_file(tmp_path, capsys):
+def test_unknown_section_and_bad_yaml(tmp_path, capsys):
+    assert main(["run", "--set", "trian.num_steps=3"]) == 2
+    assert "unknown config section(s) ['trian']" in capsys.readouterr().err
     f = tmp_path / "run.yaml"
-    f.write_text("eval_rows: 4\ntrain:\n  num_steps: 2\n  grpo:\n    beta: 0.04\n")
-    assert main(["train", "--config", str(f), "--print-every", "1"]) == 0
-    assert "2 steps of 16 prompts" in capsys.readouterr().out
+    f.write_text("train: [1, 2\n")
+    assert main(["check", "--config", str(f)]) == 2
+    assert f"config file {f} is not valid YAML" in capsys.readouterr().err
+
+
+def test_check_prints_the_report(tmp_path, capsys):
+    assert main(["check", "--json", "--set", f"storage.root={tmp_path}"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ready"] is True and report["backend"] == "cpu"
+    assert {c["name"] for c in report["checks"]} >= {"storage", "backend", "memory"}
+    assert main(["check", "--set", f"storage.root={tmp_path}", "--set", "pipeline.require_tpu=true"]) == 4
+    out = capsys.readouterr().out
+    assert "NOT READY" in out and "fix:" in out
+
+
+def test_status_of_a_missing_run(tmp_path, capsys):
+    assert main(["status", str(tmp_path / "nope")]) == 2
+    assert "is not a run: it has no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_status_and_eval_of_a_run_folder(tmp_path, capsys):
+    from tests.test_worker import events, make_run, worker
+
+    run = make_run(str(tmp_path), "r")
+    events(worker(run, 2))
+    assert main(["eval", run, "--step", "0", "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step      0: accuracy" in out and "step      2: accuracy" in out
+    assert main(["status", run, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["steps_done"] == 2 and st["latest_checkpoint"] == 2 and [e["step"] for e in st["eval"]] == [0, 2]
+    assert main(["eval", run, "--step", "5"]) == 2
+    assert "no checkpoint for step 5" in capsys.readouterr().err

@@ -1,0 +1,90 @@
+"""The GRPO pipeline as one Prefect flow: init → prepare data → readiness → (train epoch →
+evaluate)* → summary. The flow only calls tasks in order; every output lives in the run root.
+
+A second run of the same config (a retry, a schedule, a click in the UI) walks the same path:
+finished stages are skipped by their markers, training resumes from the newest checkpoint,
+evaluated steps are read back. At the end `summary.json` (status, steps, reward and eval before
+and after, checkpoint) and `curve.png` land in the run root, with a markdown artifact.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from grpo_core.report import build_summary, plot_curve
+from grpo_core.run_config import RunConfig
+from grpo_core.storage import RunRoot
+from tasks.stages import (_key, check_readiness, evaluate, init_run, prepare_dataset, retryable,
+                          train_epoch)
+
+
+@task(name="summarize", cache_policy=NO_CACHE)
+def summarize(run_url: str, status: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """summary.json, curve.png and a markdown artifact from what the run root holds."""
+    root = RunRoot(run_url)
+    png = plot_curve(root)
+    curve = root.write_bytes("curve.png", png) if png else None
+    summary = build_summary(root, status, curve_uri=curve, **extra)
+    root.write_json("summary.json", summary)
+    create_markdown_artifact(summary_markdown(summary), key=_key(f"summary-{run_url.rsplit('/', 1)[-1]}"),
+                             description="GRPO run summary")
+    return summary
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else ("—" if v is None else str(v))
+
+
+def summary_markdown(s: dict[str, Any]) -> str:
+    before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
+    keys = sorted({k for k in (*before, *after) if k != "step"})
+    lines = [f"## GRPO run: {s['status']}", "", f"- run: `{s['run_uri']}`", f"- steps: {s['steps']}",
+             f"- training reward: {_fmt(s['reward_mean_first'])} (first tenth) → {_fmt(s['reward_mean_last'])} (last tenth)",
+             f"- checkpoint: `{s['checkpoint_uri']}`"]
+    if s.get("curve_uri"):
+        lines.append(f"- curve: `{s['curve_uri']}`")
+    if s.get("error"):
+        lines.append(f"- error: {s['error']}")
+    if keys:
+        lines += ["", "| eval | before | after |", "|---|---|---|"]
+        lines += [f"| {k} | {_fmt(before.get(k))} | {_fmt(after.get(k))} |" for k in keys]
+    return "\n".join(lines)
+
+
+@flow(name="grpo-pipeline", retries=1, retry_delay_seconds=5)
+def grpo_pipeline(config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run GRPO end to end on `config` (sections over the defaults; see grpo_core.run_config)."""
+    cfg = RunConfig.from_dict(config or {})
+    log = get_run_logger()
+    opts = dict(retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s,
+                retry_condition_fn=retryable)
+    t0 = time.perf_counter()
+    run_url = init_run.with_options(**opts)(cfg.to_dict())
+    # Where the wall time goes: steps (the first step of each worker includes its compilation),
+    # evaluation compute, and the eval tasks' wall time (process start, model build, compile).
+    timing: dict[str, float] = {"train_steps_s": 0.0, "first_steps_s": 0.0, "eval_compute_s": 0.0, "eval_task_s": 0.0}
+    try:
+        prepare_dataset.with_options(**opts)(run_url)
+        check_readiness.with_options(**opts)(run_url)
+        for epoch in range(cfg.pipeline.epochs):
+            info = train_epoch.with_options(**opts)(run_url, epoch)
+            for k in ("train_steps_s", "first_steps_s"):
+                timing[k] += info.get(k, 0.0) if not info.get("skipped") else 0.0
+            t = time.perf_counter()
+            ev = evaluate.with_options(**opts)(run_url, [0, info["step"]] if epoch == 0 else [info["step"]])
+            timing["eval_task_s"] += time.perf_counter() - t
+            timing["eval_compute_s"] += ev["eval_compute_s"]
+    except BaseException as exc:
+        summarize(run_url, "failed", {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - t0})
+        log.error("run failed: %s", "".join(traceback.format_exception_only(exc)).strip())
+        raise
+    timing["wall_s"] = time.perf_counter() - t0
+    summary = summarize(run_url, "completed", {"timing": {k: round(v, 2) for k, v in timing.items()}})
+    log.info("run complete: %s", run_url)
+    return summary

@@ -1,0 +1,245 @@
+"""The pipeline's Prefect tasks. Each is thin: it reads the run's config from the run root, runs
+one grpo_core stage (in a worker process when it touches an accelerator), reports to Prefect
+(logs, artifacts) and returns URIs and small numbers. Stage outputs and their completion
+markers live in the run root, so a retried or re-run stage finds finished work and skips it.
+
+Retries are for failures a retry can fix (a crash, a kill, preemption, a storage hiccup, a time
+limit): `retryable` reads StageError.retryable; config, data and reward errors fail at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
+from prefect.cache_policies import NO_CACHE
+
+from grpo_core.config import ConfigError
+from grpo_core.data import DataError
+from grpo_core.run_config import RunConfig
+from grpo_core.storage import RunRoot, StorageError
+from tasks.process import StageError, run_worker
+
+
+def retryable(task_, task_run, state) -> bool:
+    """retry_condition_fn: retry crashes, kills, storage errors and time limits; never retry
+    what would fail the same way again (config, data, reward functions, divergence)."""
+    try:
+        state.result()
+    except StageError as exc:
+        return exc.retryable
+    except (ConfigError, DataError, ValueError, TypeError):
+        return False
+    except BaseException:  # noqa: BLE001 - a crash or a storage error: worth another try
+        return True
+    return True
+
+
+def _key(name: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")[:90]
+
+
+def load_run(run_url: str) -> RunConfig:
+    root = RunRoot(run_url)
+    try:
+        return RunConfig.from_dict(root.read_json("config.json"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc}: start the run with grpo_pipeline, which writes it first") from None
+
+
+@task(name="init-run", cache_policy=NO_CACHE)
+def init_run(config: dict[str, Any]) -> str:
+    """Validate the config and write it to {run}/config.json (refused if the run folder holds
+    another training config)."""
+    from grpo_core.run import init_run_root
+
+    cfg = RunConfig.from_dict(config)
+    init_run_root(cfg)
+    get_run_logger().info("run %s: %s", cfg.name, cfg.run_url)
+    return cfg.run_url
+
+
+@task(name="prepare-dataset", cache_policy=NO_CACHE)
+def prepare_dataset(run_url: str) -> dict[str, Any]:
+    """Read, template, tokenize, filter and split the prompts into {run}/data/{hash}/."""
+    from grpo_core.data import prepare_dataset as prepare
+    from grpo_core.run import make_tokenizer
+
+    cfg, log = load_run(run_url), get_run_logger()
+    manifest = prepare(cfg.data, make_tokenizer(cfg), RunRoot(run_url), cfg.tokenizer_id)
+    log.info("dataset %s: %d train / %d eval prompts (%s)%s", manifest["hash"], manifest["train_rows"],
+             manifest["eval_rows"], cfg.data.source, ", already prepared" if manifest.get("cached") else "")
+    return {k: manifest.get(k) for k in ("uri", "hash", "train_rows", "eval_rows", "dropped_too_long", "cached")}
+
+
+def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str, Any]:
+    """The storage probe (here) and the device checks (in a worker process), as one report."""
+    checks: list[dict[str, Any]] = []
+    try:
+        RunRoot(cfg.run_url).probe()
+        checks.append({"name": "storage", "ok": True, "detail": f"write/read/delete under {cfg.run_url}", "fix": None})
+    except StorageError as exc:
+        checks.append({"name": "storage", "ok": False, "detail": str(exc),
+                       "fix": "check the bucket/folder exists and these credentials may write to it "
+                              "(GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"})
+    request = {"model": cfg.model_config(vocab_size=_vocab_size(cfg)).to_dict(), "train": cfg.train.to_dict(),
+               "max_prompt_tokens": cfg.data.max_prompt_tokens, "require_tpu": cfg.pipeline.require_tpu,
+               "rollout_engine": "jax", "config_hash": cfg.train_hash}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request, f)
+    try:
+        events = _device_checks(f.name, timeout_s or cfg.pipeline.check_timeout_s)
+    finally:
+        os.unlink(f.name)
+    report = events
+    if "error" in report:  # the request itself was refused (exit 2): say why as a failed check
+        checks.append({"name": "request", "ok": False, "detail": report["error"], "fix": "fix the config field named"})
+    report["checks"] = checks + report.get("checks", [])
+    report["ready"] = all(c["ok"] for c in report["checks"])
+    return report
+
+
+def _vocab_size(cfg: RunConfig) -> int:
+    from grpo_core.run import make_tokenizer
+
+    return make_tokenizer(cfg).vocab_size
+
+
+def _device_checks(request_path: str, timeout_s: float) -> dict[str, Any]:
+    """Run grpo_core.readiness in its own process: it initialises JAX, which the Prefect process
+    never does (a TPU belongs to the one process that opened it)."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-m", "grpo_core.readiness", "--request", request_path],
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise StageError(f"the device checks did not finish within {timeout_s:g} s (a TPU held by another "
+                         "process can block jax.devices())", retryable=True) from None
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise StageError(f"the device checks exited with code {proc.returncode} without a report: "
+                         f"{proc.stderr[-2000:]}", retryable=True) from None
+
+
+def readiness_markdown(report: dict[str, Any]) -> str:
+    lines = [f"## Readiness: {'ready' if report['ready'] else 'NOT READY'}", "",
+             f"{report.get('backend', '?')} · {report.get('device_kind', '?')} × {report.get('device_count', '?')} · "
+             f"{report.get('process_count', '?')} process(es)", "", "| check | ok | detail | fix |", "|---|---|---|---|"]
+    for c in report["checks"]:
+        cell = lambda s: str(s or "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {c['name']} | {'yes' if c['ok'] else '**no**'} | {cell(c['detail'])} | {cell(c['fix'])} |")
+    return "\n".join(lines)
+
+
+@task(name="check-readiness", cache_policy=NO_CACHE)
+def check_readiness(run_url: str) -> dict[str, Any]:
+    """Preflight: storage, devices, memory budget. Writes readiness.json; fails fast if not ready."""
+    cfg, log = load_run(run_url), get_run_logger()
+    report = readiness_report(cfg)
+    RunRoot(run_url).write_json("readiness.json", report)
+    create_markdown_artifact(readiness_markdown(report), key=_key(f"readiness-{cfg.name}"),
+                             description="Preflight checks")
+    failed = [c for c in report["checks"] if not c["ok"]]
+    for c in report["checks"]:
+        log.info("readiness %-16s %s  %s", c["name"], "ok" if c["ok"] else "FAILED", c["detail"])
+    if failed:
+        raise StageError("not ready: " + "; ".join(f"{c['name']}: {c['detail']} (fix: {c['fix']})" for c in failed),
+                         retryable=False)
+    return {"ready": True, "backend": report.get("backend"), "device_count": report.get("device_count")}
+
+
+@task(name="train-epoch", task_run_name="train-epoch-{epoch}", cache_policy=NO_CACHE)
+def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
+    """Train until the end of `epoch` in a worker process, resuming from the newest checkpoint."""
+    cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
+    stage, until = f"stages/train-epoch-{epoch}", cfg.epoch_end(epoch)
+    if root.is_done(stage) and root.done_info(stage).get("train_hash") == cfg.train_hash:
+        log.info("epoch %d already trained (steps up to %d): skipped", epoch, until)
+        return dict(root.done_info(stage), skipped=True)
+    start_step = cfg.epoch_end(epoch - 1) if epoch > 0 else 0
+    progress = create_progress_artifact(0.0, key=_key(f"train-{cfg.name}"),
+                                        description=f"epoch {epoch}: steps {start_step}..{until}")
+    every = max(1, (until - start_step) // 10)
+    state: dict[str, Any] = {"last": None, "shown": -1.0, "steps_s": 0.0, "first_step_s": None}
+
+    def on_event(e: dict[str, Any]) -> None:
+        kind = e["event"]
+        if kind in ("start", "resumed"):
+            log.info("epoch %d: %s at step %d, training until %d", epoch, kind, e["step"], e["until"])
+        elif kind == "step":
+            state["last"] = e
+            state["steps_s"] += e["time/step"]
+            if state["first_step_s"] is None:  # the first step of a process includes compilation
+                state["first_step_s"] = e["time/step"]
+            s = int(e["step"]) + 1
+            if s % every == 0 or s == until:
+                log.info("step %d/%d  reward %.3f  kl %.4f  entropy %.3f  %.0f ms/step", s, cfg.train.num_steps,
+                         e["reward"], e["kl"], e["entropy"], 1000 * e["time/step"])
+            frac = (s - start_step) / max(1, until - start_step)
+            if frac - state["shown"] >= 0.05 or s == until:  # a few API calls per epoch, not one per step
+                update_progress_artifact(progress, 100.0 * min(1.0, frac))
+                state["shown"] = frac
+        elif kind == "checkpoint":
+            log.info("checkpoint %s", e["uri"])
+
+    t = time.perf_counter()
+    events = run_worker(["grpo_core.worker", "train", "--root", run_url, "--until-step", str(until)],
+                        timeout_s=cfg.pipeline.train_timeout_s, on_event=on_event, what=f"training epoch {epoch}")
+    done = next(e for e in events if e["event"] == "done")
+    info = {"epoch": epoch, "step": done["step"], "steps_run": done["steps_run"], "train_hash": cfg.train_hash,
+            "checkpoint_uri": root.uri("checkpoints", str(done["step"])), "seconds": round(time.perf_counter() - t, 2),
+            "reward": state["last"]["reward"] if state["last"] else None,
+            "train_steps_s": round(state["steps_s"], 3), "first_steps_s": round(state["first_step_s"] or 0.0, 3)}
+    root.mark_done(stage, info)  # after the worker's checkpoint is final: the marker is last
+    update_progress_artifact(progress, 100.0)
+    return dict(info, skipped=False)
+
+
+def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for r in results:
+        row = {"step": r["step"], "accuracy": round(r["accuracy"], 4), "reward": round(r["greedy"]["reward_mean"], 4)}
+        row.update({k: round(v, 4) for k, v in r.items() if k.startswith("pass@")})
+        rows.append(row)
+    return rows
+
+
+@task(name="evaluate", task_run_name="evaluate-{steps}", cache_policy=NO_CACHE)
+def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
+    """Greedy accuracy and pass@k on the eval split for the given checkpoints (0: the starting
+    policy), in a worker process; each result lands in {run}/eval/{step}.json."""
+    from grpo_core.report import eval_results
+
+    cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
+
+    def on_event(e: dict[str, Any]) -> None:
+        if e["event"] == "eval":
+            extra = " ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
+            log.info("eval step %d: accuracy %.3f %s%s", e["step"], e["accuracy"], extra,
+                     " (already evaluated)" if e["cached"] else "")
+
+    stored = [root.read_json(f"eval/{s}.json") for s in steps if root.exists(f"eval/{s}.json")]
+    if len(stored) == len(steps) and all(r.get("eval_hash") == cfg.eval_hash for r in stored):
+        events = [dict(r, event="eval", cached=True) for r in stored]  # no process to start
+        for e in events:
+            on_event(e)
+    else:
+        events = run_worker(["grpo_core.worker", "eval", "--root", run_url, "--steps", ",".join(map(str, steps))],
+                            timeout_s=cfg.pipeline.eval_timeout_s, on_event=on_event,
+                            what=f"evaluation of steps {steps}")
+    results = {str(e["step"]): {k: v for k, v in e.items() if k == "accuracy" or k.startswith("pass@")}
+               for e in events if e["event"] == "eval"}
+    table = eval_table(eval_results(root))
+    create_table_artifact(table, key=_key(f"eval-{cfg.name}"), description="Evaluation on the eval split, per step")
+    computed = sum(e.get("seconds", 0.0) for e in events if e["event"] == "eval" and not e["cached"])
+    return {"results": results, "eval_compute_s": round(computed, 3)}

@@ -1,0 +1,167 @@
+"""The pipeline end to end on the tiny preset, against a real Prefect server: a clean run, a run
+whose worker is SIGKILLed twice (mid-epoch and right after an epoch's last checkpoint), a second
+run of a finished config, and bad input that must fail at once without a stage marker."""
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_core.checkpoint import Checkpointer
+from grpo_core.storage import RunRoot
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
+
+NUM_STEPS = 6
+
+
+def small_config(root: str, name: str, **sections) -> dict:
+    cfg = {
+        "run_name": name,
+        "storage": {"root": root},
+        "data": {"eval_rows": 8, "synthetic_rows": 64},
+        "train": {"num_steps": NUM_STEPS, "grpo": {"prompts_per_step": 4}, "optimizer": {"learning_rate": 1e-2}},
+        "eval": {"num_samples": 2, "batch_size": 8},
+        "pipeline": {"epochs": 2, "checkpoint_every": 2, "retries": 2, "retry_delay_s": 0, "flow_retries": 0},
+    }
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+    return cfg
+
+
+def run_pipeline(cfg: dict):
+    from flows.pipeline import grpo_pipeline
+
+    return grpo_pipeline.with_options(retries=0)(cfg)
+
+
+def final_params(run_url: str, step: int = NUM_STEPS):
+    with Checkpointer(RunRoot(run_url).uri("checkpoints")) as ckpt:
+        state, meta = ckpt.restore(step)
+    assert meta["step"] == step
+    return state["params"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("runs"))
+    summary = run_pipeline(small_config(root, "baseline"))
+    return root, summary
+
+
+def test_clean_run_writes_every_output(baseline):
+    root, s = baseline
+    run = RunRoot(f"{root}/baseline")
+    assert s["status"] == "completed" and s["steps"] == NUM_STEPS
+    assert set(s) >= {"status", "steps", "reward_mean_first", "reward_mean_last", "eval_before", "eval_after",
+                      "checkpoint_uri", "export_uri"}
+    assert run.read_json("summary.json") == json.loads(json.dumps(s))
+    assert s["checkpoint_uri"] == run.uri("checkpoints", str(NUM_STEPS))
+    assert s["eval_before"]["step"] == 0 and s["eval_after"]["step"] == NUM_STEPS
+    assert set(s["eval_after"]) >= {"accuracy", "pass@1", "pass@2", "reward_mean"}
+    assert run.read_bytes("curve.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [m["step"] for m in run.read_metrics()] == list(range(NUM_STEPS))
+    assert sorted(run.list("eval")) == ["0.json", "3.json", "6.json"]
+    assert run.read_json("readiness.json")["ready"] is True
+    cfg = run.read_json("config.json")
+    assert run.is_done(f"data/{cfg['hashes']['data']}")
+    assert run.is_done("stages/train-epoch-0") and run.is_done("stages/train-epoch-1")
+    timing = s["timing"]
+    assert 0 < timing["train_steps_s"] < timing["wall_s"]
+
+
+def test_second_run_of_a_finished_config_trains_nothing(baseline):
+    root, first = baseline
+    run = RunRoot(f"{root}/baseline")
+    shards = run.list("metrics")
+    s = run_pipeline(small_config(root, "baseline"))
+    assert s["status"] == "completed" and s["steps"] == NUM_STEPS
+    assert run.list("metrics") == shards  # no step ran again
+    assert s["eval_after"] == first["eval_after"]
+    assert s["timing"]["train_steps_s"] == 0 and s["timing"]["eval_compute_s"] == 0
+
+
+def test_killed_worker_resumes_to_the_same_parameters(baseline, tmp_path, monkeypatch):
+    root, _ = baseline
+    # Killed after step 5 (mid epoch 1, its last checkpoint at 4) and right after epoch 0's
+    # final checkpoint (3), before the stage marker: the retry must train 0 steps there, and
+    # epoch 1 must still train its 3.
+    monkeypatch.setenv("GRPO_FAULT", f"checkpoint:3:{tmp_path}/f1,step:5:{tmp_path}/f2")
+    s = run_pipeline(small_config(str(tmp_path), "killed"))
+    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2")  # both faults fired
+    run = RunRoot(str(tmp_path / "killed"))
+    assert s["status"] == "completed" and s["steps"] == NUM_STEPS
+    assert [m["step"] for m in run.read_metrics()] == list(range(NUM_STEPS))
+    assert run.done_info("stages/train-epoch-0")["steps_run"] == 0  # resumed at the boundary
+    assert run.done_info("stages/train-epoch-1")["step"] == NUM_STEPS
+    want, got = final_params(f"{root}/baseline"), final_params(str(tmp_path / "killed"))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def task_runs(state) -> dict[str, int]:
+    """Task name -> attempts, for the flow run behind `state`, from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    # Default run names carry a 3-hex suffix (prepare-dataset-c07); named ones do not.
+    return {re.sub(r"-[0-9a-f]{3}$", "", r.name): r.run_count for r in runs}
+
+
+def failed_run(cfg: dict):
+    from flows.pipeline import grpo_pipeline
+
+    state = grpo_pipeline.with_options(retries=0)(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception) as err:
+        state.result()
+    return state, str(err.value)
+
+
+def test_bad_data_fails_at_once_without_a_marker(tmp_path):
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n' * 4)
+    state, msg = failed_run(small_config(str(tmp_path), "bad", data={"source": str(data)}))
+    assert f"{data} row 0 has no column 'prompt' (data.prompt_column)" in msg
+    run = RunRoot(str(tmp_path / "bad"))
+    assert not any(run.is_done(f"data/{h}") for h in run.list("data"))
+    s = run.read_json("summary.json")
+    assert s["status"] == "failed" and "has no column 'prompt'" in s["error"] and s["steps"] == 0
+    assert task_runs(state)["prepare-dataset"] == 1  # a data error is not retried
+
+
+def test_reward_error_fails_at_once_naming_the_row(tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def boom(prompts, completions, **kw):\n    return [1 / 0 for _ in completions]\n")
+    state, msg = failed_run(small_config(str(tmp_path), "reward", rewards=[{"function": f"{bad}:boom"}]))
+    assert "reward function error" in msg and "'boom' raised ZeroDivisionError" in msg and "on row 0" in msg
+    runs = task_runs(state)
+    assert runs["train-epoch-0"] == 1 and "evaluate-[0, 3]" not in runs
+    run = RunRoot(str(tmp_path / "reward"))
+    assert not run.is_done("stages/train-epoch-0") and run.read_json("summary.json")["status"] == "failed"
+
+
+def test_unwritable_storage_root(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cfg = small_config(str(blocker), "r", pipeline={"retries": 0})
+    state, msg = failed_run(cfg)
+    assert f"cannot write {blocker}/r/config.json" in msg
+
+
+def test_pipeline_on_gcs(gcs_emulator):
+    url = gcs_emulator.url_for("runs")
+    s = run_pipeline(small_config(url, "gs-run", pipeline={"epochs": 1}))
+    run = RunRoot(f"{url}/gs-run")
+    assert s["status"] == "completed" and s["steps"] == NUM_STEPS and s["run_uri"] == run.url
+    assert s["checkpoint_uri"] == f"{url}/gs-run/checkpoints/{NUM_STEPS}"
+    assert run.read_json("summary.json")["steps"] == NUM_STEPS and run.read_bytes("curve.png")[:4] == b"\x89PNG"
+    assert [m["step"] for m in run.read_metrics()] == list(range(NUM_STEPS))
+    assert sorted(run.list("eval")) == ["0.json", f"{NUM_STEPS}.json"]
+    with Checkpointer(run.uri("checkpoints")) as ckpt:
+        assert ckpt.latest_step() == NUM_STEPS
