@@ -11,6 +11,8 @@ the backend reports). Each check reports ok, a detail and, when it fails, the fi
 from __future__ import annotations
 
 import argparse
+import enum
+import fcntl
 import json
 import logging
 import os
@@ -25,6 +27,11 @@ log = logging.getLogger(__name__)
 EXIT_NOT_READY, EXIT_BAD_REQUEST = 4, 2
 GiB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class RolloutEngine(enum.Enum):
+    JAX = "jax"
+    SGLANG_JAX = "sglang-jax"
 
 
 def tpu_generation(device_kind: str) -> int | None:
@@ -79,34 +86,58 @@ def _lever(budget: dict[str, Any], train: TrainConfig) -> str:
                              "or shard over more devices")
 
 
-def lockfile_holders(path: str) -> list[int]:
-    """Pids of live processes with `path` open. libtpu keeps its lockfile open for as long as it
-    owns the TPU, so an open descriptor, not the file's existence, means "in use"."""
-    target, pids = os.path.realpath(path), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    pids.append(int(pid))
-                    break
-            except OSError:
-                continue
-    return pids
+def lock_holders(path: str) -> list[int]:
+    """Pids holding a POSIX (lockf/fcntl) lock on `path`, from /proc/locks, which lists every
+    user's locks (unlike /proc/*/fd, which hides other users' processes)."""
+    try:
+        ino = os.stat(path).st_ino
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    pids = set()
+    for line in lines:  # "1: POSIX  ADVISORY  WRITE 27441 fe:00:2196545 0 EOF"; "1: -> ..." are waiters
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "POSIX" and parts[5].rsplit(":", 1)[-1] == str(ino):
+            pids.add(int(parts[4]))
+    return sorted(pids - {os.getpid()})
+
+
+def lockfile_state(path: str) -> str:
+    """'absent', 'free', 'held' or 'foreign' (we may not open it).
+
+    libtpu opens the file O_CREAT|O_RDWR 0600 and takes `lockf(fd, F_TLOCK, 0)` (a POSIX record
+    lock, not flock) for its whole life, unlinking the file at a clean exit. So the same
+    non-blocking lockf is the ground truth for "in use"; a file that merely exists or is open
+    means nothing. Our probe lock is released when we close the fd, before JAX starts."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return "absent"
+    except PermissionError:  # another user's 0600 file: libtpu's own open fails the same way
+        return "foreign"
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "free"
+    except OSError:
+        return "held"
+    finally:
+        os.close(fd)
 
 
 def _lockfile_check(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
+    state = lockfile_state(path)
+    if state == "absent":
         return check("tpu_lockfile", True, f"{path} absent")
-    holders = [p for p in lockfile_holders(path) if p != os.getpid()]
-    if holders:
-        return check("tpu_lockfile", False, f"the TPU is in use: {path} is held by process(es) {holders}",
-                     f"stop process {holders[0]} (or wait for it to finish)")
+    holders = lock_holders(path)
+    if holders or state == "held":
+        who = f"process(es) {holders}" if holders else "a process we cannot see"
+        return check("tpu_lockfile", False, f"the TPU is in use: {path} is held by {who}",
+                     f"stop process {holders[0]} (or wait for it to finish)" if holders
+                     else f"find it with: sudo lsof -w {path} /dev/accel0")
+    sudo = "sudo " if state == "foreign" else ""
     return check("tpu_lockfile", False, f"stale {path}: no process holds it, but libtpu will report the TPU "
-                                        "as already in use", f"remove it: rm {path}")
+                                        "as already in use", f"remove it: {sudo}rm {path}")
 
 
 def _device_checks(req: dict[str, Any], report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -127,13 +158,13 @@ def _device_checks(req: dict[str, Any], report: dict[str, Any]) -> list[dict[str
     out.append(check("tpu_required", d0.platform == "tpu" or not req.get("require_tpu"),
                      f"backend is {d0.platform}" + (", a TPU is required" if req.get("require_tpu") else ""),
                      f"run on a TPU VM, or set pipeline.require_tpu=false to run on {d0.platform}"))
-    out.append(_engine_check(req.get("rollout_engine", "jax"), report))
+    out.append(_engine_check(req["rollout_engine"], report))
     out.append(_agreement_check(req.get("config_hash", ""), report["process_count"]))
     return out
 
 
-def _engine_check(engine: str, report: dict[str, Any]) -> dict[str, Any]:
-    if engine == "jax":
+def _engine_check(engine: RolloutEngine, report: dict[str, Any]) -> dict[str, Any]:
+    if engine is RolloutEngine.JAX:
         return check("rollout_engine", True, "built-in JAX sampler (any backend, multi-host)")
     gen = report.get("tpu_generation")
     if gen is None or gen < 4:
@@ -167,21 +198,47 @@ def _device_memory(report: dict[str, Any], override: int | None) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     import jax
 
+    # One device's limit, not the sum: the trainer has no mesh yet, it puts params, optimizer
+    # state, the KV cache and the batch on the default device.
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
-    return None if limit is None else int(limit) * report["device_count"]
+    return None if limit is None else int(limit)
+
+
+def parse_request(req: Any) -> dict[str, Any]:
+    """The request with its configs built and its scalars checked; ConfigError names the field."""
+    if not isinstance(req, dict):
+        raise ConfigError(f"the readiness request must be a JSON object, got {type(req).__name__}")
+    for key in ("model", "train", "max_prompt_tokens"):
+        if key not in req:
+            raise ConfigError(f"readiness request lacks {key!r}")
+    for key in ("model", "train"):
+        if not isinstance(req[key], dict):
+            raise ConfigError(f"request.{key} must be a mapping, got {req[key]!r}")
+    for key, none_ok in (("max_prompt_tokens", False), ("memory_bytes", True)):
+        v = req.get(key)
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0) and not (none_ok and v is None):
+            raise ConfigError(f"request.{key} must be a positive integer{' or null' if none_ok else ''}, got {v!r}")
+    try:
+        engine = RolloutEngine(req.get("rollout_engine", "jax"))
+    except ValueError:
+        raise ConfigError(f"request.rollout_engine must be one of {[e.value for e in RolloutEngine]}, "
+                          f"got {req.get('rollout_engine')!r}") from None
+    return dict(req, model=ModelConfig.from_dict(req["model"]), train=TrainConfig.from_dict(req["train"]),
+                rollout_engine=engine)
 
 
 def run_checks(req: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
-    model, train = ModelConfig.from_dict(req["model"]), TrainConfig.from_dict(req["train"])
+    req = parse_request(req)
+    model, train = req["model"], req["train"]
     report: dict[str, Any] = {"ready": False, "backend": None, "device_kind": None, "device_count": 0,
                               "local_device_count": 0, "process_count": 1, "process_index": 0,
                               "tpu_generation": None, "config_hash": req.get("config_hash", "")}
     checks = [_lockfile_check(req.get("lockfile") or "/tmp/libtpu_lockfile")]  # before JAX opens a TPU
     checks += _device_checks(req, report)
     if report["backend"] is not None:
-        budget = memory_budget(model, train, int(req["max_prompt_tokens"]),
+        budget = memory_budget(model, train, req["max_prompt_tokens"],
                                _device_memory(report, req.get("memory_bytes")), report["device_count"])
         report["memory"] = budget
         have = "unknown" if budget["available_bytes"] is None else f"{budget['available_bytes'] / GiB:.2f} GiB"
@@ -200,9 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.request) as f:
             req = json.load(f)
-        for key in ("model", "train", "max_prompt_tokens"):
-            if key not in req:
-                raise ConfigError(f"readiness request lacks {key!r}")
         report = run_checks(req)
     except (OSError, json.JSONDecodeError, ConfigError, TypeError) as exc:
         print(json.dumps({"ready": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}))

@@ -61,17 +61,30 @@ def test_stale_and_held_lockfiles(tmp_path):
     lock.write_text("")
     rc, _, checks = run_readiness(tmp_path)
     assert rc == 4 and checks["tpu_lockfile"]["fix"] == f"remove it: rm {lock}"
-    holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(lock)!r}); import time; time.sleep(120)"])
+    # The holder locks the file as libtpu does: open O_CREAT|O_RDWR, lockf(F_TLOCK), keep the fd.
+    take_lock = (f"import fcntl, os, sys, time; fd = os.open({str(lock)!r}, os.O_CREAT | os.O_RDWR, 0o600); "
+                 "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('locked', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", take_lock], stdout=subprocess.PIPE, text=True)
     try:
-        for _ in range(50):  # wait until the holder has the file open
-            if str(lock) in str(subprocess.run(["ls", "-l", f"/proc/{holder.pid}/fd"], capture_output=True).stdout):
-                break
+        assert holder.stdout.readline().strip() == "locked"
         rc, _, checks = run_readiness(tmp_path)
         assert rc == 4 and f"held by process(es) [{holder.pid}]" in checks["tpu_lockfile"]["detail"]
         assert checks["tpu_lockfile"]["fix"].startswith(f"stop process {holder.pid}")
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
+    # Open but not locked (a shell, an editor): libtpu would get the lock, so this is only stale.
+    opener = subprocess.Popen([sys.executable, "-c", f"f = open({str(lock)!r}); print('open', flush=True); "
+                               "import time; time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert opener.stdout.readline().strip() == "open"
+        rc, _, checks = run_readiness(tmp_path)
+        assert rc == 4 and checks["tpu_lockfile"]["detail"].startswith("stale")
+    finally:
+        opener.kill()
+        opener.wait()
+        opener.stdout.close()
 
 
 def test_memory_that_does_not_fit_names_a_lever(tmp_path):
@@ -80,6 +93,13 @@ def test_memory_that_does_not_fit_names_a_lever(tmp_path):
     assert "largest term" in checks["memory"]["fix"] and "GiB" in checks["memory"]["fix"]
 
 
-def test_bad_request(tmp_path):
-    rc, report, _ = run_readiness(tmp_path, train={"grpo": {"num_generations": 1}})
-    assert rc == 2 and "num_generations must be >= 2, got 1" in report["error"]
+@pytest.mark.parametrize("overrides, message", [
+    ({"train": {"grpo": {"num_generations": 1}}}, "num_generations must be >= 2, got 1"),
+    ({"max_prompt_tokens": "16"}, "request.max_prompt_tokens must be a positive integer, got '16'"),
+    ({"memory_bytes": "lots"}, "request.memory_bytes must be a positive integer or null, got 'lots'"),
+    ({"rollout_engine": "vllm"}, "request.rollout_engine must be one of ['jax', 'sglang-jax'], got 'vllm'"),
+    ({"model": [1, 2]}, "request.model must be a mapping, got [1, 2]"),
+])
+def test_bad_request(tmp_path, overrides, message):
+    rc, report, _ = run_readiness(tmp_path, **overrides)
+    assert rc == 2 and message in report["error"]
