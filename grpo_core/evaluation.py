@@ -39,9 +39,10 @@ def complete(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], sampli
 
 def evaluate(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], rewards: Sequence[rw.Reward],
              sampling: SamplingConfig, *, batch_size: int = 64, eos_ids: Sequence[int] | None = None,
-             num_samples: int = 1, seed: int = 0) -> dict[str, float]:
+             num_samples: int = 1, seed: int = 0, pass_reward: str | None = None) -> dict[str, float]:
     """Mean of each reward over `rows`. num_samples == 1 decodes greedily; more samples draw at
-    `sampling.temperature` and add pass@k (a sample "passes" when its total reward >= 1)."""
+    `sampling.temperature` and add pass@k: a sample "passes" when the `pass_reward` function
+    scores it >= 1 (default: the weighted total)."""
     per: dict[str, list[np.ndarray]] = {r.name: [] for r in rewards}
     totals = []
     for chunk, texts in complete(graphdef, params, tokenizer, rows, sampling, batch_size=batch_size,
@@ -56,7 +57,8 @@ def evaluate(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], reward
     for name, vs in per.items():
         out[name] = float(np.nanmean(np.concatenate(vs)))
     if num_samples > 1:
-        total = np.concatenate(totals).reshape(-1, num_samples)
+        scores = per[pass_reward] if pass_reward is not None else totals
+        total = np.concatenate(scores).reshape(-1, num_samples)
         for k in sorted({1, num_samples}):
             out[f"pass@{k}"] = float(np.mean([pass_at_k(num_samples, int(np.sum(t >= 1.0)), k) for t in total]))
     return out

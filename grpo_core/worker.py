@@ -139,7 +139,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             result = {"step": step, "eval_hash": h, "accuracy": greedy[cfg.eval.accuracy_reward], "greedy": greedy}
             if cfg.eval.num_samples > 1:
                 sampled = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling,
-                                   num_samples=cfg.eval.num_samples, **kw)
+                                   num_samples=cfg.eval.num_samples, pass_reward=cfg.eval.accuracy_reward, **kw)
                 result["sampled"] = sampled
                 result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
             result["examples"] = _examples(parts, graphdef, params, sampling)
@@ -168,6 +168,21 @@ def _load(args):
     return open_run(RunConfig.from_dict(raw), root)
 
 
+def _compilation_cache() -> None:
+    """Each epoch and each evaluation is a fresh process that compiles the same programs again;
+    JAX's persistent compilation cache turns those compilations into loads. The default folder
+    is ~/.cache/grpo-pipeline/jax; JAX_COMPILATION_CACHE_DIR chooses another, and
+    GRPO_COMPILATION_CACHE=0 turns it off."""
+    if os.environ.get("GRPO_COMPILATION_CACHE", "1") == "0":
+        return
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(base, "grpo-pipeline", "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_core.worker", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -179,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["eval"].add_argument("--steps", required=True, help="comma-separated steps; 0 = starting policy")
     args = ap.parse_args(argv)
     t = time.perf_counter()
+    _compilation_cache()
     rc = _run(args)
     print(json.dumps({"event": "exit", "code": rc, "seconds": round(time.perf_counter() - t, 3)}), file=sys.stderr)
     return rc
