@@ -1,11 +1,9 @@
-"""Ready-made runs: the embedded default (tiny preset on the synthetic reverse task).
-
-A recipe is a plain dict of config sections, so the CLI can load YAML over it and apply
-`--set key=value` overrides before anything is validated.
-"""
+"""The embedded default as an in-process engine recipe: the tiny preset on the synthetic reverse
+task, built into a model, a TrainConfig, a tokenizer and rewards without a run root."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -13,19 +11,16 @@ from grpo_core.config import ConfigError, TrainConfig
 from grpo_core.model import CausalLM, create_model
 from grpo_core.presets import get_preset
 from grpo_core.rewards import Reward
+from grpo_core.run_config import DEFAULT
 from grpo_core.synthetic import CharTokenizer, ReverseTask, char_match, exact_match
 
+# The pipeline's default run (grpo_core.run_config.DEFAULT) in the engine's shape, for driving
+# GRPOTrainer in-process (tests, notebooks) without a run root.
 SYNTHETIC_DEFAULT: dict[str, Any] = {
-    "model": {"preset": "tiny", "seed": 0},
-    "task": {"alphabet": "abcde", "min_len": 3, "max_len": 3, "seed": 0},
-    "eval_rows": 128,
-    "train": {
-        "num_steps": 800,
-        "seed": 0,
-        "grpo": {"num_generations": 8, "prompts_per_step": 16, "loss_aggregation": "token_mean"},
-        "sampling": {"max_new_tokens": 6, "temperature": 1.0},
-        "optimizer": {"learning_rate": 5e-4, "warmup_steps": 5, "max_grad_norm": 1.0},
-    },
+    "model": {k: v for k, v in DEFAULT["model"].items() if k != "tokenizer"},
+    "task": dict(DEFAULT["data"]["synthetic"]),
+    "eval_rows": DEFAULT["data"]["eval_rows"],
+    "train": copy.deepcopy(DEFAULT["train"]),
 }
 
 

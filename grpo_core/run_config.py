@@ -36,7 +36,7 @@ DEFAULT: dict[str, Any] = {
     # char_match is optimised; exact_match (weight 0) is reported as a training metric.
     "rewards": [{"function": "char_match", "weight": 1.0}, {"function": "exact_match", "weight": 0.0}],
     "train": {
-        "num_steps": 400,
+        "num_steps": 800,
         "seed": 0,
         "grpo": {"num_generations": 8, "prompts_per_step": 16, "loss_aggregation": "token_mean"},
         "sampling": {"max_new_tokens": 6, "temperature": 1.0},
@@ -44,7 +44,7 @@ DEFAULT: dict[str, Any] = {
     },
     "eval": {"rewards": [{"function": "exact_match"}, {"function": "char_match"}], "accuracy_reward": "exact_match",
              "num_samples": 4},
-    "pipeline": {"epochs": 4, "checkpoint_every": 25},
+    "pipeline": {"epochs": 4, "checkpoint_every": 50},
 }
 
 
@@ -106,7 +106,7 @@ class PipelineConfig(_Config):
     """How the stages run. Nothing here changes a result, so none of it is in a stage hash."""
 
     epochs: int = 4  # training stages; train.num_steps is split evenly across them
-    checkpoint_every: int = 25  # steps between checkpoints (and metric shards)
+    checkpoint_every: int = 50  # steps between checkpoints (and metric shards)
     require_tpu: bool = False  # readiness fails unless the worker sees a TPU
     retries: int = 2  # task retries of crashes, preemption and storage errors
     retry_delay_s: float = 2.0

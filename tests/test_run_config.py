@@ -12,7 +12,7 @@ def test_defaults_and_run_placement(tmp_path):
     assert cfg.model_config(vocab_size=50).vocab_size == 50  # the tokenizer's size, unless set
     gs = load_config(None, ["storage.root=gs://bucket/prefix/"])
     assert gs.run_url == f"gs://bucket/prefix/{gs.name}" and gs.name.startswith("tiny-")
-    assert [cfg.epoch_end(e) for e in range(4)] == [100, 200, 300, 400]
+    assert [cfg.epoch_end(e) for e in range(4)] == [200, 400, 600, 800]
     assert RunConfig.from_dict(cfg.to_dict()) == cfg  # config.json round-trips
 
 
