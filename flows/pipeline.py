@@ -14,7 +14,7 @@ import traceback
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core.report import build_summary, plot_curve
@@ -32,8 +32,11 @@ def summarize(run_url: str, status: str, extra: dict[str, Any]) -> dict[str, Any
     curve = root.write_bytes("curve.png", png) if png else None
     summary = build_summary(root, status, curve_uri=curve, **extra)
     root.write_json("summary.json", summary)
-    create_markdown_artifact(summary_markdown(summary), key=_key(f"summary-{run_url.rsplit('/', 1)[-1]}"),
-                             description="GRPO run summary")
+    name = run_url.rsplit("/", 1)[-1]
+    create_markdown_artifact(summary_markdown(summary), key=_key(f"summary-{name}"), description="GRPO run summary")
+    if curve:
+        create_link_artifact(curve, link_text=f"{name}: reward and accuracy curve (PNG)", key=_key(f"curve-{name}"),
+                             description="Training reward and eval accuracy / pass@k against steps")
     return summary
 
 
