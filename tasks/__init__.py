@@ -1,5 +1,5 @@
-"""Prefect tasks: thin, typed wrappers, each around one grpo_core stage.
+"""Prefect tasks: thin, typed wrappers, each around one grpo_core stage (tasks/stages.py), and
+the worker-process plumbing they share (tasks/process.py).
 
-They exchange storage URIs, config hashes and floats, never arrays. The pipeline issue adds
-prepare_dataset, check_readiness, train_epoch and evaluate here.
+They exchange storage URIs, config hashes and floats, never arrays.
 """
