@@ -265,4 +265,20 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         _check(isinstance(loaded, dict) or loaded is None,
                f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
         data = loaded or {}
-    return RunConfig.from_dict(apply_overrides(data, overrides or []))
+    return RunConfig.from_dict(_absolute_paths(apply_overrides(data, overrides or [])))
+
+
+def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """Local files named relative to where the command runs (a data file or folder, a reward
+    file) become absolute: workers, deployments and retries may run elsewhere."""
+    data = copy.deepcopy(data)
+    section = data.get("data")
+    if isinstance(section, dict) and isinstance(section.get("source"), str) and os.path.exists(section["source"]):
+        section["source"] = os.path.abspath(section["source"])
+    for key in ("rewards", "eval"):
+        specs = data.get(key, {}).get("rewards") if key == "eval" and isinstance(data.get(key), dict) else data.get(key)
+        for spec in specs if isinstance(specs, list) else []:
+            where = spec.get("function", "").rsplit(":", 1)[0] if isinstance(spec, dict) else ""
+            if where.endswith(".py") and os.path.exists(where):
+                spec["function"] = f"{os.path.abspath(where)}:{spec['function'].rsplit(':', 1)[1]}"
+    return data

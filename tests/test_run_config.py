@@ -67,3 +67,12 @@ def test_errors_name_the_field(data, message):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="cannot read config file /nope.yaml"):
         load_config("/nope.yaml")
+
+
+def test_relative_local_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1"}\n')
+    (tmp_path / "r.py").write_text("def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    cfg = load_config(None, ["data.source=rows.jsonl", "rewards=[{function: 'r.py:f'}]"])
+    assert cfg.data.source == str(tmp_path / "rows.jsonl")
+    assert cfg.rewards[0].function == f"{tmp_path}/r.py:f"
