@@ -17,11 +17,12 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.params import RunParams
 from grpo_core.report import build_summary, plot_curve
 from grpo_core.run_config import RunConfig
 from grpo_core.storage import RunRoot
-from tasks.stages import (_key, check_readiness, evaluate, init_run, prepare_dataset, retryable,
-                          train_epoch)
+from tasks.stages import (_key, check_readiness, evaluate, init_run, load_run, prepare_dataset, readiness_markdown,
+                          readiness_report, retryable, train_epoch)
 
 
 @task(name="summarize", cache_policy=NO_CACHE)
@@ -60,10 +61,17 @@ def summary_markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
+    if isinstance(config, RunParams):
+        return config.to_config()
+    return RunConfig.from_dict(config or {})
+
+
 @flow(name="grpo-pipeline", retries=1, retry_delay_seconds=5)
-def grpo_pipeline(config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run GRPO end to end on `config` (sections over the defaults; see grpo_core.run_config)."""
-    cfg = RunConfig.from_dict(config or {})
+def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
+    """Run GRPO end to end: prepare the data, check readiness, train in epochs (each resumable
+    from its last checkpoint), evaluate each epoch's checkpoint, and write summary.json."""
+    cfg = _config(config)
     log = get_run_logger()
     opts = dict(retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s,
                 retry_condition_fn=retryable)
@@ -91,3 +99,25 @@ def grpo_pipeline(config: dict[str, Any] | None = None) -> dict[str, Any]:
     summary = summarize(run_url, "completed", {"timing": {k: round(v, 2) for k, v in timing.items()}})
     log.info("run complete: %s", run_url)
     return summary
+
+
+@flow(name="grpo-evaluate")
+def grpo_evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
+    """Evaluate checkpoints of an existing run (0: the starting policy) into {run}/eval/."""
+    cfg = load_run(run_url)
+    opts = dict(retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s,
+                retry_condition_fn=retryable)
+    return evaluate.with_options(**opts)(run_url, steps)
+
+
+@flow(name="grpo-readiness")
+def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
+    """The readiness report alone (storage probe, devices, memory budget), as an artifact."""
+    cfg = _config(config)
+    report = readiness_report(cfg)
+    create_markdown_artifact(readiness_markdown(report), key=_key(f"readiness-{cfg.name}"),
+                             description="Preflight checks")
+    if not report["ready"]:
+        failed = [f"{c['name']}: {c['detail']} (fix: {c['fix']})" for c in report["checks"] if not c["ok"]]
+        raise RuntimeError("not ready: " + "; ".join(failed))
+    return {k: report.get(k) for k in ("ready", "backend", "device_kind", "device_count", "process_count")}
