@@ -5,6 +5,7 @@
     grpo check [--config F] [--set k=v ...] [--json]   the readiness report
     grpo eval  RUN --step N [--step M ...]   evaluate checkpoints of a run
     grpo status RUN [--json]       where a run stands, from its run root
+    grpo serve [--cron C | --interval S] [--config F] [--set k=v ...]   serve the deployments
 
 RUN is a run's URL (a folder or gs://bucket/prefix/name) or a run name under storage.root.
 """
@@ -159,6 +160,24 @@ def status_command(args) -> int:
     return 0
 
 
+def serve_command(args) -> int:
+    from grpo_core.config import ConfigError
+
+    if not os.environ.get("PREFECT_API_URL"):
+        print("grpo serve needs a Prefect server: start one with `prefect server start` (it listens on "
+              "127.0.0.1:4200) and export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        return 2
+    try:
+        params = _config(args).to_dict() if (args.config or args.set) else None
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    from flows.serve import serve
+
+    serve(params, cron=args.cron, interval=args.interval, limit=args.limit)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO post-training in JAX, run as a Prefect pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", help="run URL or name under storage.root")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=status_command)
+    p = with_config(sub.add_parser("serve", help="serve the deployments against PREFECT_API_URL"))
+    p.add_argument("--cron", help="schedule the pipeline deployment, e.g. '0 2 * * *' (with --config/--set as its parameters)")
+    p.add_argument("--interval", type=float, help="schedule the pipeline deployment every N seconds")
+    p.add_argument("--limit", type=int, default=1, help="flow runs at a time in this process (default 1: one accelerator)")
+    p.set_defaults(func=serve_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -67,22 +67,25 @@ def train(parts, until_step: int) -> int:
             m = trainer.train_step()
             pending.append(m)
             _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m})
-            _fault("step", trainer.step)
+            _fault("step", trainer.step, root.url)
             if trainer.step % every == 0 or trainer.step == until_step:
                 root.write_metrics(pending)  # outputs first ...
                 trainer.save(ckpt, config_hash=h)  # ... the checkpoint (finalised last) after
                 ckpt.wait()
                 pending = []
                 _emit("checkpoint", step=trainer.step, uri=root.uri("checkpoints", str(trainer.step)))
-                _fault("checkpoint", trainer.step)
+                _fault("checkpoint", trainer.step, root.url)
     _emit("done", step=trainer.step, steps_run=trainer.step - start)
     return 0
 
 
-def _fault(where: str, step: int) -> None:
+def _fault(where: str, step: int, root_url: str) -> None:
     """Fault injection for the pipeline's tests: GRPO_FAULT="where:step:flagfile[,...]" SIGKILLs
     this process after that step ('step') or once its checkpoint is durable ('checkpoint'). Each
-    fault fires once: its flag file records that it did, so the retried worker runs through."""
+    fault fires once: its flag file records that it did, so the retried worker runs through.
+    GRPO_FAULT_RUN limits it to runs whose root URL contains that text."""
+    if os.environ.get("GRPO_FAULT_RUN", "") not in root_url:
+        return
     for spec in filter(None, os.environ.get("GRPO_FAULT", "").split(",")):
         w, s, flag = spec.split(":", 2)
         if w == where and int(s) == step and not os.path.exists(flag):
