@@ -1,0 +1,270 @@
+"""Deployments as a service: a real `prefect server start` on 127.0.0.1 with basic auth, `grpo
+serve` serving the deployments, a run started through the API with parameters, invalid
+parameters rejected before a run exists, a schedule that fires, and a failed run retried the
+way the UI's Retry button does it (the same flow run scheduled again) resuming where it stopped."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from base64 import b64encode
+
+import pytest
+
+from grpo_core.storage import RunRoot
+
+pytestmark = pytest.mark.slow
+
+AUTH = "grpo:test-secret"
+BIN = os.path.dirname(sys.executable)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, auth: str | None) -> int:
+    req = urllib.request.Request(url)
+    if auth:
+        req.add_header("Authorization", "Basic " + b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError):  # not listening (yet)
+        return 0
+
+
+def tiny(root, name, **pipeline) -> dict:
+    return {"run_name": name, "storage": {"root": str(root)}, "data": {"eval_rows": 8, "synthetic_rows": 64},
+            "train": {"num_steps": 4, "grpo": {"prompts_per_step": 4}},
+            "eval": {"num_samples": 2, "batch_size": 8},
+            "pipeline": {"epochs": 2, "checkpoint_every": 1, "retry_delay_s": 0, "flow_retries": 0, **pipeline}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_API_AUTH_STRING": AUTH, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+           "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_API_URL": ""}
+    proc = subprocess.Popen([f"{BIN}/prefect", "server", "start", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 180
+    while _get(f"{url}/health", AUTH) != 200:
+        assert proc.poll() is None and time.monotonic() < deadline, "prefect server did not start"
+        time.sleep(0.5)
+    yield url, home
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def served(server, tmp_path_factory):
+    """`grpo serve` with the pipeline scheduled every 30 s on a tiny config."""
+    url, home = server
+    root = tmp_path_factory.mktemp("served-runs")
+    flags = tmp_path_factory.mktemp("faults")
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": AUTH,
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           # the "ui-retry" run's worker is killed after step 3 in both of the flow's attempts (the
+           # deployment's flow has 1 retry; the run has no task retries): the flow run fails
+           "GRPO_FAULT": f"step:3:{flags}/killed,step:3:{flags}/killed-again", "GRPO_FAULT_RUN": "/ui-retry"}
+    sets = [f"{k}={json.dumps(v)}" for k, v in _flatten(tiny(root, "nightly")).items()]
+    proc = subprocess.Popen([f"{BIN}/grpo", "serve", "--interval", "30", *sum((["--set", s] for s in sets), [])],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    client.read_deployment_by_name("grpo-pipeline/pipeline")
+                    break
+                except Exception:  # noqa: BLE001 - not registered yet
+                    assert proc.poll() is None, proc.stderr.read()[-3000:]
+                    assert time.monotonic() < deadline, "grpo serve did not register its deployments"
+                    time.sleep(1)
+            yield client, root, flags
+    _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a server we started, with its children (it runs in its own process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("synthetic", "rename"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _wait(client, run_id, timeout=300):
+    deadline = time.monotonic() + timeout
+    while True:
+        run = client.read_flow_run(run_id)
+        if run.state.is_final():
+            return run
+        assert time.monotonic() < deadline, f"flow run stuck in {run.state.name}"
+        time.sleep(1)
+
+
+def test_server_listens_on_loopback_with_basic_auth(server):
+    url, _ = server
+    assert _get(f"{url}/version", None) == 401 and _get(f"{url}/version", "grpo:wrong") == 401
+    assert _get(f"{url}/version", AUTH) == 200
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this machine's outward address
+        s.connect(("10.255.255.255", 1))
+        outward = s.getsockname()[0]
+    if not outward.startswith("127."):
+        assert _get(f"http://{outward}:{port}/api/version", AUTH) == 0  # not listening there
+
+
+def test_run_with_parameters_and_invalid_parameters_rejected(served):
+    client, root, _ = served
+    from prefect.deployments import run_deployment
+
+    run = run_deployment("grpo-pipeline/pipeline", parameters={"config": tiny(root, "api-run")}, timeout=0)
+    run = _wait(client, run.id)
+    assert run.state.is_completed(), run.state.message
+    summary = RunRoot(str(root / "api-run")).read_json("summary.json")
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    with pytest.raises(Exception, match="greater than or equal to 2|num_generations"):
+        run_deployment("grpo-pipeline/pipeline", parameters={"config": {"train": {"grpo": {"num_generations": 1}}}},
+                       timeout=0)
+    dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
+    assert dep.enforce_parameter_schema and "RunParams" in json.dumps(dep.parameter_openapi_schema)
+
+
+def test_schedule_fires(served):
+    client, root, _ = served
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+    dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
+    deadline = time.monotonic() + 240
+    while True:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[dep.id])))
+        done = [r for r in runs if r.auto_scheduled and r.state.is_completed()]
+        if done:
+            break
+        assert time.monotonic() < deadline, [(r.name, r.state.name) for r in runs]
+        time.sleep(2)
+    assert RunRoot(str(root / "nightly")).read_json("summary.json")["status"] == "completed"
+
+
+def test_failed_run_retried_like_the_ui_resumes(served):
+    client, root, flags = served
+    from prefect.deployments import run_deployment
+    from prefect.states import Scheduled
+
+    run = run_deployment("grpo-pipeline/pipeline", parameters={"config": tiny(root, "ui-retry", retries=0)},
+                         timeout=0)
+    run = _wait(client, run.id)
+    assert run.state.is_failed() and os.path.exists(flags / "killed-again")
+    rr = RunRoot(str(root / "ui-retry"))
+    assert rr.read_json("summary.json")["status"] == "failed" and rr.is_done("stages/train-epoch-0")
+    client.set_flow_run_state(run.id, Scheduled(), force=True)  # what the UI's Retry button does
+    run = _wait(client, run.id)
+    assert run.state.is_completed(), run.state.message
+    s = rr.read_json("summary.json")
+    assert s["status"] == "completed" and [m["step"] for m in rr.read_metrics()] == [0, 1, 2, 3]
+
+
+def test_ui_form_starts_a_run(served, server, tmp_path):
+    """Headless Chromium: log in, fill the pipeline deployment's form, submit, see the run complete."""
+    import shutil
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    client, _, _ = served
+    url, _ = server
+    base = url[: -len("/api")]
+    root = tmp_path / "ui-runs"
+    dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,2400"):
+        opts.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(driver), options=opts)
+    wait = WebDriverWait(browser, 60)
+
+    def field(label: str, tag: str):
+        xpath = f"//*[normalize-space(text())='{label} (Optional)']/following::{tag}[1]"
+        return wait.until(ec.presence_of_element_located((By.XPATH, xpath)))
+
+    def fill(label: str, tag: str, value) -> None:
+        el = field(label, tag)
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", el)
+        el.send_keys(Keys.CONTROL, "a")
+        el.send_keys(Keys.DELETE)
+        el.send_keys(str(value))
+
+    try:
+        browser.get(f"{base}/login")
+        pw = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "input[type=password]")))
+        pw.send_keys(AUTH, Keys.ENTER)
+        wait.until(lambda b: "/login" not in b.current_url)
+        browser.get(f"{base}/deployments/deployment/{dep.id}/run")
+        fill("Root", "textarea", root)
+        fill("Num Steps", "input", 2)
+        fill("Epochs", "input", 1)
+        fill("Synthetic Rows", "input", 64)
+        fill("Eval Rows", "input", 8)
+        browser.save_screenshot(str(tmp_path / "ui-form.png"))
+        submit = browser.find_element(By.XPATH, "//button[normalize-space(.)='Submit']")
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", submit)
+        submit.click()
+        # The UI returns to the deployment with a toast "<run> scheduled to start now · View run".
+        view = wait.until(ec.element_to_be_clickable((By.XPATH, "//*[normalize-space(.)='View run']")))
+        browser.execute_script("arguments[0].click()", view)
+        wait.until(lambda b: "/runs/flow-run/" in b.current_url)
+        run_id = browser.current_url.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+        run = _wait(client, run_id)
+        assert run.state.is_completed(), run.state.message
+        assert run.parameters["config"]["storage"]["root"] == str(root)
+        browser.refresh()
+        WebDriverWait(browser, 60).until(lambda b: "Completed" in b.find_element(By.TAG_NAME, "body").text)
+        browser.save_screenshot(str(tmp_path / "ui-run-completed.png"))
+    finally:
+        browser.quit()
+    [name] = os.listdir(root)
+    s = RunRoot(str(root / name)).read_json("summary.json")
+    assert s["status"] == "completed" and s["steps"] == 2
+    assert (tmp_path / "ui-run-completed.png").stat().st_size > 10_000
