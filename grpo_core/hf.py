@@ -1,0 +1,150 @@
+"""Hugging Face checkpoints in: config.json + safetensors (one file or a sharded index) of a
+Qwen2, Qwen3 or Llama model into grpo_core's NNX model.
+
+Names map one to one (HF `model.layers.{i}.self_attn.q_proj.weight` (out, in) becomes row i of
+our stacked `model.layers.self_attn.q_proj.kernel` (L, in, out)). Weights stream: each stacked
+parameter is assembled on the host from its L tensors, put on its device, and dropped before
+the next, so the host never holds a second copy of the whole model. Unknown architectures and
+mismatched shapes fail naming the model type or the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from grpo_core.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+def model_config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides) -> ModelConfig:
+    """Our ModelConfig from a Hugging Face config.json (transformers 4 or 5 layout)."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps rope_theta and scaling here
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10_000.0))
+    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=True if kind == "qwen2" else bool(hf.get("attention_bias", False)),
+        qk_norm=kind == "qwen3", max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        rope_scaling=scaling or None)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+
+
+class _Tensors:
+    """Lazy access to every tensor of a checkpoint by name, across shards."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        self._handles, self.where = {}, {}
+        for path in _files(folder):
+            h = safe_open(path, framework="numpy")
+            self._handles[path] = h
+            for name in h.keys():
+                self.where[name] = path
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.where:
+            raise KeyError(name)
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def _hf_names(path: tuple[str, ...], layer: int | None) -> str:
+    """Our parameter path (and layer) -> the Hugging Face tensor name."""
+    *mods, leaf = path
+    hf_leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+    if mods[:2] == ["model", "layers"]:
+        return ".".join(["model", "layers", str(layer), *mods[2:], hf_leaf])
+    return ".".join([*mods, hf_leaf])
+
+
+def _host(tensors: _Tensors, name: str, transpose: bool) -> np.ndarray:
+    x = tensors.get(name)
+    return np.ascontiguousarray(x.T) if transpose else x
+
+
+def _stream(tensors: _Tensors, flat: dict[tuple[str, ...], Any], num_layers: int) -> Iterator[tuple[tuple, np.ndarray]]:
+    for path, like in flat.items():
+        transpose = path[-1] == "kernel"
+        if path[:2] == ("model", "layers"):
+            arr = np.empty(like.shape, like.dtype)  # one stacked parameter at a time
+            for i in range(num_layers):
+                arr[i] = _check_shape(_host(tensors, _hf_names(path, i), transpose), like.shape[1:], _hf_names(path, i))
+        else:
+            arr = _check_shape(_host(tensors, _hf_names(path, None), transpose), like.shape, _hf_names(path, None))
+        yield path, arr.astype(like.dtype, copy=False)
+
+
+def _check_shape(x: np.ndarray, want: tuple[int, ...], name: str) -> np.ndarray:
+    if tuple(x.shape) != tuple(want):
+        raise ConfigError(f"parameter {name}: checkpoint has shape {tuple(x.shape)}, the model expects {tuple(want)} "
+                          "(transposed for kernels)")
+    return x
+
+
+def load_hf_model(folder: str, dtype: str | None = None, **overrides):
+    """The NNX model of a local Hugging Face folder (config.json + safetensors)."""
+    import jax
+    from flax import nnx
+
+    from grpo_core.model import CausalLM
+
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{folder} has no config.json: not a Hugging Face model folder") from None
+    if dtype:
+        overrides.setdefault("dtype", dtype)
+        overrides.setdefault("param_dtype", dtype)
+    cfg = model_config_from_hf(hf, cfg_path, **overrides)
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+    flat = {tuple(str(k.key) for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    tensors = _Tensors(folder)
+    missing = [(p, _hf_names(p, 0 if p[:2] == ("model", "layers") else None)) for p in flat]
+    missing = [n for p, n in missing if n not in tensors.where]
+    if missing:
+        raise ConfigError(f"{folder}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    loaded: dict[tuple, Any] = {}
+    for path, arr in _stream(tensors, flat, cfg.num_hidden_layers):
+        loaded[path] = jax.device_put(arr)  # host copy freed when `arr` goes
+    nested: dict[str, Any] = {}
+    for path, v in loaded.items():
+        node = nested
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    nnx.replace_by_pure_dict(state, nested)
+    return nnx.merge(graphdef, state)
