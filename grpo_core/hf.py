@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in: config.json + safetensors (one file or a sharded index) of a
-Qwen2, Qwen3 or Llama model into grpo_core's NNX model.
+"""Hugging Face checkpoints in and out: config.json + safetensors (one file or a sharded index)
+of a Qwen2, Qwen3 or Llama model into grpo_core's NNX model, and back (`save_hf_model`).
 
 Names map one to one (HF `model.layers.{i}.self_attn.q_proj.weight` (out, in) becomes row i of
 our stacked `model.layers.self_attn.q_proj.kernel` (L, in, out)). Weights stream: each stacked
@@ -148,3 +148,61 @@ def load_hf_model(folder: str, dtype: str | None = None, **overrides):
         node[path[-1]] = v
     nnx.replace_by_pure_dict(state, nested)
     return nnx.merge(graphdef, state)
+
+
+# -- out -----------------------------------------------------------------------------------
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture that holds exactly these features."""
+    if cfg.qk_norm:
+        return "qwen3"
+    return "qwen2" if cfg.attention_bias else "llama"
+
+
+_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json for `cfg`, readable by transformers 4 and 5."""
+    kind = hf_model_type(cfg)
+    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    out = {
+        "architectures": [_ARCH[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu", "torch_dtype": cfg.param_dtype.value, "dtype": cfg.param_dtype.value,
+    }
+    if kind != "qwen2":
+        out["attention_bias"] = cfg.attention_bias
+    return out
+
+
+def save_hf_model(model, folder: str) -> str:
+    """Write `model` as a Hugging Face folder (config.json + model.safetensors) that transformers
+    loads with the same logits. Layers are unstacked one parameter at a time."""
+    import jax
+    from flax import nnx
+    from safetensors.flax import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    cfg = model.config
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tensors: dict[str, Any] = {}
+    for p, v in jax.tree_util.tree_flatten_with_path(pure)[0]:
+        path = tuple(str(k.key) for k in p)
+        transpose = path[-1] == "kernel"
+        if path[:2] == ("model", "layers"):
+            for i in range(cfg.num_hidden_layers):
+                tensors[_hf_names(path, i)] = v[i].T if transpose else v[i]
+        else:
+            tensors[_hf_names(path, None)] = v.T if transpose else v
+    tensors = {k: jax.numpy.asarray(t) for k, t in tensors.items()}  # contiguous copies
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config(cfg), f, indent=1)
+    return folder
