@@ -66,6 +66,8 @@ class DataConfig(_Config):
                                             "one file: use data.eval_fraction")
         if self.source == "synthetic":
             self.task()  # validate now
+        if self.template is not None:
+            _check_template(self.template)
 
     @property
     def is_file(self) -> bool:
@@ -80,6 +82,19 @@ class DataConfig(_Config):
             raise ConfigError(f"data.synthetic: {exc}") from None
         except ConfigError as exc:
             raise ConfigError(f"data.synthetic: {exc}") from None
+
+
+def _check_template(template: str) -> None:
+    """Only plain {column} placeholders: positional '{}' and '{a.b}' / '{a[0]}' are not columns."""
+    import string
+
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise ConfigError(f"data.template {template!r} is not a valid format string: {exc}") from None
+    bad = [n for n in names if not n or not n.isidentifier()]
+    _check(not bad, f"data.template {template!r}: placeholders must be column names like {{question}}, got "
+                    f"{', '.join(repr('{' + n + '}') for n in bad)}")
 
 
 def data_hash(cfg: DataConfig, tokenizer_id: str) -> str:
@@ -106,7 +121,9 @@ def _read_file(url: str) -> list[dict[str, Any]]:
                 rows = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{url} is not valid JSON: {exc}") from None
-            return [dict(r) for r in rows]
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise DataError(f"{url} must hold a JSON array of objects (one per row)")
+            return rows
         rows = []
         for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -118,7 +135,7 @@ def _read_file(url: str) -> list[dict[str, Any]]:
                     raise DataError(f"{url} line {i} is not a JSON object")
         return rows
     try:
-        frame = pd.read_parquet(io.BytesIO(raw)) if name.endswith(".parquet") else pd.read_csv(io.BytesIO(raw))
+        frame = pd.read_parquet(io.BytesIO(raw)) if name.endswith(".parquet") else pd.read_csv(io.BytesIO(raw), dtype=str, keep_default_na=False)
     except Exception as exc:  # noqa: BLE001 - pandas/pyarrow raise many types for a bad file
         raise DataError(f"cannot read data file {url}: {type(exc).__name__}: {exc}") from None
     return frame.to_dict("records")
@@ -132,6 +149,10 @@ def _read_hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     try:
         if _is_saved_dataset(cfg.source):
             ds = datasets.load_from_disk(cfg.source)
+            if not isinstance(ds, datasets.DatasetDict) and (split != "train" or cfg.eval_split):
+                missing = split if split != "train" else cfg.eval_split
+                raise DataError(f"{where} is a single saved Dataset without splits, so split {missing!r} does not "
+                                "exist; leave data.split=train and data.eval_split empty (a fraction is held out)")
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
                     raise DataError(f"{where} has no split {split!r}; splits: {sorted(ds)}")
@@ -156,8 +177,15 @@ def _is_saved_dataset(source: str) -> bool:
 
 
 def _jsonable(v: Any) -> Any:
+    import datetime
+    import math
+
     if isinstance(v, np.generic):
-        return v.item()
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # NaN is not JSON; a missing value is
+    if isinstance(v, (datetime.date, datetime.datetime)) or type(v).__name__ == "Timestamp":
+        return v.isoformat()
     if isinstance(v, np.ndarray):
         return [_jsonable(x) for x in v.tolist()]
     if isinstance(v, (list, tuple)):
@@ -174,6 +202,8 @@ def _prompt_text(cfg: DataConfig, row: dict[str, Any], i: int, where: str, token
         except KeyError as exc:
             raise DataError(f"{where} row {i}: data.template uses column {exc.args[0]!r}, which the row lacks; "
                             f"columns: {sorted(row)}") from None
+        except (IndexError, AttributeError, ValueError, TypeError) as exc:
+            raise DataError(f"{where} row {i}: data.template cannot be filled: {exc}") from None
     else:
         prompt = row[cfg.prompt_column]
     if not cfg.chat:
@@ -230,6 +260,11 @@ def _load_rows(cfg: DataConfig) -> tuple[list[dict], list[dict] | None, str]:
         return task.sample(0, 0, cfg.synthetic_rows), task.eval_rows(cfg.eval_rows), "synthetic task"
     if cfg.is_file:
         return _read_file(cfg.source), None, cfg.source
+    import os
+
+    if "://" in cfg.source or os.path.isfile(cfg.source):
+        raise DataError(f"data.source {cfg.source}: unsupported file type; use .jsonl, .json, .parquet or .csv "
+                        "(or a Hugging Face dataset id or folder)")
     train = _read_hub(cfg, cfg.split)
     return train, (_read_hub(cfg, cfg.eval_split) if cfg.eval_split else None), f"dataset {cfg.source!r}"
 

@@ -133,6 +133,10 @@ def test_saved_dataset_folder(tmp_path):
      "row 1: the tokenizer cannot encode the prompt"),
     (lambda p: write_jsonl(p / "one.jsonl", [{"prompt": "1"}]), {"source": "{p}/one.jsonl"},
      "1 usable row(s); a train and an eval split need at least 2"),
+    (lambda p: (p / "rows.txt").write_text("1+1\n"), {"source": "{p}/rows.txt"},
+     "data.source {p}/rows.txt: unsupported file type"),
+    (lambda p: (p / "a.json").write_text("[1, 2]"), {"source": "{p}/a.json"},
+     "{p}/a.json must hold a JSON array of objects"),
 ])
 def test_bad_data_names_the_place_and_marks_nothing(tmp_path, setup, fields, message):
     setup(tmp_path)
@@ -147,6 +151,27 @@ def test_bad_data_names_the_place_and_marks_nothing(tmp_path, setup, fields, mes
         load_prepared(root, data_hash(cfg, "char"))
 
 
+def test_saved_single_dataset_has_no_eval_split(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
+    with pytest.raises(DataError, match="is a single saved Dataset without splits, so split 'test' does not exist"):
+        prep(tmp_path, source=str(tmp_path / "one"), prompt_column="question", eval_split="test")
+
+
+def test_csv_is_text_and_odd_values_become_json(tmp_path):
+    (tmp_path / "n.csv").write_text("prompt,answer,score\n12,24,\n7,14,0.5\n3,6,1\n")
+    _, root, m = prep(tmp_path, source=str(tmp_path / "n.csv"), eval_fraction=0.34)
+    train, evals = load_prepared(root, m["hash"])
+    assert sorted(r["prompt"] for r in train + evals) == ["12", "3", "7"]  # not ints
+    frame = pd.DataFrame({"prompt": ["1", "2", "3"], "t": pd.to_datetime(["2026-01-01"] * 3),
+                          "x": [float("nan"), 1.0, 2.0]})
+    frame.to_parquet(tmp_path / "odd.parquet")
+    _, root, m = prep(tmp_path / "b", source=str(tmp_path / "odd.parquet"), eval_fraction=0.34)
+    rows = sum(load_prepared(root, m["hash"]), [])
+    assert {r["t"] for r in rows} == {"2026-01-01T00:00:00"} and None in {r["x"] for r in rows}
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="data.eval_fraction must be in"):
         DataConfig(eval_fraction=0.95)
@@ -156,6 +181,12 @@ def test_config_errors_name_the_field():
         DataConfig(synthetic={"min_len": 5, "max_len": 2})
     with pytest.raises(ConfigError, match="data.synthetic: .*unexpected keyword argument 'size'"):
         DataConfig(synthetic={"size": 5})
+    with pytest.raises(ConfigError, match=r"placeholders must be column names like \{question\}, got '\{\}'"):
+        DataConfig(template="Q: {}")
+    with pytest.raises(ConfigError, match="got '{prompt.x}'"):
+        DataConfig(template="{prompt.x}")
+    with pytest.raises(ConfigError, match="is not a valid format string"):
+        DataConfig(template="{prompt =")
 
 
 def test_dataset_prompts_walk_the_rows_deterministically():
