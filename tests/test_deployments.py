@@ -179,6 +179,7 @@ def test_schedule_fires(served):
         assert time.monotonic() < deadline, [(r.name, r.state.name) for r in runs]
         time.sleep(2)
     assert RunRoot(str(root / "nightly")).read_json("summary.json")["status"] == "completed"
+    client.pause_deployment(dep.id)  # the schedule has fired; keep the runner free for the tests after this
 
 
 def test_failed_run_retried_like_the_ui_resumes(served):
@@ -251,16 +252,13 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
         submit = browser.find_element(By.XPATH, "//button[normalize-space(.)='Submit']")
         browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", submit)
         submit.click()
-        # The UI returns to the deployment with a toast "<run> scheduled to start now · View run".
-        view = wait.until(ec.element_to_be_clickable((By.XPATH, "//*[normalize-space(.)='View run']")))
-        browser.execute_script("arguments[0].click()", view)
-        wait.until(lambda b: "/runs/flow-run/" in b.current_url)
-        run_id = browser.current_url.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+        run_id = _run_created_with_root(client, dep.id, str(root), browser, tmp_path)
+        browser.get(f"{base}/runs/flow-run/{run_id}")
         run = _wait(client, run_id)
         assert run.state.is_completed(), run.state.message
         assert run.parameters["config"]["storage"]["root"] == str(root)
         browser.refresh()
-        WebDriverWait(browser, 60).until(lambda b: "Completed" in b.find_element(By.TAG_NAME, "body").text)
+        WebDriverWait(browser, 120).until(lambda b: "Completed" in b.find_element(By.TAG_NAME, "body").text)
         browser.save_screenshot(str(tmp_path / "ui-run-completed.png"))
     finally:
         browser.quit()
@@ -268,3 +266,22 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
     s = RunRoot(str(root / name)).read_json("summary.json")
     assert s["status"] == "completed" and s["steps"] == 2
     assert (tmp_path / "ui-run-completed.png").stat().st_size > 10_000
+
+
+def _run_created_with_root(client, deployment_id, root: str, browser, tmp_path, timeout: float = 120) -> str:
+    """The flow run the form created: found through the API by its parameters (the UI's own
+    confirmation is a toast that can come and go between two polls on a busy machine)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])))
+        mine = [r for r in runs if r.parameters.get("config", {}).get("storage", {}).get("root") == root]
+        if mine:
+            return str(mine[0].id)
+        if time.monotonic() > deadline:
+            browser.save_screenshot(str(tmp_path / "ui-after-submit.png"))
+            raise AssertionError(f"no flow run with storage.root={root} after submitting the form "
+                                 f"(screenshot: {tmp_path / 'ui-after-submit.png'})")
+        time.sleep(1)
