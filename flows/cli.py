@@ -27,9 +27,15 @@ def _prefect_defaults() -> None:
 
 
 def _config(args):
+    """The run config from --config and --set, or None after printing the error (exit 2)."""
+    from grpo_core.config import ConfigError
     from grpo_core.run_config import load_config
 
-    return load_config(args.config, args.set)
+    try:
+        return load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return None
 
 
 def _run_url(run: str, args) -> str:
@@ -70,12 +76,8 @@ def _print_examples(run_url: str) -> None:
 
 
 def run_command(args) -> int:
-    from grpo_core.config import ConfigError
-
-    try:
-        cfg = _config(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    cfg = _config(args)
+    if cfg is None:
         return 2
     _prefect_defaults()
     from flows.pipeline import grpo_pipeline
@@ -94,12 +96,8 @@ def run_command(args) -> int:
 
 
 def check_command(args) -> int:
-    from grpo_core.config import ConfigError
-
-    try:
-        cfg = _config(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    cfg = _config(args)
+    if cfg is None:
         return 2
     from tasks.stages import readiness_report
 
@@ -161,17 +159,16 @@ def status_command(args) -> int:
 
 
 def serve_command(args) -> int:
-    from grpo_core.config import ConfigError
-
     if not os.environ.get("PREFECT_API_URL"):
         print("grpo serve needs a Prefect server: start one with `prefect server start` (it listens on "
               "127.0.0.1:4200) and export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
         return 2
-    try:
-        params = _config(args).to_dict() if (args.config or args.set) else None
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    params = None
+    if args.config or args.set:
+        cfg = _config(args)
+        if cfg is None:
+            return 2
+        params = cfg.to_dict()
     from flows.serve import serve
 
     serve(params, cron=args.cron, interval=args.interval, limit=args.limit)
