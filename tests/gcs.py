@@ -1,58 +1,162 @@
 """A real GCS-protocol server for the tests: gcp-storage-emulator on 127.0.0.1, one per session.
 
-gcsfs reaches it through STORAGE_EMULATOR_HOST (anonymous access), TensorStore (Orbax's array
-writer) through TENSORSTORE_GCS_HTTP_URL and a fixed test token. The variables are in
-os.environ, so worker processes the tests start inherit them. GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT
-must be off before gcsfs is imported, or each call waits 60 s on a probe the emulator ignores.
+    def test_x(gcs_emulator):
+        url = gcs_emulator.url_for("runs")   # gs://grpo-test/runs-1a2b3c4d, fresh per call
+
+What reaches it, and how (the variables live in os.environ, so worker processes the tests start
+inherit them; `gcs_emulator.env` has the same dict for a child given an explicit environment):
+
+- gcsfs (RunRoot, and Orbax's directory operations through etils.epath, which without tensorflow
+  calls `fsspec.filesystem("gcs")`): STORAGE_EMULATOR_HOST is its endpoint, and
+  FSSPEC_GCS_TOKEN=anon makes it anonymous. Without that gcsfs tries Application Default
+  Credentials first, so on a machine that has them it refreshes a token at oauth2.googleapis.com
+  on every new filesystem (minutes of retries offline). fsspec reads FSSPEC_* variables only
+  when it is imported, which Prefect has already done by now, so this process also gets the
+  token through fsspec's in-memory config.
+- TensorStore (Orbax's array writer): TENSORSTORE_GCS_HTTP_URL is its endpoint and
+  GOOGLE_AUTH_TOKEN_FOR_TESTING a fixed bearer token, so it never looks for credentials either.
+- GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false, set when this module is imported (tests/conftest.py
+  names it as a plugin): gcsfs reads it at import, and with it on every new filesystem spends
+  60 s on a gRPC bucket-type probe the emulator cannot answer.
+
+One emulator gap is closed here: an object read ignored ifGenerationMatch/ifGenerationNotMatch
+and carried no x-goog-generation header. TensorStore's OCDBT (Orbax's default format)
+sometimes revalidates its cached manifest with ifGenerationNotMatch=<the generation it just
+wrote>; real GCS answers 304, the emulator answered 200 with no generation, and the next
+manifest write failed with "Malformed StorageGeneration" (a few percent of saves).
 """
 
+import logging
 import os
-import socket
+import sys
 import uuid
+from http import HTTPStatus
 
 import pytest
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+if "gcsfs" in sys.modules and sys.modules["gcsfs"].GCSFileSystem.__name__ == "ExtendedGcsFileSystem":
+    raise RuntimeError("gcsfs was imported with GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT on, before tests.gcs: every "
+                       "call to the emulator would wait 60 s. Import tests.gcs first (tests/conftest.py).")
 
 BUCKET = "grpo-test"
 
 
-class Emulator:
-    def __init__(self, endpoint: str):
-        self.endpoint = endpoint
+class GcsEmulator:
+    def __init__(self, endpoint: str, env: dict[str, str]):
+        self.bucket = BUCKET
+        self.endpoint = endpoint  # http://127.0.0.1:PORT
+        self.env = dict(env)  # the variables set for the session, for a child with its own env
 
     def url_for(self, prefix: str) -> str:
-        return f"gs://{BUCKET}/{prefix}-{uuid.uuid4().hex[:8]}"
+        """A fresh gs:// folder in the test bucket: gs://grpo-test/{prefix}-{8 hex}."""
+        return f"gs://{self.bucket}/{prefix.strip('/')}-{uuid.uuid4().hex[:8]}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _with_generation(download):
+    """The emulator's object download, plus what real GCS does: ifGenerationNotMatch equal to the
+    object's generation -> 304, ifGenerationMatch different -> 412, x-goog-generation on a read."""
+    from gcp_storage_emulator.exceptions import NotFound
+
+    def handler(request, response, storage, *args, **kwargs):
+        try:
+            obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        except NotFound:
+            return download(request, response, storage, *args, **kwargs)  # its 404
+        gen = str(obj["generation"])
+        if gen in request.query.get("ifGenerationNotMatch", []):
+            response.status = HTTPStatus.NOT_MODIFIED
+            return
+        if request.query.get("ifGenerationMatch", [gen])[0] != gen:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            return
+        download(request, response, storage, *args, **kwargs)
+        response["x-goog-generation"] = gen
+        response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
+
+    return handler
+
+
+def _patch_downloads():
+    """Install _with_generation wherever the emulator routes object downloads; returns the undo."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.handlers import objects
+
+    original = objects.download
+    patched = _with_generation(original)
+    routes = [methods for _, methods in server.HANDLERS if original in methods.values()]
+    objects.download = patched  # objects.get (GET ...?alt=media) calls it by this name
+    for methods in routes:
+        for verb, fn in methods.items():
+            if fn is original:
+                methods[verb] = patched
+
+    def undo():
+        objects.download = original
+        for methods in routes:
+            for verb, fn in methods.items():
+                if fn is patched:
+                    methods[verb] = original
+
+    return undo
+
+
+def _forget_gcs_clients():
+    """Drop cached gcsfs instances (they keep the credentials they were made with), including the
+    one etils.epath caches for Orbax."""
+    if "gcsfs" in sys.modules:
+        sys.modules["gcsfs"].GCSFileSystem.clear_instance_cache()
+    if "etils.epath.backend" in sys.modules:
+        sys.modules["etils.epath.backend"]._FileSystemSpecBackend._get_filesystem.cache_clear()
 
 
 @pytest.fixture(scope="session")
 def gcs_emulator():
+    import fsspec.config
     from gcp_storage_emulator.server import create_server
 
-    port = _free_port()
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
+    # Port 0: the OS picks a free port at bind time, so no other process can take it in between
+    # (the emulator binds in its thread, and start() would wait forever on a failed bind).
+    server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)
+    undo_patch = _patch_downloads()
     server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"STORAGE_EMULATOR_HOST": endpoint, "TENSORSTORE_GCS_HTTP_URL": endpoint,
-           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "GOOGLE_CLOUD_PROJECT": "test"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import gcsfs
+    httpd = server._api._httpd  # the pinned emulator has no public accessor for the bound port
+    endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
 
-    gcsfs.GCSFileSystem.clear_instance_cache()
+    # gcsfs's info() races an object GET against a one-item listing and drops the loser, so the
+    # emulator often writes to a closed socket; don't print a traceback for that.
+    default_handle_error = httpd.handle_error
+
+    def handle_error(request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            default_handle_error(request, client_address)
+
+    httpd.handle_error = handle_error
+    emulator_log = logging.getLogger("gcp_storage_emulator")  # logs every 404 at ERROR
+    log_level = emulator_log.level
+    emulator_log.setLevel(logging.CRITICAL)
+
+    env = {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GCS_TOKEN": "anon",
+           "TENSORSTORE_GCS_HTTP_URL": endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token"}
+    saved_env = {k: os.environ.get(k) for k in env}
+    gcs_conf = fsspec.config.conf.setdefault("gcs", {})
+    saved_token = gcs_conf.get("token", None), "token" in gcs_conf
+    os.environ.update(env)
+    gcs_conf["token"] = "anon"
+    _forget_gcs_clients()
     try:
-        yield Emulator(endpoint)
+        yield GcsEmulator(endpoint, env)
     finally:
         server.stop()
-        for k, v in saved.items():
+        undo_patch()
+        emulator_log.setLevel(log_level)
+        for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        gcsfs.GCSFileSystem.clear_instance_cache()
+        if saved_token[1]:
+            gcs_conf["token"] = saved_token[0]
+        else:
+            gcs_conf.pop("token", None)
+        _forget_gcs_clients()

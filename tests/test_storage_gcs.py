@@ -1,8 +1,10 @@
-"""RunRoot and Orbax checkpoints on gs://, against gcp-storage-emulator on 127.0.0.1."""
+"""RunRoot and Orbax checkpoints on gs://, against gcp-storage-emulator on 127.0.0.1 (tests/gcs.py)."""
 
+import json
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,36 +17,100 @@ def gs_root(gcs_emulator):
     return RunRoot(gcs_emulator.url_for("runs") + "/r1")
 
 
-def test_objects_markers_metrics_and_probe(gs_root):
-    gs_root.write_json("config.json", {"a": 1})
-    assert gs_root.read_json("config.json") == {"a": 1} and gs_root.list("") == ["config.json"]
-    gs_root.write_bytes("data/h/train.jsonl", b"{}\n")
-    assert not gs_root.is_done("data/h")
-    gs_root.mark_done("data/h", {"rows": 1})
-    assert gs_root.is_done("data/h") and gs_root.done_info("data/h") == {"rows": 1}
+def test_objects_and_listing(gs_root):
+    assert gs_root.url.startswith("gs://grpo-test/runs-") and gs_root.list("") == []
+    uri = gs_root.write_json("config.json", {"b": 1, "a": [1, 2]})
+    assert uri == f"{gs_root.url}/config.json" and gs_root.read_json("config.json") == {"a": [1, 2], "b": 1}
+    gs_root.write_bytes("data/abc/train.bin", b"x" * 10)
+    gs_root.write_bytes("data/abc/eval.bin", b"y")
+    assert gs_root.read_bytes("data/abc/train.bin") == b"x" * 10 and gs_root.exists("data/abc/eval.bin")
+    assert gs_root.list("") == ["config.json", "data"] and gs_root.list("data/abc") == ["eval.bin", "train.bin"]
+    assert gs_root.list("nothing") == [] and not gs_root.exists("nothing.json")
+    with pytest.raises(FileNotFoundError, match=rf"^{gs_root.url}/missing.json does not exist$"):
+        gs_root.read_json("missing.json")
+
+
+def test_marker_last_metrics_and_probe(gs_root):
+    stage = "data/0123abcd"
+    gs_root.write_bytes(f"{stage}/train.jsonl", b"{}\n")
+    assert not gs_root.is_done(stage)
+    gs_root.mark_done(stage, {"rows": 1})
+    assert gs_root.is_done(stage) and gs_root.done_info(stage) == {"rows": 1}
+
     gs_root.write_metrics([{"step": 0, "reward": 0.1}, {"step": 1, "reward": 0.2}])
-    gs_root.write_metrics([{"step": 1, "reward": 0.25}])
-    assert [r["reward"] for r in gs_root.read_metrics()] == [0.1, 0.25]
+    gs_root.write_metrics([{"step": 1, "reward": 0.25}, {"step": 2, "reward": 0.3}])  # a retry re-ran step 1
+    rows = gs_root.read_metrics()
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["reward"] == 0.25
+    assert gs_root.list("metrics") == ["00000000-00000001.jsonl", "00000001-00000002.jsonl"]
+
     gs_root.probe()
-    with pytest.raises(FileNotFoundError, match=r"gs://grpo-test/.*/r1/nope.json does not exist"):
-        gs_root.read_json("nope.json")
+    assert gs_root.list("") == ["data", "metrics"]  # the probe object is gone
 
 
-def test_orbax_checkpoints_on_gs(gs_root):
-    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+def _tree(step):
+    return {"params": {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) * step,
+                       "b": np.full(3, step, np.float32)},
+            "opt": {"count": jnp.asarray(step, jnp.int32), "mu": jnp.ones((4,), jnp.bfloat16) * step}}
+
+
+def _assert_tree_equal(got, want):
+    got_leaves, want_leaves = sorted(_leaves(got)), sorted(_leaves(want))
+    assert [k for k, _ in got_leaves] == [k for k, _ in want_leaves]
+    for (k, g), (_, w) in zip(got_leaves, want_leaves):
+        assert np.asarray(g).dtype == np.asarray(w).dtype, k
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=k)
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        return [kv for k, v in tree.items() for kv in _leaves(v, f"{prefix}/{k}")]
+    return [(prefix, tree)]
+
+
+def test_orbax_checkpoints(gs_root):
     url = gs_root.uri("checkpoints")
     with Checkpointer(url, max_to_keep=2) as ckpt:
-        for step in (1, 2, 3):
-            ckpt.save(step, {k: v * step for k, v in tree.items()}, {"seed": 0})
-            ckpt.wait()
+        assert ckpt.latest_step() is None and ckpt.all_steps() == []
+        for step in (1, 2):
+            ckpt.save(step, _tree(step), {"seed": 7, "config_hash": "abc"})
+        ckpt.wait()
+        assert ckpt.latest_step() == 2 and ckpt.all_steps() == [1, 2]
+        state, meta = ckpt.restore(2, like=_tree(0))
+        _assert_tree_equal(state, _tree(2))
+        assert meta == {"seed": 7, "config_hash": "abc", "step": 2}
+        state, _ = ckpt.restore(1)  # as saved: nested dicts of arrays
+        _assert_tree_equal(state, _tree(1))
+
+        ckpt.save(3, _tree(3), {"seed": 7})
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 3]
+    assert gs_root.list("checkpoints") == ["2", "3"]  # step 1 is deleted from the bucket
+
+    # a save cut off before Orbax's commit marker is not a checkpoint
+    gs_root.write_bytes("checkpoints/4/state/manifest.ocdbt", b"half")
+    with Checkpointer(url) as ckpt:
         assert ckpt.latest_step() == 3 and ckpt.all_steps() == [2, 3]
-        state, meta = ckpt.restore(3, like=tree)
-    np.testing.assert_array_equal(state["w"], tree["w"] * 3)
-    assert meta == {"seed": 0, "step": 3}
-    code = (f"from grpo_core.checkpoint import Checkpointer\n"
-            f"with Checkpointer({url!r}) as c:\n"
-            f"    s, m = c.restore(c.latest_step())\n"
-            f"print(float(s['w'].sum()), m['step'])")
+
+
+def test_child_process_restores_what_this_one_saved(gs_root):
+    """The pipeline's worker is another process: it finds the emulator through the inherited env."""
+    url = gs_root.uri("checkpoints")
+    with Checkpointer(url) as ckpt:
+        ckpt.save(5, _tree(5), {"seed": 1})
+        ckpt.wait()
+    gs_root.mark_done("checkpoints/5", {"step": 5})
+    code = f"""
+import json, numpy as np
+from grpo_core.checkpoint import Checkpointer
+from grpo_core.storage import RunRoot
+with Checkpointer({url!r}) as c:
+    step = c.latest_step()
+    state, meta = c.restore(step)
+print(json.dumps({{"step": step, "meta": meta, "done": RunRoot({gs_root.url!r}).done_info("checkpoints/5"),
+                  "w": np.asarray(state["params"]["w"]).tolist(), "mu": str(state["opt"]["mu"].dtype)}}))
+"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == [str(float(tree["w"].sum() * 3)), "3"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"step": 5, "meta": {"seed": 1, "step": 5}, "done": {"step": 5},
+                   "w": np.asarray(_tree(5)["params"]["w"]).tolist(), "mu": "bfloat16"}
