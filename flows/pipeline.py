@@ -21,7 +21,7 @@ from flows.params import RunParams
 from grpo_core.report import build_summary, plot_curve
 from grpo_core.run_config import RunConfig
 from grpo_core.storage import RunRoot
-from tasks.stages import (_key, check_readiness, evaluate, init_run, load_run, prepare_dataset, readiness_markdown,
+from tasks.stages import (_key, check_readiness, evaluate, init_run, load_run, prepare_dataset, publish_readiness,
                           readiness_report, retryable, train_epoch)
 
 
@@ -115,9 +115,5 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
     """The readiness report alone (storage probe, devices, memory budget), as an artifact."""
     cfg = _config(config)
     report = readiness_report(cfg)
-    create_markdown_artifact(readiness_markdown(report), key=_key(f"readiness-{cfg.name}"),
-                             description="Preflight checks")
-    if not report["ready"]:
-        failed = [f"{c['name']}: {c['detail']} (fix: {c['fix']})" for c in report["checks"] if not c["ok"]]
-        raise RuntimeError("not ready: " + "; ".join(failed))
+    publish_readiness(report, cfg.name)
     return {k: report.get(k) for k in ("ready", "backend", "device_kind", "device_count", "process_count")}

@@ -95,10 +95,9 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
     try:
-        events = _device_checks(f.name, timeout_s or cfg.pipeline.check_timeout_s)
+        report = _device_checks(f.name, timeout_s or cfg.pipeline.check_timeout_s)
     finally:
         os.unlink(f.name)
-    report = events
     if "error" in report:  # the request itself was refused (exit 2): say why as a failed check
         checks.append({"name": "request", "ok": False, "detail": report["error"], "fix": "fix the config field named"})
     report["checks"] = checks + report.get("checks", [])
@@ -141,20 +140,24 @@ def readiness_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def publish_readiness(report: dict[str, Any], run_name: str) -> None:
+    """The report as a markdown artifact; StageError (not retryable) naming each failed check."""
+    create_markdown_artifact(readiness_markdown(report), key=_key(f"readiness-{run_name}"),
+                             description="Preflight checks")
+    failed = [f"{c['name']}: {c['detail']} (fix: {c['fix']})" for c in report["checks"] if not c["ok"]]
+    if failed:
+        raise StageError("not ready: " + "; ".join(failed), retryable=False)
+
+
 @task(name="check-readiness", cache_policy=NO_CACHE)
 def check_readiness(run_url: str) -> dict[str, Any]:
     """Preflight: storage, devices, memory budget. Writes readiness.json; fails fast if not ready."""
     cfg, log = load_run(run_url), get_run_logger()
     report = readiness_report(cfg)
     RunRoot(run_url).write_json("readiness.json", report)
-    create_markdown_artifact(readiness_markdown(report), key=_key(f"readiness-{cfg.name}"),
-                             description="Preflight checks")
-    failed = [c for c in report["checks"] if not c["ok"]]
     for c in report["checks"]:
         log.info("readiness %-16s %s  %s", c["name"], "ok" if c["ok"] else "FAILED", c["detail"])
-    if failed:
-        raise StageError("not ready: " + "; ".join(f"{c['name']}: {c['detail']} (fix: {c['fix']})" for c in failed),
-                         retryable=False)
+    publish_readiness(report, cfg.name)
     return {"ready": True, "backend": report.get("backend"), "device_count": report.get("device_count")}
 
 
