@@ -24,9 +24,13 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "run_name": ("Folder of this run under storage.root. Empty: named by the preset and the config hash, "
                  "so the same config resumes its own run", {}),
     "storage.root": ("Where runs live: a local folder, gs://bucket/prefix or memory://...", {"min_length": 1}),
-    "model.preset": ("Model size and architecture", {}),
-    "model.seed": ("Seed of the starting weights", {"ge": 0}),
-    "model.tokenizer": ("Tokenizer: 'char' is the built-in character tokenizer", {}),
+    "model.path": ("Start from a Hugging Face checkpoint (Qwen2, Qwen3, Llama): a Hub id like Qwen/Qwen3-0.6B, "
+                   "a folder or a gs:// folder. Empty: a preset with random weights", {}),
+    "model.revision": ("Hub revision (branch, tag or commit) of model.path", {}),
+    "model.preset": ("Model size and architecture when model.path is empty", {}),
+    "model.seed": ("Seed of the starting weights of a preset", {"ge": 0}),
+    "model.tokenizer": ("Empty: the checkpoint's own tokenizer with model.path, else 'char' (the built-in "
+                        "character tokenizer); or a Hugging Face tokenizer id/folder", {}),
     "rewards": ("Reward functions: a built-in name (char_match, exact_match) or path/to/file.py:function "
                 "or module:function, with their weights (0: reported, not optimised)", {"min_length": 1}),
     "data.source": ("'synthetic', a .jsonl/.json/.parquet/.csv path or gs:// URL, or a Hugging Face dataset "
@@ -97,6 +101,9 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "pipeline.train_timeout_s": ("Hard limit per training-epoch attempt, seconds", {"gt": 0}),
     "pipeline.eval_timeout_s": ("Hard limit per evaluation attempt, seconds", {"gt": 0}),
     "pipeline.check_timeout_s": ("Hard limit for the device checks, seconds", {"gt": 0}),
+    "pipeline.export": ("Write the final policy as a Hugging Face folder (safetensors, config, tokenizer) "
+                        "under export/{step}/", {}),
+    "pipeline.export_timeout_s": ("Hard limit for the export, seconds", {"gt": 0}),
 }
 
 _DEFAULTS = RunConfig.from_dict({}).to_dict()
@@ -155,9 +162,11 @@ class StorageParams(BaseModel):
 class ModelParams(BaseModel):
     # Other keys override the preset's fields (Hugging Face names: hidden_size, dtype, ...).
     model_config = ConfigDict(extra="allow")
+    path: Optional[str] = Field(None, description=DOCS["model.path"][0])
+    revision: Optional[str] = Field(None, description=DOCS["model.revision"][0])
     preset: Literal[tuple(PRESETS)] = Field(_DEFAULTS["model"]["preset"], description=DOCS["model.preset"][0])
     seed: int = Field(_DEFAULTS["model"]["seed"], description=DOCS["model.seed"][0], ge=0)
-    tokenizer: str = Field(_DEFAULTS["model"]["tokenizer"], description=DOCS["model.tokenizer"][0])
+    tokenizer: Optional[str] = Field(None, description=DOCS["model.tokenizer"][0])
 
 
 DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"])

@@ -9,7 +9,7 @@ import numpy as np
 
 from grpo_core import rewards as rw
 from grpo_core.config import SamplingConfig
-from grpo_core.sampler import SamplerOptions, completion_texts, generate, pad_prompts, step_key
+from grpo_core.sampler import SamplerOptions, stop_ids, completion_texts, generate, pad_prompts, step_key
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -24,7 +24,7 @@ def complete(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], sampli
     """Completion texts for `rows`, in batches of one shape (the last one padded): yields
     (the batch's rows, its num_samples completions per row). num_samples == 1 is greedy."""
     greedy = num_samples == 1
-    opts = SamplerOptions.from_config(sampling, eos_ids if eos_ids is not None else [tokenizer.eos_token_id],
+    opts = SamplerOptions.from_config(sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer),
                                       tokenizer.pad_token_id, temperature=0.0 if greedy else sampling.temperature)
     for start in range(0, len(rows), batch_size):
         chunk = list(rows[start:start + batch_size])

@@ -43,6 +43,12 @@ def latest_checkpoint(root: RunRoot) -> int | None:
     return max(steps) if steps else None
 
 
+def latest_export(root: RunRoot) -> str | None:
+    """The newest complete Hugging Face export, export/{step}/ with its marker."""
+    steps = sorted((int(n) for n in root.list("export") if n.isdigit()), reverse=True)
+    return next((root.uri("export", str(s)) for s in steps if root.is_done(f"export/{s}")), None)
+
+
 def build_summary(root: RunRoot, status: str, **extra: Any) -> dict[str, Any]:
     metrics = root.read_metrics()
     first, last = window_means([float(m["reward"]) for m in metrics])
@@ -56,7 +62,7 @@ def build_summary(root: RunRoot, status: str, **extra: Any) -> dict[str, Any]:
         "eval_before": _headline(next((e for e in evals if e["step"] == 0), None)),
         "eval_after": _headline(evals[-1] if evals and evals[-1]["step"] > 0 else None),
         "checkpoint_uri": root.uri("checkpoints", str(ckpt)) if ckpt is not None else None,
-        "export_uri": root.uri("export") if root.is_done("export") else None,
+        "export_uri": latest_export(root),
         "run_uri": root.url,
     }
     summary.update(extra)

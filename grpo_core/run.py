@@ -42,12 +42,16 @@ def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards") -> list[
 
 
 def make_tokenizer(cfg: RunConfig):
-    """The tokenizer named by model.tokenizer. 'char' is the built-in character tokenizer."""
+    """The tokenizer named by model.tokenizer: 'char' (the built-in character tokenizer), 'auto'
+    (AutoTokenizer of model.path, with its generation config's stop ids) or another HF id/folder."""
     from grpo_core.synthetic import CharTokenizer
 
-    if cfg.tokenizer_id == "char":
+    if cfg.tokenizer_source is None:
         return CharTokenizer()
-    raise ConfigError(f"model.tokenizer must be 'char' (the built-in character tokenizer), got {cfg.tokenizer_id!r}")
+    from grpo_core.sources import load_tokenizer
+
+    rev = cfg.model.get("revision") if cfg.tokenizer_source == cfg.model_path else None
+    return load_tokenizer(cfg.tokenizer_source, rev)
 
 
 @dataclasses.dataclass
@@ -64,13 +68,20 @@ class RunParts:
         return self.cfg.model_config(vocab_size=self.tokenizer.vocab_size)
 
     def create_policy(self):
-        """The starting policy: deterministic in model.seed, so every process builds the same."""
+        """The starting policy: the checkpoint at model.path, or a preset initialised from
+        model.seed; every process builds the same."""
         from grpo_core.model import create_model
 
         mc = self.model_config()
         if mc.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size ({mc.vocab_size}) is smaller than the tokenizer's "
                               f"({self.tokenizer.vocab_size})")
+        if self.cfg.model_path:
+            from grpo_core.hf import load_hf_model
+            from grpo_core.sources import resolve
+
+            overrides = {k: v for k, v in self.cfg.model.items() if k in ("dtype", "param_dtype")}
+            return load_hf_model(resolve(self.cfg.model_path, self.cfg.model.get("revision")), **overrides)
         return create_model(mc, int(self.cfg.model.get("seed", 0)))
 
 

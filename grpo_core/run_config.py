@@ -48,6 +48,12 @@ DEFAULT: dict[str, Any] = {
 }
 
 
+# Keys of the model section that are not ModelConfig fields: where the weights and tokenizer
+# come from, the init seed, and the LoRA adapters (grpo_core.lora).
+MODEL_KEYS = ("preset", "seed", "tokenizer", "path", "revision", "lora")
+PATH_OVERRIDES = ("dtype", "param_dtype")  # the ModelConfig fields a checkpoint's config.json leaves open
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardSpec(_Config):
     """A reward function: a built-in name (see grpo_core.rewards.BUILTIN) or `file.py:fn` /
@@ -114,6 +120,8 @@ class PipelineConfig(_Config):
     train_timeout_s: float = 3600.0  # hard limit per training-epoch attempt: the worker is killed
     eval_timeout_s: float = 1800.0
     check_timeout_s: float = 600.0
+    export: bool = True  # write the final policy as a Hugging Face folder, export/{step}/
+    export_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -122,7 +130,7 @@ class PipelineConfig(_Config):
         _check(self.retries >= 0 and self.flow_retries >= 0,
                f"pipeline.retries and pipeline.flow_retries must be >= 0, got {self.retries}, {self.flow_retries}")
         _check(self.retry_delay_s >= 0, f"pipeline.retry_delay_s must be >= 0, got {self.retry_delay_s}")
-        for name in ("train_timeout_s", "eval_timeout_s", "check_timeout_s"):
+        for name in ("train_timeout_s", "eval_timeout_s", "check_timeout_s", "export_timeout_s"):
             _check(getattr(self, name) > 0, f"pipeline.{name} must be > 0, got {getattr(self, name)}")
 
 
@@ -148,6 +156,8 @@ class RunConfig:
         base = copy.deepcopy(DEFAULT)
         if isinstance(data.get("data"), dict) and data["data"].get("source", "synthetic") != "synthetic":
             base["data"] = {}  # the synthetic defaults (prompt length, task) do not apply to a user's data
+        if isinstance(data.get("model"), dict) and data["model"].get("path"):
+            base["model"] = {"seed": 0}  # a checkpoint brings its own architecture and tokenizer
         d = _merge(base, data)
         storage = d["storage"]
         _check(isinstance(storage, dict) and set(storage) <= {"root"},
@@ -172,13 +182,39 @@ class RunConfig:
     # -- derived ---------------------------------------------------------------------------
 
     @property
+    def model_path(self) -> str | None:
+        """A Hugging Face id, folder or gs:// folder to start from (grpo_core.sources); None: a preset."""
+        return self.model.get("path")
+
+    @property
     def tokenizer_id(self) -> str:
-        return str(self.model.get("tokenizer", "char"))
+        """'char', or where an HF tokenizer comes from ('hf:' + its path[@revision]): part of the data hash."""
+        tok = str(self.model.get("tokenizer", "char"))
+        if tok == "char":
+            return tok
+        where = self.model_path if tok == "auto" else tok
+        rev = self.model.get("revision")
+        return f"hf:{where}" + (f"@{rev}" if rev else "")
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        """Where AutoTokenizer loads from: the model's own folder ('auto') or another id/folder."""
+        tok = str(self.model.get("tokenizer", "char"))
+        return None if tok == "char" else (self.model_path if tok == "auto" else tok)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         from grpo_core.presets import get_preset
 
-        fields = {k: v for k, v in self.model.items() if k not in ("preset", "seed", "tokenizer")}
+        fields = {k: v for k, v in self.model.items() if k not in MODEL_KEYS}
+        if self.model_path:
+            from grpo_core.hf import model_config_from_hf
+            from grpo_core.sources import read_config
+
+            fixed = sorted(set(fields) - set(PATH_OVERRIDES))
+            _check(not fixed, f"model.{', model.'.join(fixed)}: set by the checkpoint at model.path "
+                              f"{self.model_path!r}; only {', '.join(PATH_OVERRIDES)} may be overridden")
+            return model_config_from_hf(read_config(self.model_path, self.model.get("revision")),
+                                        f"{self.model_path}/config.json", **fields)
         if vocab_size is not None:
             fields.setdefault("vocab_size", vocab_size)
         try:
@@ -208,7 +244,10 @@ class RunConfig:
     @property
     def name(self) -> str:
         """The run's folder: run_name, or the preset and the training hash."""
-        return self.run_name.strip("/") if self.run_name else f"{self.model.get('preset', 'tiny')}-{self.train_hash[:8]}"
+        if self.run_name:
+            return self.run_name.strip("/")
+        base = self.model_path.rstrip("/").rsplit("/", 1)[-1] if self.model_path else self.model.get("preset", "tiny")
+        return f"{''.join(c if c.isalnum() or c in '.-_' else '-' for c in base)}-{self.train_hash[:8]}"
 
     @property
     def run_url(self) -> str:
@@ -224,9 +263,21 @@ class RunConfig:
 
 
 def _model_section(value: Any) -> dict[str, Any]:
+    """Normalised so equal models hash equally: empty optional keys dropped, the tokenizer filled
+    in ('char' for a preset, 'auto' = the checkpoint's own for model.path), no preset with a path."""
     _check(isinstance(value, dict), f"model must be a mapping like {{preset: tiny}}, got {value!r}")
-    out = dict(value)
+    out = {k: v for k, v in value.items() if not (k in ("path", "revision", "tokenizer", "lora") and v in (None, ""))}
     _check(isinstance(out.get("seed", 0), int), f"model.seed must be an integer, got {out.get('seed')!r}")
+    if out.get("path") is not None:
+        _check(isinstance(out["path"], str), f"model.path must be a Hugging Face id, folder or URL, got {out['path']!r}")
+        out.pop("preset", None)
+        out.setdefault("tokenizer", "auto")
+    else:
+        _check("revision" not in out, "model.revision applies to a Hugging Face id in model.path, which is not set")
+        _check(out.get("tokenizer", "char") in ("char",) or isinstance(out.get("tokenizer"), str),
+               f"model.tokenizer must be 'char' or a tokenizer id/folder, got {out.get('tokenizer')!r}")
+        out.setdefault("tokenizer", "char")
+        _check(out["tokenizer"] != "auto", "model.tokenizer 'auto' means the tokenizer of model.path, which is not set")
     return out
 
 
@@ -275,6 +326,10 @@ def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     section = data.get("data")
     if isinstance(section, dict) and isinstance(section.get("source"), str) and os.path.exists(section["source"]):
         section["source"] = os.path.abspath(section["source"])
+    model = data.get("model")
+    for key in ("path", "tokenizer"):
+        if isinstance(model, dict) and isinstance(model.get(key), str) and os.path.isdir(model[key]):
+            model[key] = os.path.abspath(model[key])
     for key in ("rewards", "eval"):
         specs = data.get(key, {}).get("rewards") if key == "eval" and isinstance(data.get(key), dict) else data.get(key)
         for spec in specs if isinstance(specs, list) else []:

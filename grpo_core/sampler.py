@@ -210,6 +210,13 @@ def generate(model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: 
     return Completions(ptok, pvalid, tokens, logprobs, lengths, truncated)
 
 
+def stop_ids(tokenizer) -> list[int]:
+    """The ids that end a completion: the tokenizer's `stop_ids` (an HF model's generation config
+    may list several, e.g. <|im_end|> and <|endoftext|>), else its EOS."""
+    ids = getattr(tokenizer, "stop_ids", None)
+    return [int(i) for i in ids] if ids else [int(tokenizer.eos_token_id)]
+
+
 def completion_texts(tokenizer, tokens: np.ndarray, lengths: np.ndarray, eos_ids, rows: int | None = None) -> list[str]:
     """Decode host completions up to their length, without the closing EOS."""
     out = []

@@ -60,6 +60,21 @@ class RunRoot:
             raise StorageError(f"cannot write {self.uri(rel)}: {exc}") from exc
         return self.uri(rel)
 
+    def put_file(self, local_path: str, rel: str) -> str:
+        """Copy a local file (a large one: it is streamed, not read into memory) to `rel`, whole."""
+        path = self._p(rel)
+        try:
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            if self._local:
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+                self.fs.put_file(local_path, tmp)
+                self.fs.mv(tmp, path)
+            else:
+                self.fs.put_file(local_path, path)
+        except OSError as exc:
+            raise StorageError(f"cannot write {self.uri(rel)}: {exc}") from exc
+        return self.uri(rel)
+
     def read_bytes(self, rel: str) -> bytes:
         try:
             return self.fs.cat_file(self._p(rel))

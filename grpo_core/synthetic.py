@@ -50,6 +50,18 @@ class CharTokenizer:
     def save(self, path: str | pathlib.Path) -> None:
         pathlib.Path(path).write_text(json.dumps({"type": "char", "chars": self.chars}))
 
+    def save_pretrained(self, folder: str) -> None:
+        """The same tokenizer as Hugging Face files (a WordLevel model over single characters),
+        so an exported model loads with AutoTokenizer and encodes text to the same ids."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        tk = Tokenizer(models.WordLevel(dict(self.stoi), unk_token=None))
+        tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tk.decoder = decoders.Fuse()
+        eos = self.itos[self.eos_token_id]
+        PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, pad_token=eos).save_pretrained(folder)
+
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "CharTokenizer":
         return cls(json.loads(pathlib.Path(path).read_text())["chars"])

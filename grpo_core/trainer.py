@@ -27,7 +27,7 @@ from grpo_core.checkpoint import Checkpointer
 from grpo_core.config import TrainConfig
 from grpo_core.learner import Learner, LossParams, TrainState
 from grpo_core.model import CausalLM
-from grpo_core.sampler import SamplerOptions, compile_jobs, completion_texts, generate, pad_prompts, spec_of, step_key
+from grpo_core.sampler import SamplerOptions, stop_ids, compile_jobs, completion_texts, generate, pad_prompts, spec_of, step_key
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class GRPOTrainer:
         self.cfg, self.tokenizer, self.rewards, self.prompts = cfg, tokenizer, list(rewards), prompts
         self.graphdef, params = nnx.split(model)
         g = cfg.grpo
-        self.opts = SamplerOptions.from_config(cfg.sampling, eos_ids if eos_ids is not None else [tokenizer.eos_token_id],
+        self.opts = SamplerOptions.from_config(cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer),
                                                tokenizer.pad_token_id)
         hp = LossParams.from_config(g, cfg.sampling.max_new_tokens, cfg.sampling.temperature)
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
