@@ -4,6 +4,7 @@
     grpo run   [--config F] [--set k=v ...]   the pipeline, locally, with live progress
     grpo check [--config F] [--set k=v ...] [--json]   the readiness report
     grpo eval  RUN --step N [--step M ...]   evaluate checkpoints of a run
+    grpo export RUN [--step N]     a checkpoint as a Hugging Face folder, RUN/export/{step}/
     grpo status RUN [--json]       where a run stands, from its run root
     grpo serve [--cron C | --interval S] [--config F] [--set k=v ...]   serve the deployments
 
@@ -60,6 +61,8 @@ def _print_summary(s: dict, wall: float) -> None:
                       ("metrics", "metrics/"), ("evaluations", "eval/"), ("readiness", "readiness.json")):
         print(f"  {what:<12} {s['run_uri']}/{rel}")
     print(f"  {'checkpoint':<12} {s['checkpoint_uri']}")
+    if s.get("export_uri"):
+        print(f"  {'HF export':<12} {s['export_uri']}  (transformers.AutoModelForCausalLM.from_pretrained)")
 
 
 def _print_examples(run_url: str) -> None:
@@ -134,6 +137,24 @@ def eval_command(args) -> int:
     return 0
 
 
+def export_command(args) -> int:
+    from tasks.process import StageError, run_worker
+
+    url = _run_url(args.run, args)
+    cmd = ["grpo_core.worker", "export", "--root", url] + (["--step", str(args.step)] if args.step is not None else [])
+
+    def show(e):
+        if e["event"] == "export":
+            print(f"step {e['step']}: {e['uri']}{'  (already exported)' if e['cached'] else ''}", flush=True)
+
+    try:
+        run_worker(cmd, timeout_s=args.timeout, on_event=show, what="export")
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if not exc.retryable else 1
+    return 0
+
+
 def status_command(args) -> int:
     from grpo_core.report import status
     from grpo_core.storage import RunRoot
@@ -149,7 +170,8 @@ def status_command(args) -> int:
         return 0
     summary = st["summary"] or {}
     print(f"run {st['run_uri']}: {summary.get('status', 'in progress or stopped')}")
-    print(f"  steps {st['steps_done']}/{st['num_steps']}, latest checkpoint {st['latest_checkpoint']}")
+    print(f"  steps {st['steps_done']}/{st['num_steps']}, latest checkpoint {st['latest_checkpoint']}, "
+          f"Hugging Face export {st['export_uri'] or 'none'}")
     print(f"  stages done: {', '.join(st['stages_done']) or 'none'}; readiness: {st['readiness']}")
     if st["last_metrics"]:
         print("  last step: " + "  ".join(f"{k} {v:.4g}" for k, v in st["last_metrics"].items()))
@@ -195,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, action="append", required=True, help="checkpoint step (0: starting policy)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the evaluation is stopped")
     p.set_defaults(func=eval_command)
+    p = with_config(sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder"))
+    p.add_argument("run", help="run URL or name under storage.root")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest; 0: the starting policy)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the export is stopped")
+    p.set_defaults(func=export_command)
     p = with_config(sub.add_parser("status", help="where a run stands"))
     p.add_argument("run", help="run URL or name under storage.root")
     p.add_argument("--json", action="store_true")

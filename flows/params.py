@@ -191,4 +191,7 @@ class RunParams(BaseModel):
     pipeline: PipelineParams = Field(default_factory=PipelineParams)
 
     def to_config(self) -> RunConfig:
-        return RunConfig.from_dict(self.model_dump())
+        # Only the fields that were given: RunConfig applies the defaults that depend on them
+        # (evaluation with the user's rewards, no preset or synthetic task with a checkpoint or
+        # dataset). A form that sends every field is a complete config and is read as one.
+        return RunConfig.from_dict(self.model_dump(exclude_unset=True))

@@ -1,5 +1,5 @@
 """The GRPO pipeline as one Prefect flow: init → prepare data → readiness → (train epoch →
-evaluate)* → summary. The flow only calls tasks in order; every output lives in the run root.
+evaluate)* → export → summary. The flow only calls tasks in order; every output lives in the run root.
 
 A second run of the same config (a retry, a schedule, a click in the UI) walks the same path:
 finished stages are skipped by their markers, training resumes from the newest checkpoint,
@@ -21,8 +21,8 @@ from flows.params import RunParams
 from grpo_core.report import build_summary, plot_curve
 from grpo_core.run_config import RunConfig
 from grpo_core.storage import RunRoot
-from tasks.stages import (_key, check_readiness, evaluate, init_run, load_run, prepare_dataset, publish_readiness,
-                          readiness_report, retryable, train_epoch)
+from tasks.stages import (_key, check_readiness, evaluate, export_model, init_run, load_run, prepare_dataset,
+                          publish_readiness, readiness_report, retryable, train_epoch)
 
 
 @task(name="summarize", cache_policy=NO_CACHE)
@@ -50,7 +50,8 @@ def summary_markdown(s: dict[str, Any]) -> str:
     keys = sorted({k for k in (*before, *after) if k != "step"})
     lines = [f"## GRPO run: {s['status']}", "", f"- run: `{s['run_uri']}`", f"- steps: {s['steps']}",
              f"- training reward: {_fmt(s['reward_mean_first'])} (first tenth) → {_fmt(s['reward_mean_last'])} (last tenth)",
-             f"- checkpoint: `{s['checkpoint_uri']}`"]
+             f"- checkpoint: `{s['checkpoint_uri']}`",
+             f"- Hugging Face export: `{s.get('export_uri')}`"]
     if s.get("curve_uri"):
         lines.append(f"- curve: `{s['curve_uri']}`")
     if s.get("error"):
@@ -91,6 +92,8 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
             ev = evaluate.with_options(**opts)(run_url, [0, info["step"]] if epoch == 0 else [info["step"]])
             timing["eval_task_s"] += time.perf_counter() - t
             timing["eval_compute_s"] += ev["eval_compute_s"]
+        if cfg.pipeline.export:
+            export_model.with_options(**opts)(run_url, info["step"])
     except BaseException as exc:
         summarize(run_url, "failed", {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - t0})
         log.error("run failed: %s", "".join(traceback.format_exception_only(exc)).strip())

@@ -118,6 +118,7 @@ def status(root: RunRoot) -> dict[str, Any]:
         "num_steps": cfg["train"]["num_steps"],
         "steps_done": int(metrics[-1]["step"]) + 1 if metrics else 0,
         "latest_checkpoint": latest_checkpoint(root),
+        "export_uri": latest_export(root),
         "stages_done": sorted(stages),
         "readiness": root.read_json("readiness.json").get("ready") if root.exists("readiness.json") else None,
         "eval": [_headline(e) for e in eval_results(root)],

@@ -90,8 +90,10 @@ def _reward_specs(value: Any, field: str) -> tuple[RewardSpec, ...]:
 class EvalConfig(_Config):
     """Evaluation of the starting policy and of each epoch's checkpoint on the eval split."""
 
-    rewards: tuple = ()  # RewardSpecs; empty: the training rewards
-    accuracy_reward: str = "exact_match"  # the eval reward whose greedy mean is "accuracy"
+    rewards: tuple = ()  # RewardSpecs; empty: the training rewards (the default when the config sets rewards)
+    # The eval reward whose greedy mean is "accuracy"; unset with your own rewards: the first
+    # with a weight above 0.
+    accuracy_reward: str = "exact_match"
     num_samples: int = 4  # sampled completions per prompt for pass@k (1: greedy only)
     temperature: float = 1.0  # for the pass@k samples
     batch_size: int = 64
@@ -158,6 +160,8 @@ class RunConfig:
             base["data"] = {}  # the synthetic defaults (prompt length, task) do not apply to a user's data
         if isinstance(data.get("model"), dict) and data["model"].get("path"):
             base["model"] = {"seed": 0}  # a checkpoint brings its own architecture and tokenizer
+        if data.get("rewards"):  # the user's rewards: evaluate with them unless eval.rewards says otherwise
+            base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("rewards", "accuracy_reward")}
         d = _merge(base, data)
         storage = d["storage"]
         _check(isinstance(storage, dict) and set(storage) <= {"root"},
@@ -171,6 +175,13 @@ class RunConfig:
                   data=_section(DataConfig, d["data"], "data"), rewards=_reward_specs(d["rewards"], "rewards"),
                   train=_section(TrainConfig, d["train"], "train"), eval=_section(EvalConfig, d["eval"], "eval"),
                   pipeline=_section(PipelineConfig, d["pipeline"], "pipeline"))
+        if "accuracy_reward" not in (d["eval"] if isinstance(d["eval"], dict) else {}):
+            specs = cfg.eval_rewards
+            first = next((r for r in specs if r.weight > 0), specs[0])
+            cfg = dataclasses.replace(cfg, eval=cfg.eval.replace(accuracy_reward=first.function.rsplit(":", 1)[-1]))
+        names = [r.function.rsplit(":", 1)[-1] for r in cfg.eval_rewards]
+        _check(cfg.eval.accuracy_reward in names, f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of "
+                                                  f"the eval rewards {names}")
         cfg.model_config()  # validate the model section now, not in a worker
         return cfg
 

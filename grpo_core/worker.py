@@ -3,6 +3,7 @@ accelerator (DESIGN.md says why these never run inside the Prefect process).
 
     python -m grpo_core.worker train --root RUN_URL --until-step N
     python -m grpo_core.worker eval  --root RUN_URL --steps 0,100,200
+    python -m grpo_core.worker export --root RUN_URL [--step N]
 
 The config is the run's `config.json` (written by the pipeline before any stage runs), or
 `--config FILE`. `train` restores the newest finalised checkpoint under `checkpoints/` (only
@@ -17,6 +18,7 @@ Progress goes to stdout as JSON lines, one object per event:
     {"event": "checkpoint", "step": s, "uri": ...}            # durable: safe to be killed now
     {"event": "done", "step": N, "steps_run": n}
     {"event": "eval", "step": s, "uri": ..., "cached": bool, "accuracy": ..., ...}
+    {"event": "export", "step": s, "uri": ..., "cached": bool, "files": [...]}
     {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage", "message": ...}
 
 Exit codes: 0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf) —
@@ -151,6 +153,65 @@ def evaluate_steps(parts, steps: list[int]) -> int:
     return 0
 
 
+def export(parts, step: int | None) -> int:
+    """Write checkpoint `step` (default: the newest; 0 or none yet: the starting policy) as a
+    Hugging Face folder `export/{step}/`: config.json, model.safetensors (LoRA merged),
+    the tokenizer files and generation_config.json; the marker last. A folder already exported
+    from the same training config is not written again."""
+    import tempfile
+
+    from flax import nnx
+
+    from grpo_core.checkpoint import Checkpointer
+    from grpo_core.hf import save_hf_model
+    from grpo_core.sampler import stop_ids
+
+    cfg, root = parts.cfg, parts.root
+    with Checkpointer(root.uri("checkpoints"), max_to_keep=None) as ckpt:
+        if step is None:
+            step = max(ckpt.all_steps(), default=0)
+        stage = f"export/{step}"
+        if root.is_done(stage) and root.done_info(stage).get("train_hash") == cfg.train_hash:
+            _emit("export", cached=True, uri=root.uri(stage), **root.done_info(stage))
+            return 0
+        t = time.perf_counter()
+        graphdef, params = _policy_params(parts, ckpt, step)
+    model = nnx.merge(graphdef, params)
+    if cfg.model.get("lora"):
+        from grpo_core.lora import merge
+
+        model = merge(model)  # W + (alpha / rank) A @ B: a plain model any HF runtime serves
+    with tempfile.TemporaryDirectory(prefix="grpo-export-") as tmp:
+        save_hf_model(model, tmp)
+        parts.tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(_generation_config(parts, stop_ids(parts.tokenizer)), f, indent=1)
+        files = sorted(os.listdir(tmp))
+        for name in files:
+            root.put_file(os.path.join(tmp, name), f"{stage}/{name}")
+    info = {"step": step, "train_hash": cfg.train_hash, "files": files, "source": cfg.model_path or cfg.model.get("preset"),
+            "lora_merged": bool(cfg.model.get("lora")), "seconds": round(time.perf_counter() - t, 3)}
+    root.mark_done(stage, info)  # last: the folder is complete
+    _emit("export", cached=False, uri=root.uri(stage), **info)
+    return 0
+
+
+def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
+    """The source model's generation config (its sampling defaults kept) with our stop and pad ids."""
+    gen: dict[str, Any] = {}
+    folder = getattr(parts.tokenizer, "folder", None)
+    if folder:
+        from grpo_core.sources import generation_config
+
+        gen = generation_config(folder)
+    gen.update(eos_token_id=stops[0] if len(stops) == 1 else stops, pad_token_id=int(parts.tokenizer.pad_token_id))
+    bos = getattr(parts.tokenizer, "bos_id", None)
+    if bos is not None:
+        gen["bos_token_id"] = int(bos)
+    gen.pop("transformers_version", None)
+    return gen
+
+
 def _examples(parts, graphdef, params, sampling, n: int = 4) -> list[dict[str, Any]]:
     """A few greedy completions to read next to the numbers (the demo prints them)."""
     from grpo_core.evaluation import complete
@@ -189,12 +250,13 @@ def _compilation_cache() -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_core.worker", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    for name in ("train", "eval"):
+    for name in ("train", "eval", "export"):
         p = sub.add_parser(name)
         p.add_argument("--root", required=True, help="the run's folder or URL (gs://bucket/prefix/run)")
         p.add_argument("--config", help="JSON run config (default: config.json in the run root)")
     sub.choices["train"].add_argument("--until-step", type=int, required=True, help="train until this many steps")
     sub.choices["eval"].add_argument("--steps", required=True, help="comma-separated steps; 0 = starting policy")
+    sub.choices["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest)")
     args = ap.parse_args(argv)
     t = time.perf_counter()
     _compilation_cache()
@@ -216,6 +278,8 @@ def _run(args) -> int:
             if args.until_step < 0:
                 raise ConfigError(f"--until-step must be >= 0, got {args.until_step}")
             return train(parts, args.until_step)
+        if args.command == "export":
+            return export(parts, args.step)
         try:
             steps = sorted({int(s) for s in args.steps.split(",") if s.strip()})
         except ValueError:

@@ -208,6 +208,20 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     return dict(info, skipped=False)
 
 
+@task(name="export", task_run_name="export-{step}", cache_policy=NO_CACHE)
+def export_model(run_url: str, step: int) -> dict[str, Any]:
+    """The policy at `step` as a Hugging Face folder {run}/export/{step}/ (safetensors, config,
+    tokenizer, generation config; LoRA merged), written by a worker process, marker last."""
+    cfg, log = load_run(run_url), get_run_logger()
+    events = run_worker(["grpo_core.worker", "export", "--root", run_url, "--step", str(step)],
+                        timeout_s=cfg.pipeline.export_timeout_s, on_event=lambda e: None,
+                        what=f"export of step {step}")
+    done = next(e for e in events if e["event"] == "export")
+    log.info("exported step %d as a Hugging Face model: %s%s", step, done["uri"],
+             " (already exported)" if done["cached"] else "")
+    return {"uri": done["uri"], "step": step, "cached": done["cached"]}
+
+
 def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for r in results:

@@ -71,6 +71,34 @@ def test_clean_run_writes_every_output(baseline):
     assert run.is_done("stages/train-epoch-0") and run.is_done("stages/train-epoch-1")
     timing = s["timing"]
     assert 0 < timing["train_steps_s"] < timing["wall_s"]
+    assert s["export_uri"] == run.uri("export", str(NUM_STEPS)) and run.is_done(f"export/{NUM_STEPS}")
+
+
+def test_export_loads_in_transformers_with_the_trained_logits(baseline):
+    """The demo's policy and character tokenizer as a Hugging Face folder: transformers loads both,
+    encodes text to the same ids and computes the logits of the final checkpoint."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from flax import nnx
+
+    from grpo_core.run import open_run
+    from grpo_core.run_config import RunConfig
+    from grpo_core.worker import _policy_params
+
+    root, _ = baseline
+    run = RunRoot(f"{root}/baseline")
+    export = f"{root}/baseline/export/{NUM_STEPS}"
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    parts = open_run(RunConfig.from_dict(run.read_json("config.json")), run)
+    assert tok.encode("abc=", add_special_tokens=False) == parts.tokenizer.encode("abc=")
+    with Checkpointer(run.uri("checkpoints")) as ckpt:
+        ours = nnx.merge(*_policy_params(parts, ckpt, NUM_STEPS))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    ids = np.asarray([parts.tokenizer.encode("abc=cba")])
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(ours(ids))
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
 
 def test_second_run_of_a_finished_config_trains_nothing(baseline):

@@ -76,3 +76,16 @@ def test_relative_local_paths_become_absolute(tmp_path, monkeypatch):
     cfg = load_config(None, ["data.source=rows.jsonl", "rewards=[{function: 'r.py:f'}]"])
     assert cfg.data.source == str(tmp_path / "rows.jsonl")
     assert cfg.rewards[0].function == f"{tmp_path}/r.py:f"
+
+
+def test_own_rewards_are_the_eval_rewards_and_decide_accuracy(tmp_path):
+    (tmp_path / "r.py").write_text("def fmt(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
+                                   "def right(prompts, completions, **_):\n    return [1.0] * len(completions)\n")
+    specs = [{"function": f"{tmp_path}/r.py:fmt", "weight": 0.0}, {"function": f"{tmp_path}/r.py:right"}]
+    cfg = RunConfig.from_dict({"rewards": specs})
+    assert [r.function for r in cfg.eval_rewards] == [s["function"] for s in specs]
+    assert cfg.eval.accuracy_reward == "right"  # the first reward with a weight above 0
+    with pytest.raises(ConfigError, match="eval.accuracy_reward 'exact_match' is not one of the eval rewards"):
+        RunConfig.from_dict({"rewards": specs, "eval": {"accuracy_reward": "exact_match"}})
+    default = RunConfig.from_dict({})
+    assert default.eval.accuracy_reward == "exact_match" and len(default.eval.rewards) == 2
