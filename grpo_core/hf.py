@@ -59,23 +59,46 @@ def _files(folder: str) -> list[str]:
     raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
 
 
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2"}
+
+
 class _Tensors:
-    """Lazy access to every tensor of a checkpoint by name, across shards."""
+    """Every tensor of a checkpoint by name, across shards, as numpy views of the memory-mapped
+    files: nothing is read until a tensor is used, and bfloat16 (what most checkpoints hold, and
+    what safetensors' numpy reader refuses) comes through ml_dtypes."""
 
     def __init__(self, folder: str):
-        from safetensors import safe_open
+        import mmap
 
-        self._handles, self.where = {}, {}
+        self.where: dict[str, str] = {}
+        self._maps: dict[str, tuple[mmap.mmap, int, dict[str, Any]]] = {}
         for path in _files(folder):
-            h = safe_open(path, framework="numpy")
-            self._handles[path] = h
-            for name in h.keys():
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                n = int.from_bytes(mm[:8], "little")
+                header = json.loads(mm[8:8 + n])
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path} is not a safetensors file: {exc}") from None
+            header.pop("__metadata__", None)
+            self._maps[path] = (mm, 8 + n, header)
+            for name in header:
                 self.where[name] = path
 
     def get(self, name: str) -> np.ndarray:
+        import ml_dtypes  # noqa: F401 - registers bfloat16 and float8 with numpy
+
         if name not in self.where:
             raise KeyError(name)
-        return self._handles[self.where[name]].get_tensor(name)
+        mm, base, header = self._maps[self.where[name]]
+        info = header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ConfigError(f"parameter {name}: dtype {info['dtype']} is not supported")
+        dtype = np.dtype(getattr(ml_dtypes, _DTYPES[info["dtype"]], None) or _DTYPES[info["dtype"]])
+        begin, end = info["data_offsets"]
+        return np.frombuffer(mm, dtype, count=(end - begin) // dtype.itemsize, offset=base + begin).reshape(info["shape"])
 
 
 def _hf_names(path: tuple[str, ...], layer: int | None) -> str:

@@ -110,3 +110,24 @@ def test_export_of_a_preset_model(tmp_path):
     with torch.no_grad():
         ref = back(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_checkpoint_loads_in_f32_and_in_bf16(tmp_path):
+    """Most published checkpoints are bfloat16, which safetensors' numpy reader refuses."""
+    hf, folder = build(tmp_path, "qwen2-bias-tied")
+    hf = hf.to(torch.bfloat16)
+    hf.save_pretrained(folder)
+    from safetensors import safe_open
+
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    ids = np.random.default_rng(3).integers(0, V, (2, 10))
+    with torch.no_grad():
+        ref = hf.float()(torch.tensor(ids)).logits.numpy()  # the same bf16 weights, computed in f32
+    got = load_hf_model(folder)  # f32 parameters by default
+    assert got.model.embed_tokens.embedding.dtype == jnp.float32
+    assert np.abs(np.asarray(got(jnp.asarray(ids))) - ref).max() / np.abs(ref).max() < 1e-4
+    half = load_hf_model(folder, dtype="bfloat16")
+    assert half.model.embed_tokens.embedding.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(half.model.embed_tokens.embedding.astype(jnp.float32)),
+                                  np.asarray(got.model.embed_tokens.embedding))
