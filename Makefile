@@ -24,8 +24,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: $(STAMP)
+bench: $(STAMP)  # one after another: each measures this machine, so never two at once
 	$(BIN)/python -m bench.grpo_step
+	$(BIN)/python -m bench.hf_load
+	$(BIN)/python -m bench.generate
 
 clean:
 	rm -rf $(VENV) *.egg-info
