@@ -38,6 +38,8 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "data.subset": ("Hugging Face dataset config (subset) name", {}),
     "data.split": ("Split to train on", {}),
     "data.eval_split": ("Split to evaluate on; empty: hold out data.eval_fraction of the training rows", {}),
+    "data.format": ("How rows are read: gsm8k (question, answer ending in '#### 42'), verl (prompt messages, "
+                    "reward_model.ground_truth), plain, or auto (detect gsm8k/verl from the first row)", {}),
     "data.prompt_column": ("Column holding the prompt", {}),
     "data.rename": ("Column renames applied first: {source column: name the rewards see}", {}),
     "data.template": ("Prompt template over the row's columns, e.g. 'Q: {question}\\nA:'", {}),

@@ -1,7 +1,8 @@
 """Dataset preparation: read prompts from the built-in synthetic task, a JSONL/Parquet/CSV file
-(local or gs://) or a Hugging Face dataset; rename columns; apply a template or the tokenizer's
-chat template; tokenize and drop prompts over the length limit; split train/eval; write them
-to `data/{hash}/` of the run root with the completion marker last.
+(local or gs://) or a Hugging Face dataset; rename columns; read the dataset's shape (GSM8K,
+verl, plain: grpo_core.data_formats) into a prompt and a ground_truth; apply a template or the
+tokenizer's chat template; tokenize and drop prompts over the length limit; split train/eval;
+write them to `data/{hash}/` of the run root with the completion marker last.
 
 Runs inside the Prefect process, so it imports neither JAX nor Prefect (and `datasets` only
 when a hub source needs it: it is slow to import).
@@ -12,13 +13,17 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import posixpath
 from typing import Any
 
 import numpy as np
 
 from grpo_core.config import ConfigError, _check, _Config
+from grpo_core.data_formats import DataFormat, apply_format, chat_messages, detect, is_messages, same_columns
 from grpo_core.storage import RunRoot, config_hash
+
+log = logging.getLogger(__name__)
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -35,6 +40,7 @@ class DataConfig(_Config):
     subset: str | None = None  # HF config name
     split: str = "train"
     eval_split: str | None = None  # eval rows from this split instead of a held-out fraction
+    format: DataFormat = DataFormat.AUTO  # auto, plain, gsm8k, verl: see grpo_core.data_formats
     prompt_column: str = "prompt"
     rename: dict | None = None  # source column -> the name rewards see; applied first
     template: str | None = None  # str.format over the row's columns, e.g. "Q: {question}\nA:"
@@ -47,6 +53,8 @@ class DataConfig(_Config):
     seed: int = 0  # shuffles before the split, and the order prompts are drawn in
     synthetic: dict | None = None  # ReverseTask fields: alphabet, min_len, max_len, seed
     synthetic_rows: int = 4096
+
+    _enums = {"format": DataFormat}
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -65,6 +73,8 @@ class DataConfig(_Config):
             _check(self.eval_split is None, f"data.eval_split applies to Hugging Face datasets; {self.source} is "
                                             "one file: use data.eval_fraction")
         if self.source == "synthetic":
+            _check(self.format in (DataFormat.AUTO, DataFormat.PLAIN),
+                   f"data.format={self.format.value} applies to a dataset; the synthetic task has its own rows")
             self.task()  # validate now
         if self.template is not None:
             _check_template(self.template)
@@ -97,8 +107,14 @@ def _check_template(template: str) -> None:
                     f"{', '.join(repr('{' + n + '}') for n in bad)}")
 
 
+# Fields added after runs existed, left out of the hash at their default so that those runs
+# keep their data hash (and so their training hash and checkpoints).
+_HASH_OMITS_DEFAULT = {"format": DataFormat.AUTO.value}
+
+
 def data_hash(cfg: DataConfig, tokenizer_id: str) -> str:
-    return config_hash({"data": cfg.to_dict(), "tokenizer": tokenizer_id})
+    fields = {k: v for k, v in cfg.to_dict().items() if _HASH_OMITS_DEFAULT.get(k, object()) != v}
+    return config_hash({"data": fields, "tokenizer": tokenizer_id})
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -195,7 +211,9 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _prompt_text(cfg: DataConfig, row: dict[str, Any], i: int, where: str, tokenizer) -> str:
+def _prompt_text(cfg: DataConfig, row: dict[str, Any], column: str, i: int, where: str, tokenizer) -> str:
+    """The prompt as text: data.template over the row, or the prompt column; chat messages (and
+    any prompt with data.chat) through the tokenizer's chat template."""
     if cfg.template is not None:
         try:
             prompt = cfg.template.format(**row)
@@ -205,51 +223,75 @@ def _prompt_text(cfg: DataConfig, row: dict[str, Any], i: int, where: str, token
         except (IndexError, AttributeError, ValueError, TypeError) as exc:
             raise DataError(f"{where} row {i}: data.template cannot be filled: {exc}") from None
     else:
-        prompt = row[cfg.prompt_column]
-    if not cfg.chat:
+        prompt = row[column]
+    if not cfg.chat and not is_messages(prompt):
         if not isinstance(prompt, str):
-            raise DataError(f"{where} row {i}: column {cfg.prompt_column!r} must be text, got {type(prompt).__name__}"
-                            " (set data.chat=true for message lists)")
+            raise DataError(f"{where} row {i}: column {column!r} must be text, got {type(prompt).__name__} "
+                            "(or a list of {role, content} chat messages)")
         return prompt
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not (isinstance(messages, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
-        raise DataError(f"{where} row {i}: a chat prompt must be text or a list of {{role, content}} messages")
-    if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
-        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    try:
+        messages = chat_messages(prompt, cfg.system_prompt)
+    except ValueError as exc:
+        raise DataError(f"{where} row {i}: column {column!r}: {exc}") from None
+    why = "data.chat=true" if cfg.chat else f"row {i}: column {column!r} holds chat messages"
     apply = getattr(tokenizer, "apply_chat_template", None)
+    if apply is None:
+        raise DataError(f"{where} {why}, but the tokenizer has no usable chat template ({type(tokenizer).__name__} "
+                        "has none); use a Hugging Face tokenizer with one, or text prompts and a data.template")
     try:
         return apply(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects the messages
-        raise DataError(f"data.chat=true but the tokenizer has no usable chat template ({type(exc).__name__}: "
-                        f"{exc}); set data.chat=false and a data.template") from None
+        raise DataError(f"{where} {why}, but the tokenizer has no usable chat template ({type(exc).__name__}: "
+                        f"{exc}); use text prompts and a data.template") from None
 
 
-def _shape(cfg: DataConfig, rows: list[dict[str, Any]], where: str, tokenizer) -> tuple[list[dict], dict]:
-    """Rename, template, tokenize and filter; rows become {"prompt", "prompt_ids", **columns}."""
+def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, where: str, tokenizer) -> dict:
+    """One row: rename, read its format, render and tokenize the prompt. {"prompt", "prompt_ids",
+    **the other columns}; the column the prompt came from is replaced by "prompt"."""
+    row = {(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in raw.items()}
+    try:
+        row, column = apply_format(fmt, row, cfg.prompt_column)
+    except ValueError as exc:
+        hint = " (or set data.format=plain)" if cfg.format is DataFormat.AUTO else ""
+        raise DataError(f"{where} row {i} {exc}{hint}" if str(exc).startswith("has ") else
+                        f"{where} row {i}: {exc}{hint}") from None
+    if cfg.template is None and column not in row:
+        raise DataError(f"{where} row {i} has no column {column!r} (data.prompt_column); columns: {sorted(row)}")
+    prompt = _prompt_text(cfg, row, column, i, where, tokenizer)
+    try:
+        ids = [int(t) for t in tokenizer.encode(prompt)]
+    except ValueError as exc:
+        raise DataError(f"{where} row {i}: the tokenizer cannot encode the prompt: {exc}") from None
+    columns = {k: v for k, v in row.items() if k != column}
+    return {**columns, "prompt": prompt, "prompt_ids": ids}
+
+
+def _shape(cfg: DataConfig, rows: list[dict[str, Any]], where: str, tokenizer,
+           fmt: DataFormat | None = None) -> tuple[list[dict], dict]:
+    """Every row through _shape_row, then the length filter and one set of columns for all rows.
+    `fmt`: the format to read the rows in (default: data.format, `auto` resolved on row 0)."""
     if not rows:
         raise DataError(f"{where} has no rows")
+    if fmt is None:
+        fmt = cfg.format
+        if fmt is DataFormat.AUTO:
+            fmt = detect({(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in rows[0].items()}, cfg.prompt_column)
     out, lengths, dropped = [], [], 0
     for i, raw in enumerate(rows):
-        row = {(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in raw.items()}
-        if cfg.template is None and cfg.prompt_column not in row:
-            raise DataError(f"{where} row {i} has no column {cfg.prompt_column!r} (data.prompt_column); "
-                            f"columns: {sorted(row)}")
-        prompt = _prompt_text(cfg, row, i, where, tokenizer)
-        try:
-            ids = [int(t) for t in tokenizer.encode(prompt)]
-        except ValueError as exc:
-            raise DataError(f"{where} row {i}: the tokenizer cannot encode the prompt: {exc}") from None
-        lengths.append(len(ids))
-        if len(ids) > cfg.max_prompt_tokens or not ids:
+        row = _shape_row(cfg, fmt, raw, i, where, tokenizer)
+        lengths.append(len(row["prompt_ids"]))
+        if len(row["prompt_ids"]) > cfg.max_prompt_tokens or not row["prompt_ids"]:
             dropped += 1
             continue
-        columns = {k: v for k, v in row.items() if k != cfg.prompt_column}
-        out.append({**columns, "prompt": prompt, "prompt_ids": ids})
+        out.append(row)
     if not out:
         raise DataError(f"{where}: every one of {len(rows)} prompts is longer than data.max_prompt_tokens="
                         f"{cfg.max_prompt_tokens} (lengths {min(lengths)}..{max(lengths)} tokens)")
+    unstorable = same_columns(out)
+    if unstorable:
+        log.warning("%s: column(s) %s hold values JSON cannot store (bytes, images, ...); left out", where, unstorable)
     kept = [len(r["prompt_ids"]) for r in out]
-    return out, {"dropped_too_long": dropped,
+    return out, {"format": fmt.value, "dropped_too_long": dropped, "dropped_columns": unstorable,
                  "prompt_tokens": {"min": min(kept), "mean": round(float(np.mean(kept)), 2), "max": max(kept)}}
 
 
@@ -291,9 +333,10 @@ def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str
     train, stats = _shape(cfg, raw_train, where, tokenizer)
     if raw_eval is None:
         train, evals = _split(cfg, train, where)
-        eval_stats = {"dropped_too_long": 0}
-    else:
-        evals, eval_stats = _shape(cfg, raw_eval, f"{where} ({cfg.eval_split or 'eval'} split)", tokenizer)
+        eval_stats = {"dropped_too_long": 0, "dropped_columns": []}
+    else:  # read in the training split's format, so both splits have the same kind of rows
+        evals, eval_stats = _shape(cfg, raw_eval, f"{where} ({cfg.eval_split or 'eval'} split)", tokenizer,
+                                   DataFormat(stats["format"]))
         evals = evals[:cfg.eval_rows]
         if cfg.max_rows:
             train = train[:cfg.max_rows]
@@ -301,8 +344,9 @@ def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str
         root.write_bytes(posixpath.join(stage, f"{name}.jsonl"),
                          "".join(json.dumps(r) + "\n" for r in rows).encode())
     manifest = {"source": cfg.source, "subset": cfg.subset, "split": cfg.split, "eval_split": cfg.eval_split,
-                "hash": h, "uri": root.uri(stage), "train_rows": len(train), "eval_rows": len(evals),
-                "dropped_too_long": stats["dropped_too_long"] + eval_stats["dropped_too_long"],
+                "format": stats["format"], "hash": h, "uri": root.uri(stage), "train_rows": len(train),
+                "eval_rows": len(evals), "dropped_too_long": stats["dropped_too_long"] + eval_stats["dropped_too_long"],
+                "dropped_columns": sorted(set(stats["dropped_columns"]) | set(eval_stats["dropped_columns"])),
                 "prompt_tokens": stats["prompt_tokens"], "columns": sorted(train[0]), "tokenizer": tokenizer_id}
     root.write_json(posixpath.join(stage, "manifest.json"), manifest)
     root.mark_done(stage, manifest)  # last: the marker means every output above is complete

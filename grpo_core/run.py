@@ -13,10 +13,12 @@ from grpo_core.storage import RunRoot
 
 
 def builtin_rewards() -> dict[str, RewardFn]:
-    """Reward functions usable by name in a config."""
+    """Reward functions usable by name in a config: the synthetic task's, and the math ones
+    (math_answer, think_format, integer_answer) that read data.format's ground_truth column."""
+    from grpo_core import math_rewards
     from grpo_core.synthetic import char_match, exact_match
 
-    return {"char_match": char_match, "exact_match": exact_match}
+    return {"char_match": char_match, "exact_match": exact_match, **math_rewards.BUILTIN}
 
 
 def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards") -> list[Reward]:

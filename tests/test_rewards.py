@@ -77,3 +77,61 @@ def test_load_reward_from_file_and_module(tmp_path):
         load_reward(f"{f}:wrong")
     with pytest.raises(ValueError, match="must look like"):
         load_reward("no_colon")
+
+
+REWARD_FILE = """import dataclasses
+
+@dataclasses.dataclass
+class Cfg:  # a dataclass needs its module registered while the file runs
+    bonus: float = 1.0
+
+def ok(prompts, completions, **columns):
+    return [Cfg().bonus for _ in completions]
+
+def one_arg(completions):
+    return []
+
+def positional_only(prompts, completions, answer, /, **kw):
+    return []
+
+NOT_A_FUNCTION = 3
+"""
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{p}/nope.py:ok", "rewards[0].function: reward file '{p}/nope.py' (from '{p}/nope.py:ok') does not exist"),
+    ("{p}/r.py:missing", "rewards[0].function: reward '{p}/r.py:missing': {p}/r.py has no function 'missing'; "
+                         "it defines Cfg, ok, one_arg, positional_only"),
+    ("{p}/r.py:NOT_A_FUNCTION", "rewards[0].function: reward '{p}/r.py:NOT_A_FUNCTION': {p}/r.py.NOT_A_FUNCTION is a "
+                                "int, not a function"),
+    ("{p}/r.py:one_arg", "rewards[0].function: reward '{p}/r.py:one_arg' must accept (prompts, completions, "
+                         "**columns); its signature is one_arg(completions)"),
+    ("{p}/r.py:positional_only", "takes answer positionally only, but dataset columns arrive as keywords"),
+    ("{p}/syntax.py:f", "rewards[0].function: reward file '{p}/syntax.py' (from '{p}/syntax.py:f') fails to import: "
+                        "SyntaxError: "),
+    ("{p}/raises.py:f", "fails to import: NameError: name 'undefined_name' is not defined (line 2)"),
+    ("{p}/imports.py:f", "fails to import: ModuleNotFoundError: No module named 'no_such_dependency_xyz' (line 1)"),
+    ("no_such_module_xyz.rewards:f", "rewards[0].function: reward module 'no_such_module_xyz.rewards' (from "
+                                     "'no_such_module_xyz.rewards:f') is not installed or not on sys.path"),
+    ("grpo_core.synthetic:nope", "reward 'grpo_core.synthetic:nope': grpo_core.synthetic has no function 'nope'"),
+    ("{p}/r.py:", "must look like 'path/to/file.py:function' or 'module:function'"),
+    ("nothing_like_a_spec", "rewards[0].function 'nothing_like_a_spec' is not a built-in reward"),
+])
+def test_reward_loading_errors_name_the_field_and_the_problem(tmp_path, spec, message):
+    from grpo_core.config import ConfigError
+    from grpo_core.run import make_rewards
+    from grpo_core.run_config import RewardSpec
+
+    (tmp_path / "r.py").write_text(REWARD_FILE)
+    (tmp_path / "syntax.py").write_text("def f(prompts, completions, **kw):\n    return [1.0 for c in completions\n")
+    (tmp_path / "raises.py").write_text("x = 1\ny = undefined_name\ndef f(prompts, completions, **kw):\n    return []\n")
+    (tmp_path / "imports.py").write_text("import no_such_dependency_xyz\n")
+    with pytest.raises(ConfigError) as err:
+        make_rewards((RewardSpec(spec.format(p=tmp_path)),))
+    assert message.format(p=tmp_path) in str(err.value)
+
+
+def test_a_reward_file_with_a_dataclass_loads_and_runs(tmp_path):
+    (tmp_path / "r.py").write_text(REWARD_FILE)
+    fn = load_reward(f"{tmp_path}/r.py:ok")
+    assert score([Reward(fn)], ["p"], ["c"]).total.tolist() == [1.0]
