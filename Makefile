@@ -5,7 +5,20 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench install clean
+# The sglang-jax rollout environment (train.rollout.engine: sglang, or the sglang-jax servers of the
+# http engine): a second virtualenv on Python 3.12, because sglang-jax pins older jax/flax/fastapi
+# than the main one holds (requirements-sglang.txt). `make test` builds it so its tests run; on a
+# machine without Python 3.12, SGLANG=0 make test skips them. SGLANG_EXTRA=tpu on a TPU VM.
+SGL_VENV ?= .venv-sglang
+SGL_STAMP := $(SGL_VENV)/.installed
+SGLANG ?= 1
+SGLANG_EXTRA ?= cpu
+# pyenv's 3.12 when there is one (its shims may point elsewhere), else python3.12 on PATH
+PYTHON312 ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null | head -n1); \
+	if [ -x "$$p/bin/python3.12" ]; then echo "$$p/bin/python3.12"; else command -v python3.12 2>/dev/null; fi)
+SGL_DEP := $(if $(filter 1,$(SGLANG)),$(SGL_STAMP))
+
+.PHONY: demo test test-fast bench install clean sglang-env
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,19 +28,33 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+$(SGL_STAMP): requirements-sglang.txt pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "the sglang-jax environment needs Python 3.12: 'pyenv install 3.12' or" \
+		"PYTHON312=/path/to/python3.12; SGLANG=0 make test skips its tests"; exit 1; }
+	$(PYTHON312) -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGL_VENV)/bin/python -m pip install -q -r requirements-sglang.txt \
+		$(if $(filter tpu,$(SGLANG_EXTRA)),"jax[tpu]==0.10.2")
+	$(SGL_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(SGL_VENV)/bin/python -c "import sgl_jax, grpo_core.engines"
+	touch $(SGL_STAMP)
+
+sglang-env: $(SGL_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/grpo demo
 
-test: $(STAMP)
+test: $(STAMP) $(SGL_DEP)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: $(STAMP)  # one after another: each measures this machine, so never two at once
+bench: $(STAMP) $(SGL_DEP)  # one after another: each measures this machine, so never two at once
 	$(BIN)/python -m bench.grpo_step
 	$(BIN)/python -m bench.hf_load
 	$(BIN)/python -m bench.generate
+	$(BIN)/python -m bench.rollout_engines
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(SGL_VENV) *.egg-info

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from grpo_core.config import _SUBCONFIGS, TrainConfig
 from grpo_core.data import DataConfig
+from grpo_core.lora import LoraConfig
 from grpo_core.presets import PRESETS
 from grpo_core.run_config import EvalConfig, PipelineConfig, RunConfig
 
@@ -29,9 +30,17 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "model.revision": ("Hub revision (branch, tag or commit) of model.path", {}),
     "model.preset": ("Model size and architecture when model.path is empty", {}),
     "model.seed": ("Seed of the starting weights of a preset", {"ge": 0}),
+    "model.lora": ("LoRA instead of full fine-tuning: only the adapters train and are checkpointed, the KL "
+                   "reference is the base with adapters off, the export has them merged. Empty: full fine-tuning", {}),
+    "model.lora.rank": ("Adapter rank r", {"ge": 1}),
+    "model.lora.alpha": ("The update x A B is scaled by alpha / rank", {"gt": 0}),
+    "model.lora.target_modules": ("Regular expression searched in each decoder linear's path "
+                                  "(model.layers.self_attn.q_proj, ..., model.layers.mlp.down_proj), e.g. "
+                                  ".*(q_proj|v_proj).*", {"min_length": 1}),
     "model.tokenizer": ("Empty: the checkpoint's own tokenizer with model.path, else 'char' (the built-in "
                         "character tokenizer); or a Hugging Face tokenizer id/folder", {}),
-    "rewards": ("Reward functions: a built-in name (char_match, exact_match) or path/to/file.py:function "
+    "rewards": ("Reward functions: a built-in name (char_match, exact_match, math_answer, think_format, "
+                "integer_answer) or path/to/file.py:function "
                 "or module:function, with their weights (0: reported, not optimised)", {"min_length": 1}),
     "data.source": ("'synthetic', a .jsonl/.json/.parquet/.csv path or gs:// URL, or a Hugging Face dataset "
                     "id or folder", {"min_length": 1}),
@@ -89,6 +98,33 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "train.optimizer.eps": ("Adam epsilon", {"gt": 0}),
     "train.optimizer.weight_decay": ("Decoupled weight decay", {"ge": 0}),
     "train.optimizer.max_grad_norm": ("Global-norm gradient clipping; empty: off", {"gt": 0}),
+    "train.rollout.engine": ("Rollout engine: jax (built-in sampler, multi-host), sglang (sglang-jax in the worker's "
+                             "process: one host, TPU v4+; the worker runs in .venv-sglang) or http (an "
+                             "OpenAI-compatible server)", {}),
+    "train.rollout.start_timeout_s": ("Limit on an engine's or a server's start, seconds", {"gt": 0}),
+    "train.rollout.generate_timeout_s": ("Limit on one rollout (http: one request), seconds", {"gt": 0}),
+    "train.rollout.sync_timeout_s": ("Limit on one weight sync (http: export + reload), seconds", {"gt": 0}),
+    "train.rollout.recompute_logprobs": ("old_logp from the learner instead of the engine; empty: sglang yes, "
+                                         "http no", {}),
+    "train.rollout.dtype": ("sglang/http engine dtype (float32, bfloat16); empty: the policy's", {}),
+    "train.rollout.mem_fraction_static": ("sglang: share of device memory for its weights and KV cache",
+                                          {"gt": 0, "lt": 1}),
+    "train.rollout.max_total_tokens": ("sglang: KV-cache tokens; empty: sglang's choice", {"ge": 1}),
+    "train.rollout.context_length": ("sglang: longest prompt + completion; empty: the model's", {"ge": 1}),
+    "train.rollout.max_running_requests": ("sglang: concurrent rows; empty: one rollout batch", {"ge": 1}),
+    "train.rollout.disable_precompile": ("sglang: skip start-up compilation (faster start, slower first "
+                                         "rollouts)", {}),
+    "train.rollout.url": ("http: a running server (with train.rollout.reload_route)", {}),
+    "train.rollout.server": ("http: 'sglang-jax' starts and restarts a server on 127.0.0.1 with each export", {}),
+    "train.rollout.sync_every": ("http: steps between exports of the policy to the server", {"ge": 1}),
+    "train.mesh.data": ("Mesh axis that splits batches only; -1: the devices the other axes leave", {"ge": -1}),
+    "train.mesh.fsdp": ("Mesh axis that splits batches and every parameter and optimizer moment (ZeRO-3); "
+                        "-1: the devices the other axes leave", {"ge": -1}),
+    "train.mesh.tensor": ("Mesh axis that splits heads, MLP width and vocabulary (Megatron-style); -1: the rest",
+                          {"ge": -1}),
+    "train.mesh.rollout": ("Another layout of the same devices for the sampler ({data, fsdp, tensor}); empty: the "
+                           "learner's mesh and no second copy of the weights", {}),
+    "train.mesh.reference": ("Another layout of the same devices for the KL reference; empty: the learner's", {}),
     "eval.rewards": ("Rewards evaluation reports; empty: the training rewards", {}),
     "eval.accuracy_reward": ("The eval reward whose greedy mean is 'accuracy' and which decides pass@k", {}),
     "eval.num_samples": ("Samples per prompt for pass@k (1: greedy only)", {"ge": 1}),
@@ -106,6 +142,29 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "pipeline.export": ("Write the final policy as a Hugging Face folder (safetensors, config, tokenizer) "
                         "under export/{step}/", {}),
     "pipeline.export_timeout_s": ("Hard limit for the export, seconds", {"gt": 0}),
+    "pipeline.worker_python": ("Interpreter of the training workers; empty: this one, or .venv-sglang's "
+                               "with train.rollout.engine=sglang", {}),
+    "pipeline.launcher": ("How workers start: one process here, N processes on this machine, a Ray cluster "
+                          "or a TPU VM slice", {}),
+    "pipeline.launcher.kind": ("local (one process), multiprocess (N processes on 127.0.0.1 with CPU devices: "
+                               "multi-host code on one machine), ray (one task per host), tpu-vm (gcloud ssh "
+                               "--worker=all)", {}),
+    "pipeline.launcher.num_processes": ("multiprocess: processes on this machine; ray: hosts, one task each",
+                                        {"ge": 1}),
+    "pipeline.launcher.devices_per_process": ("multiprocess: CPU devices of each process", {"ge": 1}),
+    "pipeline.launcher.coordinator_port": ("Port of the jax.distributed coordinator (process 0); 0: a free port "
+                                           "(multiprocess) or 8476 (ray)", {"ge": 0, "le": 65535}),
+    "pipeline.launcher.address": ("ray: the cluster address as ray.init takes it (auto, ray://head:10001)", {}),
+    "pipeline.launcher.resources_per_host": ("ray: each host task's resources, e.g. {TPU: 4}; empty: {CPU: 1}", {}),
+    "pipeline.launcher.placement_strategy": ("ray: STRICT_SPREAD puts one task on each node", {}),
+    "pipeline.launcher.tpu_name": ("tpu-vm: the TPU VM (slice) name", {}),
+    "pipeline.launcher.zone": ("tpu-vm: its zone", {}),
+    "pipeline.launcher.project": ("tpu-vm: its project; empty: gcloud's configured one", {}),
+    "pipeline.launcher.workdir": ("tpu-vm: the project checkout on every host", {}),
+    "pipeline.launcher.python": ("tpu-vm: the interpreter on every host, relative to workdir", {}),
+    "pipeline.launcher.init_timeout_s": ("Seconds every process has to join the run", {"ge": 1}),
+    "pipeline.launcher.heartbeat_timeout_s": ("Seconds a silent process is tolerated before the others fail",
+                                              {"ge": 1}),
 }
 
 _DEFAULTS = RunConfig.from_dict({}).to_dict()
@@ -161,6 +220,18 @@ class StorageParams(BaseModel):
     root: str = Field(_DEFAULTS["storage"]["root"], description=DOCS["storage.root"][0], min_length=1)
 
 
+_LORA = LoraConfig()
+
+
+class LoraParams(BaseModel):
+    # dropout is left out: it must be 0 (see grpo_core.lora.LoraConfig).
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(_LORA.rank, description=DOCS["model.lora.rank"][0], **DOCS["model.lora.rank"][1])
+    alpha: float = Field(_LORA.alpha, description=DOCS["model.lora.alpha"][0], **DOCS["model.lora.alpha"][1])
+    target_modules: str = Field(_LORA.target_modules, description=DOCS["model.lora.target_modules"][0],
+                                **DOCS["model.lora.target_modules"][1])
+
+
 class ModelParams(BaseModel):
     # Other keys override the preset's fields (Hugging Face names: hidden_size, dtype, ...).
     model_config = ConfigDict(extra="allow")
@@ -169,6 +240,7 @@ class ModelParams(BaseModel):
     preset: Literal[tuple(PRESETS)] = Field(_DEFAULTS["model"]["preset"], description=DOCS["model.preset"][0])
     seed: int = Field(_DEFAULTS["model"]["seed"], description=DOCS["model.seed"][0], ge=0)
     tokenizer: Optional[str] = Field(None, description=DOCS["model.tokenizer"][0])
+    lora: Optional[LoraParams] = Field(None, description=DOCS["model.lora"][0])
 
 
 DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"])

@@ -9,6 +9,11 @@ only sees finalised ones: a save cut off half-way is never restored. Saves are a
 `wait()` blocks until the last one is durable. Orbax addresses local folders and `gs://`
 (TensorStore) alike; the tests here cover local folders, and the pipeline's tests run it
 against a GCS emulator.
+
+Sharded and multi-host: every process calls save and restore (Orbax coordinates them; each
+writes and reads its own shards). `restore(step, like)` lays the arrays out as `like`'s are,
+so a run resumes on another mesh or another number of hosts; `restore(step)` gives every
+process whole arrays on its own first device, whatever mesh wrote them (evaluation, export).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ class Checkpointer:
         self.directory = directory
         opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                             create=True)
-        self._mngr = ocp.CheckpointManager(directory, options=opts)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._mngr = ocp.CheckpointManager(directory, options=opts, item_handlers=handlers)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start saving `state` as checkpoint `step` (the number of steps done)."""
@@ -47,9 +53,16 @@ class Checkpointer:
         return sorted(self._mngr.all_steps())
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict[str, Any]]:
-        """Restore checkpoint `step` into the structure, shapes and dtypes of `like` (None: as
-        saved, plain nested dicts of arrays, e.g. for inspection or export)."""
-        abstract = None if like is None else jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        """Restore checkpoint `step` into the structure, shapes, dtypes and shardings of `like`
+        (None: as saved, plain nested dicts of arrays on this process's first device, e.g. for
+        inspection or export, whatever mesh and number of processes wrote it)."""
+        if like is None:
+            here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            saved = self._mngr.item_metadata(step)["state"]
+            abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
+                                    getattr(saved, "tree", saved))
+        else:
+            abstract = jax.tree.map(_abstract, like)
         out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
@@ -62,3 +75,10 @@ class Checkpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _abstract(x: Any):
+    """What to restore `x` as: its shape and dtype, and for a jax.Array where it lives."""
+    if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return ocp.utils.to_shape_dtype_struct(x)

@@ -344,6 +344,190 @@ class OptimizerConfig(_Config):
 
 
 # ----------------------------------------------------------------------------------------------
+# Rollout engine
+
+
+class RolloutEngineKind(enum.Enum):
+    JAX = "jax"  # the built-in sampler (grpo_core.sampler): any backend, multi-host
+    SGLANG = "sglang"  # sglang-jax in the worker's process: single host, TPU v4+ (or CPU for tests)
+    HTTP = "http"  # an OpenAI-compatible server (sglang-jax, SGLang, vLLM)
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.SGLANG if value == "sglang-jax" else None
+
+
+class HttpApi(enum.Enum):
+    OPENAI = "openai"  # POST /v1/completions, token-id prompts, logprobs=1
+    SGLANG = "sglang"  # POST /generate with input_ids (SGLang / sglang-jax): exact token ids back
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(_Config):
+    """Which engine draws the completions, and its knobs (grpo_core.engines).
+
+    Every wait on an engine has a time limit whose error names what was waited for: the engine
+    or server start, one generate call (per HTTP request, with retries), one weight sync."""
+
+    engine: RolloutEngineKind = RolloutEngineKind.JAX
+    start_timeout_s: float = 900.0  # in-process engine start, or an owned server's start
+    generate_timeout_s: float = 900.0  # one rollout (HTTP: one request)
+    sync_timeout_s: float = 600.0  # one weight sync (in memory, or export + server reload)
+    # old_logp from the learner instead of the engine: null = auto (sglang: yes, its weights are
+    # the learner's own after every sync, so the first ratio is exactly 1 despite the engine's
+    # numerics; http: no, the served policy may lag the learner by sync_every - 1 steps)
+    recompute_logprobs: bool | None = None
+    # sglang-jax: the in-process engine, and the servers the http engine starts (server: sglang-jax)
+    dtype: str | None = None  # engine weights/compute; null: the policy's compute dtype
+    mem_fraction_static: float | None = None  # share of device memory for weights + KV cache
+    max_total_tokens: int | None = None  # KV cache tokens; null: sglang's choice (CPU: a small default)
+    context_length: int | None = None  # null: the model's max_position_embeddings
+    max_running_requests: int | None = None  # null: one rollout batch (prompts x generations)
+    disable_precompile: bool = False  # skip sglang's start-up compilation (faster start, slower first batches)
+    attention_backend: str | None = None  # null: "native" on CPU, sglang's default elsewhere
+    deterministic: bool = True  # seeded per-row sampling: a resumed run redraws the same completions
+    # sglang-jax's overlap scheduler (CPU scheduling of the next batch during the current one).
+    # Off by default: with it on, 3 of 6 sglang-jax 0.1.0rc0 servers started on CPU returned wrong
+    # greedy tokens for the whole of their life (0 of 6 with it off, and 0 in process).
+    overlap_schedule: bool = False
+    # http
+    url: str | None = None  # an already running server (not restarted here), e.g. http://10.0.0.2:30000
+    api: HttpApi = HttpApi.OPENAI
+    model_name: str | None = None  # the "model" of each request; null: the server's first /v1/models entry
+    server: str | None = None  # "sglang-jax": start (and restart on each refresh) a server on 127.0.0.1
+    server_args: tuple[str, ...] = ()  # extra command-line arguments of that server
+    # or any server this run starts and restarts itself, e.g. ["vllm", "serve", "{model}", "--port",
+    # "{port}"]: {model} (the exported folder), {port}, {host} and {python} are filled in
+    server_command: tuple[str, ...] = ()
+    reload_route: str | None = None  # POST {"model_path": folder} to reload weights (SGLang: /update_weights_from_disk)
+    sync_every: int = 1  # http: steps between exports of the policy to the server
+    export_dir: str | None = None  # http: where exports go (must be readable by the server); null: a temp folder
+    request_retries: int = 2  # http: retries of a failed or timed-out request
+
+    _enums = {"engine": RolloutEngineKind, "api": HttpApi}
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        for name in ("start_timeout_s", "generate_timeout_s", "sync_timeout_s"):
+            _check(getattr(self, name) > 0, f"train.rollout.{name} must be > 0, got {getattr(self, name)}")
+        _check(self.dtype in (None, "float32", "bfloat16"),
+               f"train.rollout.dtype must be float32, bfloat16 or null, got {self.dtype!r}")
+        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+               f"train.rollout.mem_fraction_static must be in (0, 1) or null, got {self.mem_fraction_static}")
+        for name in ("max_total_tokens", "context_length", "max_running_requests"):
+            v = getattr(self, name)
+            _check(v is None or v >= 1, f"train.rollout.{name} must be >= 1 or null, got {v}")
+        _check(self.sync_every >= 1, f"train.rollout.sync_every must be >= 1, got {self.sync_every}")
+        _check(self.request_retries >= 0, f"train.rollout.request_retries must be >= 0, got {self.request_retries}")
+        _check(self.server in (None, "sglang-jax"),
+               f"train.rollout.server must be 'sglang-jax' or null (use url for another server), got {self.server!r}")
+        _check(self.reload_route is None or self.reload_route.startswith("/"),
+               f"train.rollout.reload_route must be a path like /update_weights_from_disk, got {self.reload_route!r}")
+        if self.engine is RolloutEngineKind.HTTP:
+            given = [n for n in ("url", "server", "server_command") if getattr(self, n)]
+            _check(len(given) == 1,
+                   "train.rollout.engine=http needs exactly one of train.rollout.url (a running server), "
+                   "train.rollout.server=sglang-jax or train.rollout.server_command (a server started here); "
+                   f"got {given or 'none'}")
+            _check(not self.server_command or "{model}" in " ".join(self.server_command),
+                   f"train.rollout.server_command must name the model folder as {{model}}, got {list(self.server_command)}")
+            _check(self.url is None or self.reload_route is not None,
+                   f"train.rollout.url={self.url!r} is a server this run cannot restart: set train.rollout.reload_route "
+                   "(SGLang: /update_weights_from_disk) so it serves each exported policy, or use "
+                   "train.rollout.server=sglang-jax")
+
+    @property
+    def uses_learner_logprobs(self) -> bool:
+        if self.recompute_logprobs is not None:
+            return self.recompute_logprobs
+        return self.engine is RolloutEngineKind.SGLANG
+
+    def result_fields(self) -> dict[str, Any] | None:
+        """The fields that change what training computes (part of the training hash); None for
+        the built-in engine, so runs that never set this section keep their hashes. Addresses,
+        time limits and memory knobs change no result."""
+        if self.engine is RolloutEngineKind.JAX:
+            return None
+        keep = ["engine", "dtype", "deterministic"]
+        if self.engine is RolloutEngineKind.HTTP:
+            keep += ["api", "sync_every"]
+        return dict({k: v for k, v in self.to_dict().items() if k in keep}, learner_logprobs=self.uses_learner_logprobs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device mesh
+
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape(_Config):
+    """Sizes of the mesh axes (grpo_core.mesh). data splits the batch only; fsdp splits the batch
+    and every parameter's hidden dimension, optimizer state included (ZeRO-3); tensor splits
+    attention heads, the MLP width and the vocabulary. -1 on one axis: every device the other
+    axes leave, so the default runs on any number of devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._validate("train.mesh")
+
+    def _validate(self, field: str) -> None:
+        for name in MESH_AXES:
+            v = getattr(self, name)
+            _check(v == -1 or v >= 1, f"{field}.{name} must be a positive integer or -1 (the rest), got {v}")
+        rest = [f"{field}.{n}" for n in MESH_AXES if getattr(self, n) == -1]
+        _check(len(rest) <= 1, f"at most one mesh axis may be -1, got {' and '.join(rest)}")
+
+    def sizes(self, num_devices: int, field: str = "train.mesh") -> tuple[int, ...]:
+        """The axis sizes on `num_devices` devices, or ConfigError naming the field."""
+        given = {n: getattr(self, n) for n in MESH_AXES}
+        fixed = 1
+        for v in given.values():
+            fixed *= v if v > 0 else 1
+        shown = ", ".join(f"{n}: {v}" for n, v in given.items())
+        if -1 not in given.values():
+            _check(fixed == num_devices, f"{field} {{{shown}}} needs {fixed} devices, but this run has {num_devices}; "
+                                         f"set one axis to -1 to take the rest")
+            return tuple(given.values())
+        _check(num_devices % fixed == 0, f"{field} {{{shown}}}: {num_devices} devices do not divide into axes "
+                                         f"of the fixed sizes (product {fixed})")
+        return tuple(v if v > 0 else num_devices // fixed for v in given.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(MeshShape):
+    """The `train.mesh` section: the learner's mesh (parameters, optimizer state, update batches)
+    and, optionally, other layouts of the same devices for the rollout (the sampler's copy of
+    the weights, its prompts and KV cache) and for the reference policy. null: the learner's
+    mesh, and no second copy of the weights. Not part of the training hash: a run resumes on
+    another mesh (Orbax restores onto the new shardings)."""
+
+    rollout: MeshShape | None = None
+    reference: MeshShape | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for role in ("rollout", "reference"):
+            v = getattr(self, role)
+            if isinstance(v, dict):
+                known = list(MESH_AXES)
+                _check(not set(v) - set(known), f"train.mesh.{role}: unknown field(s) {sorted(set(v) - set(known))}; "
+                                                f"known: {known}")
+                try:
+                    v = MeshShape(**v)
+                except ConfigError as exc:
+                    raise ConfigError(str(exc).replace("train.mesh", f"train.mesh.{role}")) from None
+            _check(v is None or isinstance(v, MeshShape),
+                   f"train.mesh.{role} must be a mapping like {{data: 1, fsdp: -1, tensor: 1}} or null, got {v!r}")
+            object.__setattr__(self, role, v)
+
+
+# ----------------------------------------------------------------------------------------------
 # Training run (engine level)
 
 
@@ -354,6 +538,8 @@ class TrainConfig(_Config):
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     num_steps: int = 100
     seed: int = 0
     log_every: int = 1
@@ -366,11 +552,24 @@ class TrainConfig(_Config):
                "sampling.temperature must be > 0 for training: greedy decoding gives all "
                f"{self.grpo.num_generations} completions of a group the same reward, so every advantage is 0")
 
+    def hash_fields(self) -> dict[str, Any]:
+        """to_dict() less what changes no result (see RolloutConfig.result_fields)."""
+        out = self.to_dict()
+        rollout = self.rollout.result_fields()
+        if rollout is None:
+            del out["rollout"]
+        else:
+            out["rollout"] = rollout
+        del out["mesh"]  # where arrays live changes results only within float tolerance
+        return out
+
 
 _SUBCONFIGS.update({
     ("TrainConfig", "grpo"): GRPOConfig,
     ("TrainConfig", "sampling"): SamplingConfig,
     ("TrainConfig", "optimizer"): OptimizerConfig,
+    ("TrainConfig", "rollout"): RolloutConfig,
+    ("TrainConfig", "mesh"): MeshConfig,
 })
 
 

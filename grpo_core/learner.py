@@ -14,8 +14,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from grpo_core import algo
 from grpo_core.config import GRPOConfig, KLEstimator, LossAggregation, OptimizerConfig, RatioLevel
@@ -78,9 +80,10 @@ def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.Grad
     return tx, schedule
 
 
-def _loss(params, graphdef, micro: Batch, weights, hp: LossParams):
-    """Sum of weighted per-token losses of one micro-batch, and its metric sums."""
-    model = nnx.merge(graphdef, params)
+def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
+    """Sum of weighted per-token losses of one micro-batch, and its metric sums. With LoRA
+    `params` are the adapters and `frozen` the base weights, which get no gradient."""
+    model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
     logp, ent = completion_logprobs(model, micro["prompt_tokens"], micro["prompt_valid"], micro["targets"], hp.temperature, True)
     mask = micro["mask"]
     log_r = algo.log_ratio(logp, micro["old_logp"], mask, hp.ratio_level)
@@ -100,9 +103,10 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams):
     return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
-def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, hp: LossParams):
+def train_step(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedule, hp: LossParams):
     """One optimizer update over `batch`, split into hp.grad_accum_steps micro-batches of whole
-    groups (prompt arrays split P/A ways, completion arrays B/A ways: rows stay with their prompt)."""
+    groups (prompt arrays split P/A ways, completion arrays B/A ways: rows stay with their prompt).
+    `frozen`: the base weights under LoRA (state["params"] then holds the adapters), else None."""
     a = hp.grad_accum_steps
     weights = algo.token_weights(batch["mask"], hp.aggregation, a, hp.max_new_tokens)
     micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), dict(batch, weights=weights))
@@ -110,7 +114,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, hp: L
 
     def accumulate(carry, mb):
         grads, loss, sums = carry
-        (l, s), g = grad_fn(state["params"], graphdef, mb, mb["weights"], hp)
+        (l, s), g = grad_fn(state["params"], graphdef, mb, mb["weights"], hp, frozen)
         return (jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, sums, s)), None
 
     zero_sums = {k: jnp.float32(0) for k in ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "ratio_mean")}
@@ -136,22 +140,69 @@ def score_completions(graphdef, params, batch: Batch, temperature: float):
 class Learner:
     """Holds the compiled step and scoring functions for one model graph and config."""
 
-    def __init__(self, graphdef, opt_cfg: OptimizerConfig, hp: LossParams, total_updates: int):
-        self.graphdef, self.hp = graphdef, hp
+    def __init__(self, graphdef, opt_cfg: OptimizerConfig, hp: LossParams, total_updates: int, ref_graphdef=None,
+                 placement=None):
+        """`ref_graphdef`: the reference's graph when it differs from the policy's (LoRA: the base
+        without adapters, scored on the base weights alone). `placement` (grpo_core.mesh): the
+        meshes; the state lives on the learner's, the reference on its own."""
+        self.graphdef, self.hp, self.placement = graphdef, hp, placement
         self.tx, self.schedule = make_optimizer(opt_cfg, total_updates)
-        step = lambda state, batch: train_step(state, batch, graphdef=graphdef, tx=self.tx,
-                                               schedule=self.schedule, hp=hp)
-        self.step = jax.jit(step, donate_argnums=(0,))
-        self.score = jax.jit(lambda params, batch: score_completions(graphdef, params, batch, hp.temperature))
+        self.state_sharding = None  # set by init_state; read when the step is traced
 
-    def compile_jobs(self, state: TrainState, batch_spec: dict, minibatches: int, with_reference: bool):
-        """Callables that compile the update step (for minibatches of the batch) and the scorer."""
-        state_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        mb_spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct((s.shape[0] // minibatches, *s.shape[1:]), s.dtype), batch_spec)
-        jobs = [lambda: self.step.lower(state_spec, mb_spec).compile()]
+        def step(state, batch, frozen=None):
+            new, metrics = train_step(state, batch, frozen, graphdef=graphdef, tx=self.tx, schedule=self.schedule, hp=hp)
+            if self.state_sharding is not None:  # the new state where the old one was: donation reuses its buffers
+                new = jax.lax.with_sharding_constraint(new, self.state_sharding)
+            return new, metrics
+
+        self.step = jax.jit(step, donate_argnums=(0,))  # never the frozen base: it lives on
+        ref = graphdef if ref_graphdef is None else ref_graphdef
+        self._score = jax.jit(lambda params, batch: score_completions(ref, params, batch, hp.temperature))
+
+    def _ref_mesh(self):
+        pl = self.placement
+        return None if pl is None or pl.reference is pl.train else pl.reference
+
+    def score(self, params, batch: Batch) -> jax.Array:
+        """Log-probs of the batch's completions under `params` (the reference policy); on the
+        reference's own mesh when it has one, the batch moved there and the result back."""
+        mesh = self._ref_mesh()
+        if mesh is None:
+            return self._score(params, batch)
+        return self.placement.put_batch(self._score(params, self.placement.put_batch(batch, mesh)))
+
+    def compile_jobs(self, state: TrainState, batch_spec: dict, minibatches: int, with_reference: bool,
+                     frozen=None, ref_params=None):
+        """Callables that compile the update step (for minibatches of the batch) and the scorer
+        (of `ref_params`, by default parameters shaped like the state's), for the layouts the
+        arrays will have, so that the calls find these programs in the cache."""
+        def sharded(x):
+            sharding = getattr(x, "sharding", None)
+            return sharding if isinstance(sharding, NamedSharding) else None
+
+        spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded(x)), tree)
+
+        def batch_of(shape, dtype, mesh=None):
+            sharding = None if self.placement is None else self.placement.batch_sharding(shape, mesh)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        state_spec = spec(state)
+        mb_spec = jax.tree.map(lambda s: batch_of((s.shape[0] // minibatches, *s.shape[1:]), s.dtype), batch_spec)
+        jobs = [lambda: self.step.lower(state_spec, mb_spec, spec(frozen)).compile()]
         if with_reference:
-            jobs.append(lambda: self.score.lower(state_spec["params"], batch_spec).compile())
+            ref_spec = state_spec["params"] if ref_params is None else spec(ref_params)
+            ref_batch = jax.tree.map(lambda s: batch_of(s.shape, s.dtype, self._ref_mesh()), batch_spec)
+            jobs.append(lambda: self._score.lower(ref_spec, ref_batch).compile())
         return jobs
 
     def init_state(self, params) -> TrainState:
-        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
+        """The train state of `params`: with a placement, the parameters and every optimizer
+        moment laid out over the learner's mesh (model.partition_axes), the count replicated."""
+        if self.placement is None:
+            return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
+        pl = self.placement
+        params = pl.put_params(params)
+        state = {"params": params, "opt_state": pl.init_opt_state(self.tx, params),
+                 "step": pl.put_replicated(np.int32(0))}
+        self.state_sharding = jax.tree.map(lambda x: x.sharding, state)
+        return state

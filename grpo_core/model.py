@@ -75,8 +75,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear with an optional low-rank update y = x W + b + s (x A) B (grpo_core.lora sets
+    A (in, r), B (r, out) and s = alpha / rank). Without adapters it is nnx.Linear exactly."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lora_a = nnx.data(None)
+        self.lora_b = nnx.data(None)
+        self.lora_scale = 0.0
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = super().__call__(x)
+        if self.lora_a is None:
+            return y
+        a, b = self.lora_a[...].astype(y.dtype), self.lora_b[...].astype(y.dtype)
+        return y + self.lora_scale * ((x.astype(y.dtype) @ a) @ b)  # (N, in) @ (in, r) @ (r, out)
+
+
 def _linear(din, dout, bias, cfg, rngs):
-    return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
+    return Linear(din, dout, use_bias=bias, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
                       kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
@@ -290,11 +308,49 @@ class GroupedInputs:
         return cls(((p, tp), (b, tc)), g, pos_p, pos_c, mask_p, jnp.concatenate([see_prompt, see_self], axis=-1))
 
 
-def init_kv_cache(cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+def init_kv_cache(cfg: ModelConfig, batch: int, slots: int, mesh=None) -> KVCache:
+    """Zeros (L, B, S, K, D); inside a jitted function with a `mesh`, laid out over it as
+    KV_CACHE_AXES says (rows over data x fsdp, kv heads over tensor)."""
     shape = (cfg.num_hidden_layers, batch, slots, cfg.num_key_value_heads, cfg.head_dim)
     dt = _dtype(cfg.dtype)
-    return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
+    cache = jnp.zeros(shape, dt), jnp.zeros(shape, dt)
+    return cache if mesh is None else constrain_kv_cache(cache, mesh)
+
+
+def constrain_kv_cache(cache: KVCache, mesh) -> KVCache:
+    from grpo_core.mesh import constrain
+
+    return tuple(constrain(c, KV_CACHE_AXES, mesh) for c in cache)
 
 
 def create_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     return CausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+# -- sharding (applied by grpo_core.mesh) ---------------------------------------------------------
+# Mesh axes of each parameter dimension: the hidden size over fsdp; heads, MLP width and
+# vocabulary over tensor, Megatron-style (q/k/v/gate/up split their outputs and o/down their
+# inputs, so a layer needs one reduction per block); norms whole. The stacked layer axis is never
+# split. mesh.fit keeps an axis only where its size divides the dimension, so every model runs on
+# every mesh (a 14-head model on tensor=4 keeps its heads whole).
+_IN_OUT = {"q_proj": ("fsdp", "tensor"), "k_proj": ("fsdp", "tensor"), "v_proj": ("fsdp", "tensor"),
+           "gate_proj": ("fsdp", "tensor"), "up_proj": ("fsdp", "tensor"), "lm_head": ("fsdp", "tensor"),
+           "o_proj": ("tensor", "fsdp"), "down_proj": ("tensor", "fsdp")}
+KV_CACHE_AXES = (None, ("data", "fsdp"), None, "tensor", None)  # (L, B, S, K, D): rows and kv heads
+
+
+def partition_axes(names: tuple[str, ...], ndim: int) -> tuple:
+    """Mesh axes (None: not split) of each dimension of the array at path `names`, e.g.
+    ('model', 'layers', 'self_attn', 'q_proj', 'kernel'). An optimizer moment's path ends with
+    its parameter's, so it is split the same way; anything unknown stays whole."""
+    names = tuple(n for n in names if n != "value")  # nnx.Variable's field
+    leaf = names[-1] if names else ""
+    if leaf == "embedding":
+        trailing = ("tensor", "fsdp")  # (V, E)
+    else:
+        lin = next((n for n in reversed(names) if n in _IN_OUT), None)
+        i, o = _IN_OUT.get(lin, (None, None))
+        trailing = {"kernel": (i, o), "bias": (o,), "lora_a": (i, None), "lora_b": (None, o)}.get(leaf, ()) if lin else ()
+    if len(trailing) > ndim:
+        return (None,) * ndim
+    return (None,) * (ndim - len(trailing)) + trailing

@@ -3,15 +3,16 @@
     python -m grpo_core.readiness --request req.json     # prints one JSON report
 
 Exit 0 ready, 4 a check failed, 2 the request is invalid. The request carries the model and
-train configs, `max_prompt_tokens`, `require_tpu`, `rollout_engine` ("jax" | "sglang-jax"),
-`config_hash`, and optionally `lockfile` and `memory_bytes` (device memory, overriding what
-the backend reports). Each check reports ok, a detail and, when it fails, the fix to apply.
+train configs, `max_prompt_tokens`, `require_tpu`, `rollout_engine` ("jax" | "sglang" | "http"),
+`config_hash`, and optionally `lockfile`, `memory_bytes` (device memory, overriding what
+the backend reports), `lora` (the model.lora section) and `run_root` (with several processes,
+each checks it reads the same config and first batch from there as the others). Each check reports ok, a detail and,
+when it fails, the fix to apply.
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
 import fcntl
 import json
 import logging
@@ -21,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from grpo_core.config import ConfigError, ModelConfig, TrainConfig
+from grpo_core.config import ConfigError, ModelConfig, RolloutEngineKind, TrainConfig
 
 log = logging.getLogger(__name__)
 EXIT_NOT_READY, EXIT_BAD_REQUEST = 4, 2
@@ -29,9 +30,7 @@ GiB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-class RolloutEngine(enum.Enum):
-    JAX = "jax"
-    SGLANG_JAX = "sglang-jax"
+RolloutEngine = RolloutEngineKind  # "sglang-jax" is accepted for "sglang"
 
 
 def tpu_generation(device_kind: str) -> int | None:
@@ -45,26 +44,42 @@ def check(name: str, ok: bool, detail: str, fix: str | None = None) -> dict[str,
 
 
 def memory_budget(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, device_bytes: int | None,
-                  device_count: int = 1) -> dict[str, Any]:
+                  device_count: int = 1, lora=None) -> dict[str, Any]:
     """Bytes the run needs on its devices, by term, against what they have.
 
     params and gradients in param_dtype; AdamW's two moments in f32; a reference copy only with
     beta > 0; the rollout batch's KV cache; and the largest activation, the logits of one
-    update micro-batch in f32 (prompt + completion tokens x vocabulary)."""
+    update micro-batch in f32 (prompt + completion tokens x vocabulary). With LoRA (`lora`, a
+    grpo_core.lora.LoraConfig) the adapters (f32) add to the params, gradients and moments cover
+    them alone, and the reference is the base itself: no copy. Over `device_count` devices the
+    terms are per device, as train.mesh splits them: weights and optimizer state over fsdp x
+    tensor, the KV cache and logits over all three axes (even splits assumed)."""
     n = model.num_params()
     pbytes, cbytes = _DTYPE_BYTES[model.param_dtype.value], _DTYPE_BYTES[model.dtype.value]
+    trained, tbytes = n, pbytes
+    if lora is not None:
+        from grpo_core.lora import num_adapter_params
+
+        trained, tbytes = num_adapter_params(model, lora), 4
     g, s = train.grpo, train.sampling
     rows = g.batch_size
     seq = max_prompt_tokens + s.max_new_tokens
     micro_rows = rows // (g.minibatches_per_rollout * g.grad_accum_steps)
     terms = {
-        "params": n * pbytes,
-        "gradients": n * pbytes,
-        "optimizer": 2 * n * 4,
-        "reference": n * pbytes if g.beta > 0 else 0,
+        "params": n * pbytes + (trained * tbytes if lora is not None else 0),
+        "gradients": trained * tbytes,
+        "optimizer": 2 * trained * 4,
+        "reference": n * pbytes if g.beta > 0 and lora is None else 0,
         "kv_cache": 2 * model.num_hidden_layers * rows * seq * model.num_key_value_heads * model.head_dim * cbytes,
         "logits": micro_rows * seq * model.vocab_size * 4,
     }
+    try:
+        data, fsdp, tensor = train.mesh.sizes(device_count)
+    except ConfigError:  # the mesh check reports it; count everything on one device
+        data, fsdp, tensor = 1, 1, 1
+    split = {k: fsdp * tensor if k in ("params", "gradients", "optimizer", "reference") else data * fsdp * tensor
+             for k in terms}
+    terms = {k: -(-v // split[k]) for k, v in terms.items()}
     total = sum(terms.values())
     out: dict[str, Any] = {"terms_bytes": terms, "total_bytes": total, "total_gib": round(total / GiB, 3),
                            "available_bytes": device_bytes, "fits": None, "largest": max(terms, key=terms.get)}
@@ -81,9 +96,11 @@ def _lever(budget: dict[str, Any], train: TrainConfig) -> str:
         "kv_cache": f"lower train.grpo.prompts_per_step (now {g.prompts_per_step}) or train.sampling.max_new_tokens "
                     f"(now {s.max_new_tokens}) or data.max_prompt_tokens",
         "logits": f"raise train.grpo.grad_accum_steps (now {g.grad_accum_steps}) to split each update",
-        "reference": "set train.grpo.beta=0 (no reference copy), or use a smaller model",
+        "reference": "set train.grpo.beta=0 (no reference copy), use LoRA (model.lora: the base is the "
+                     "reference), or use a smaller model",
     }.get(budget["largest"], "use a smaller model preset, bfloat16 parameters (model.param_dtype=bfloat16), "
-                             "or shard over more devices")
+                             "LoRA (model.lora: gradients and optimizer state for the adapters only), "
+                             "or shard over more devices (train.mesh: fsdp and tensor split the weights)")
 
 
 def lock_holders(path: str) -> list[int]:
@@ -158,37 +175,124 @@ def _device_checks(req: dict[str, Any], report: dict[str, Any]) -> list[dict[str
     out.append(check("tpu_required", d0.platform == "tpu" or not req.get("require_tpu"),
                      f"backend is {d0.platform}" + (", a TPU is required" if req.get("require_tpu") else ""),
                      f"run on a TPU VM, or set pipeline.require_tpu=false to run on {d0.platform}"))
-    out.append(_engine_check(req["rollout_engine"], report))
-    out.append(_agreement_check(req.get("config_hash", ""), report["process_count"]))
+    out.append(_engine_check(req["rollout_engine"], report, req["model"], req["train"].rollout))
+    out.append(_mesh_check(req["train"], len(devices)))
+    out.append(_agreement_check(req, report["process_count"]))
     return out
 
 
-def _engine_check(engine: RolloutEngine, report: dict[str, Any]) -> dict[str, Any]:
-    if engine is RolloutEngine.JAX:
+def _engine_check(engine: RolloutEngineKind, report: dict[str, Any], model: ModelConfig | None = None,
+                  rollout=None) -> dict[str, Any]:
+    """Can this slice run the chosen rollout engine? In-process sglang-jax: one host, TPU v4 or
+    newer (its paged attention kernels), or CPU for tests; and an interpreter that has it."""
+    if engine is RolloutEngineKind.JAX:
         return check("rollout_engine", True, "built-in JAX sampler (any backend, multi-host)")
-    gen = report.get("tpu_generation")
-    if gen is None or gen < 4:
-        found = f"TPU v{gen}" if gen else report.get("backend")
-        return check("rollout_engine", False, f"sglang-jax's paged attention needs TPU v4 or newer, found {found}",
-                     "use the built-in rollout engine 'jax'")
+    if engine is RolloutEngineKind.HTTP:
+        return _server_check(rollout)
+    instead = "use train.rollout.engine=jax (the built-in sampler), or http with a server on other hosts"
     if report["process_count"] > 1:
-        return check("rollout_engine", False, "in-process sglang-jax fails on multi-host slices "
-                     "(FAILED_PRECONDITION: the program continuator has halted)", "use the rollout engine 'jax'")
-    return check("rollout_engine", True, f"sglang-jax on TPU v{gen}, single host")
+        return check("rollout_engine", False, f"in-process sglang-jax fails on multi-host slices ({report['process_count']} "
+                     "processes: FAILED_PRECONDITION, the program continuator has halted)", instead)
+    gen, backend = report.get("tpu_generation"), report.get("backend")
+    head_dim = model.head_dim if model is not None else None
+    if backend == "cpu" and head_dim is not None and head_dim % 128 == 0:
+        where = "CPU (tests and development: slow)"
+    elif backend == "tpu" and gen is not None and gen >= 4:
+        where = f"TPU v{gen}, single host"
+    else:
+        found = f"TPU v{gen}" if gen else f"{backend}" + (f" with model.head_dim {head_dim}" if backend == "cpu" else "")
+        return check("rollout_engine", False, "sglang-jax's paged attention needs TPU v4 or newer (or, for tests, CPU "
+                     f"with model.head_dim a multiple of 128); found {found}", instead)
+    import importlib.util
+
+    if importlib.util.find_spec("sgl_jax") is None:
+        import sys
+
+        return check("rollout_engine", False, f"sglang-jax is not installed for {sys.executable}",
+                     "build the sglang-jax environment (make sglang-env) and start workers with it "
+                     "(GRPO_SGLANG_PYTHON or pipeline.worker_python; the pipeline picks .venv-sglang itself)")
+    from importlib.metadata import version
+
+    return check("rollout_engine", True, f"sglang-jax {version('sglang-jax')} in process on {where}")
 
 
-def _agreement_check(config_hash: str, process_count: int) -> dict[str, Any]:
+def _server_check(rollout) -> dict[str, Any]:
+    """http: a server at train.rollout.url must answer now; one started per run needs its interpreter."""
+    if rollout is None:
+        return check("rollout_engine", True, "OpenAI-compatible rollout server (not probed)")
+    if rollout.url:
+        import urllib.error
+        import urllib.request
+
+        url = rollout.url.rstrip("/") + "/v1/models"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return check("rollout_engine", resp.status == 200, f"rollout server {url}: HTTP {resp.status}",
+                             "check the server at train.rollout.url")
+        except (urllib.error.URLError, OSError) as exc:
+            return check("rollout_engine", False, f"rollout server {url} did not answer within 10 s: "
+                         f"{getattr(exc, 'reason', exc)}", "start the server or fix train.rollout.url")
+    if rollout.server == "sglang-jax":
+        from grpo_core.engines import sglang_python
+
+        py = sglang_python()
+        return check("rollout_engine", py is not None, f"sglang-jax servers started with {py}" if py else
+                     "train.rollout.server=sglang-jax needs the sglang-jax environment, which is not built",
+                     "make sglang-env, or set GRPO_SGLANG_PYTHON to its python")
+    return check("rollout_engine", True, f"rollout servers started with: {' '.join(rollout.server_command)}")
+
+
+def _mesh_check(train: TrainConfig, device_count: int) -> dict[str, Any]:
+    """train.mesh (and its rollout / reference layouts) must divide the devices of the run."""
+    m, shown = train.mesh, []
+    try:
+        for field, shape in (("train.mesh", m), ("train.mesh.rollout", m.rollout), ("train.mesh.reference", m.reference)):
+            if shape is not None:
+                sizes = shape.sizes(device_count, field)
+                shown.append(f"{field.rsplit('.', 1)[-1] if shape is not m else 'train'} "
+                             + " x ".join(f"{a}={n}" for a, n in zip(("data", "fsdp", "tensor"), sizes)))
+    except ConfigError as exc:
+        return check("mesh", False, str(exc), f"make the axes multiply to {device_count}, or set one of them to -1")
+    return check("mesh", True, f"{'; '.join(shown)} over {device_count} devices")
+
+
+def _agreement_check(req: dict[str, Any], process_count: int) -> dict[str, Any]:
+    """Every process of a multi-host run must see the same config and draw the same first batch:
+    each computes both from what it reads itself (the run root's config.json and prepared data,
+    when the request names `run_root`) and one collective compares them (distributed.disagreements)."""
     if process_count == 1:
         return check("config_agreement", True, "1 process")
-    import numpy as np
-    from jax.experimental import multihost_utils
+    from grpo_core import distributed
 
-    mine = np.frombuffer(config_hash.encode().ljust(64, b"\0")[:64], np.uint8)
-    try:
-        multihost_utils.assert_equal(mine, "config hashes differ across processes")
-    except AssertionError as exc:
-        return check("config_agreement", False, str(exc), "start every process with the same config.json")
-    return check("config_agreement", True, f"{process_count} processes agree on config {config_hash}")
+    values, unread = {"config hash": req.get("config_hash", ""), "first batch": ""}, None
+    if req.get("run_root"):
+        try:
+            values["config hash"], values["first batch"] = _run_digests(req["run_root"])
+        except Exception as exc:  # noqa: BLE001 - still take part in the collective: with a value that differs
+            unread = f"{type(exc).__name__}: {exc}"  # from any process that could read it
+            values["first batch"] = f"unreadable: {unread}"
+    differ = distributed.disagreements(values)
+    if differ:
+        detail = "; ".join(f"the {name} of process(es) {procs} differs from process 0's" for name, procs in differ.items())
+        return check("config_agreement", False, detail,
+                     "start every process on the same run root and code (one config.json, one prepared data set)")
+    batch = (" and the first batch" if req.get("run_root") and unread is None
+             else f" (the first batch not compared: {unread or 'no run_root in the request'})")
+    return check("config_agreement", True, f"{process_count} processes agree on config {values['config hash']}{batch}")
+
+
+def _run_digests(run_url: str) -> tuple[str, str]:
+    """(training hash, first batch digest) as this process reads them from the run root."""
+    from grpo_core import distributed
+    from grpo_core.data import DatasetPrompts, load_prepared
+    from grpo_core.run_config import RunConfig
+    from grpo_core.storage import RunRoot
+
+    root = RunRoot(run_url)
+    cfg = RunConfig.from_dict(root.read_json("config.json"))
+    rows, _ = load_prepared(root, cfg.data_hash)
+    prompts = DatasetPrompts(rows, seed=cfg.data.seed)
+    return cfg.train_hash, distributed.first_batch_digest(prompts, 0, cfg.train.grpo.prompts_per_step)
 
 
 def _device_memory(report: dict[str, Any], override: int | None) -> int | None:
@@ -198,8 +302,7 @@ def _device_memory(report: dict[str, Any], override: int | None) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     import jax
 
-    # One device's limit, not the sum: the trainer has no mesh yet, it puts params, optimizer
-    # state, the KV cache and the batch on the default device.
+    # One device's limit, not the sum: memory_budget counts per device, as train.mesh splits the run.
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return None if limit is None else int(limit)
@@ -220,12 +323,18 @@ def parse_request(req: Any) -> dict[str, Any]:
         if not (isinstance(v, int) and not isinstance(v, bool) and v > 0) and not (none_ok and v is None):
             raise ConfigError(f"request.{key} must be a positive integer{' or null' if none_ok else ''}, got {v!r}")
     try:
-        engine = RolloutEngine(req.get("rollout_engine", "jax"))
+        section = req["train"].get("rollout")
+        engine = RolloutEngine(req.get("rollout_engine", section.get("engine", "jax") if isinstance(section, dict) else "jax"))
     except ValueError:
         raise ConfigError(f"request.rollout_engine must be one of {[e.value for e in RolloutEngine]}, "
                           f"got {req.get('rollout_engine')!r}") from None
+    lora = None
+    if req.get("lora"):
+        from grpo_core.lora import LoraConfig
+
+        lora = LoraConfig.from_value(req["lora"])
     return dict(req, model=ModelConfig.from_dict(req["model"]), train=TrainConfig.from_dict(req["train"]),
-                rollout_engine=engine)
+                rollout_engine=engine, lora=lora)
 
 
 def run_checks(req: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +348,8 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
     checks += _device_checks(req, report)
     if report["backend"] is not None:
         budget = memory_budget(model, train, req["max_prompt_tokens"],
-                               _device_memory(report, req.get("memory_bytes")), report["device_count"])
+                               _device_memory(report, req.get("memory_bytes")),
+                               1 if report["backend"] == "cpu" else report["device_count"], req["lora"])  # CPU devices share RAM
         report["memory"] = budget
         have = "unknown" if budget["available_bytes"] is None else f"{budget['available_bytes'] / GiB:.2f} GiB"
         checks.append(check("memory", budget["fits"] is not False,
@@ -252,17 +362,32 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_core.readiness", description=__doc__.split("\n")[0])
-    ap.add_argument("--request", required=True, help="JSON request file")
+    ap.add_argument("--request", help="JSON request file")
+    ap.add_argument("--request-json", help="the request itself (a launcher passes it to other hosts this way)")
+    ap.add_argument("--events", action="store_true",
+                    help='print the report as {"event": "report", "report": ...} and exit 0 (for tasks.process)')
     args = ap.parse_args(argv)
+    from grpo_core import distributed
+
+    primary = True
     try:
-        with open(args.request) as f:
-            req = json.load(f)
+        if not (args.request or args.request_json):
+            raise ConfigError("give --request FILE or --request-json JSON")
+        if args.request_json:
+            req = json.loads(args.request_json)
+        else:
+            with open(args.request) as f:
+                req = json.load(f)
+        cluster = distributed.from_env()  # started by a multi-host launcher: join the others first
+        distributed.initialize(cluster)
+        primary = cluster is None or distributed.is_primary()
         report = run_checks(req)
-    except (OSError, json.JSONDecodeError, ConfigError, TypeError) as exc:
-        print(json.dumps({"ready": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}))
-        return EXIT_BAD_REQUEST
-    print(json.dumps(report))
-    return 0 if report["ready"] else EXIT_NOT_READY
+        code = 0 if report["ready"] else EXIT_NOT_READY
+    except (OSError, json.JSONDecodeError, ConfigError, TypeError, distributed.DistributedError) as exc:
+        report, code = {"ready": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}, EXIT_BAD_REQUEST
+    if primary:  # one report per run, not one per host
+        print(json.dumps({"event": "report", "report": report} if args.events else report), flush=True)
+    return 0 if args.events else code
 
 
 if __name__ == "__main__":

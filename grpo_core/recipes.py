@@ -44,14 +44,20 @@ def build_synthetic(cfg: dict[str, Any]) -> SyntheticRun:
     model_cfg = dict(cfg.get("model", {}))
     preset = model_cfg.pop("preset", "tiny")
     seed = model_cfg.pop("seed", 0)
+    lora_cfg = model_cfg.pop("lora", None)
     mc = get_preset(preset, **{"vocab_size": tok.vocab_size, **model_cfg})
     if mc.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size ({mc.vocab_size}) is smaller than the tokenizer's ({tok.vocab_size})")
     task = ReverseTask(**cfg.get("task", {}))
     train = TrainConfig.from_dict(cfg.get("train", {}))
     n_eval = int(cfg.get("eval_rows", 128))
+    model = create_model(mc, seed)
+    if lora_cfg:
+        from grpo_core import lora
+
+        lora.apply(model, lora.LoraConfig.from_value(lora_cfg), seed)
     return SyntheticRun(
-        model=create_model(mc, seed), train=train, tokenizer=tok, task=task,
+        model=model, train=train, tokenizer=tok, task=task,
         rewards=[Reward(char_match), Reward(exact_match, weight=0.0)],  # weight 0: reported, not optimised
         eval_rewards=[Reward(exact_match), Reward(char_match)],
         eval_rows=task.eval_rows(n_eval),

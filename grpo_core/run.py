@@ -71,7 +71,15 @@ class RunParts:
 
     def create_policy(self):
         """The starting policy: the checkpoint at model.path, or a preset initialised from
-        model.seed; every process builds the same."""
+        model.seed, with fresh LoRA adapters when model.lora is set; every process builds the same."""
+        model = self._base_policy()
+        if self.cfg.model.get("lora"):
+            from grpo_core import lora
+
+            lora.apply(model, lora.LoraConfig.from_value(self.cfg.model["lora"]), int(self.cfg.model.get("seed", 0)))
+        return model
+
+    def _base_policy(self):
         from grpo_core.model import create_model
 
         mc = self.model_config()

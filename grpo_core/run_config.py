@@ -23,8 +23,9 @@ import os
 import pathlib
 from typing import Any
 
-from grpo_core.config import ConfigError, ModelConfig, TrainConfig, _check, _Config, apply_overrides
+from grpo_core.config import _SUBCONFIGS, ConfigError, ModelConfig, TrainConfig, _check, _Config, apply_overrides
 from grpo_core.data import DataConfig, data_hash
+from grpo_core.launch import LauncherConfig
 from grpo_core.storage import config_hash
 
 DEFAULT: dict[str, Any] = {
@@ -56,7 +57,7 @@ PATH_OVERRIDES = ("dtype", "param_dtype")  # the ModelConfig fields a checkpoint
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec(_Config):
-    """A reward function: a built-in name (see grpo_core.rewards.BUILTIN) or `file.py:fn` /
+    """A reward function: a built-in name (see grpo_core.run.builtin_rewards) or `file.py:fn` /
     `module:fn`, and its weight in the total (0: reported, not optimised)."""
 
     function: str
@@ -124,6 +125,12 @@ class PipelineConfig(_Config):
     check_timeout_s: float = 600.0
     export: bool = True  # write the final policy as a Hugging Face folder, export/{step}/
     export_timeout_s: float = 1800.0
+    # The interpreter of training workers; null: this one, or the sglang-jax environment
+    # (GRPO_SGLANG_PYTHON, else .venv-sglang/bin/python) when train.rollout.engine is sglang.
+    worker_python: str | None = None
+    # How workers start: here (local), as N processes on this machine (multiprocess), on every
+    # host of a Ray cluster (ray) or of a TPU VM slice (tpu-vm); see grpo_core.launch.
+    launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -134,6 +141,9 @@ class PipelineConfig(_Config):
         _check(self.retry_delay_s >= 0, f"pipeline.retry_delay_s must be >= 0, got {self.retry_delay_s}")
         for name in ("train_timeout_s", "eval_timeout_s", "check_timeout_s", "export_timeout_s"):
             _check(getattr(self, name) > 0, f"pipeline.{name} must be > 0, got {getattr(self, name)}")
+
+
+_SUBCONFIGS[("PipelineConfig", "launcher")] = LauncherConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +251,7 @@ class RunConfig:
     @property
     def train_hash(self) -> str:
         return config_hash({"model": self.model, "data": self.data_hash,
-                            "rewards": [r.to_dict() for r in self.rewards], "train": self.train.to_dict()})
+                            "rewards": [r.to_dict() for r in self.rewards], "train": self.train.hash_fields()})
 
     @property
     def eval_hash(self) -> str:
@@ -278,6 +288,12 @@ def _model_section(value: Any) -> dict[str, Any]:
     in ('char' for a preset, 'auto' = the checkpoint's own for model.path), no preset with a path."""
     _check(isinstance(value, dict), f"model must be a mapping like {{preset: tiny}}, got {value!r}")
     out = {k: v for k, v in value.items() if not (k in ("path", "revision", "tokenizer", "lora") and v in (None, ""))}
+    if out.get("lora") is False:
+        del out["lora"]
+    elif "lora" in out:  # every field filled in: equal adapters hash equally
+        from grpo_core.lora import LoraConfig
+
+        out["lora"] = LoraConfig.from_value(out["lora"]).to_dict()
     _check(isinstance(out.get("seed", 0), int), f"model.seed must be an integer, got {out.get('seed')!r}")
     if out.get("path") is not None:
         _check(isinstance(out["path"], str), f"model.path must be a Hugging Face id, folder or URL, got {out['path']!r}")

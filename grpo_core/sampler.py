@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from grpo_core.config import ConfigError, SamplingConfig
-from grpo_core.model import CausalLM, causal_inputs, init_kv_cache
+from grpo_core.model import CausalLM, causal_inputs, constrain_kv_cache, init_kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,24 +126,27 @@ def step_key(seed: int, step: int, round_: int = 0) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), round_)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "opts", "num_samples"))
-def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: SamplerOptions, num_samples: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "opts", "num_samples", "mesh"))
+def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: SamplerOptions, num_samples: int, mesh=None):
     """Run the prompts once, fill the cache, draw every row's first token.
 
     prompt_tokens/valid: (P, Tp). Returns a loop state for `decode` with B = P * num_samples rows.
+    `mesh`: lay the KV cache out over it (model.KV_CACHE_AXES); decode keeps that layout.
     """
     model: CausalLM = nnx.merge(graphdef, params)
     p, tp = prompt_tokens.shape
     slots = tp + opts.max_new_tokens
     positions, mask = causal_inputs(prompt_valid)
     mask = jnp.pad(mask, ((0, 0), (0, 0), (0, slots - tp)))  # (P, Tp, S)
-    cache = init_kv_cache(model.config, p, slots)
+    cache = init_kv_cache(model.config, p, slots, mesh)
     h, cache = model.hidden_states(prompt_tokens, positions, mask, cache, 0)
     logits = model.logits(h[:, -1:])[:, 0]  # (P, V): left padding puts every prompt's end last
 
     # Repeat each prompt's cache for its G samples: rows i*G .. i*G+G-1 belong to prompt i.
     rep = lambda x: jnp.repeat(x, num_samples, axis=0)
     cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, S, K, D)
+    if mesh is not None:
+        cache = constrain_kv_cache(cache, mesh)
     logits, prompt_valid, prompt_tokens = rep(logits), rep(prompt_valid), rep(prompt_tokens)
     b = p * num_samples
     first, first_lp = sample_logits(logits, jax.random.fold_in(key, 0), opts)
@@ -198,13 +202,14 @@ def decode(graphdef, params, cache, state, key, *, opts: SamplerOptions, prompt_
 
 
 def generate(model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions,
-             num_samples: int = 1) -> Completions:
-    """Sample `num_samples` completions for each left-padded prompt. No host sync inside."""
+             num_samples: int = 1, mesh=None) -> Completions:
+    """Sample `num_samples` completions for each left-padded prompt. No host sync inside.
+    `mesh`: the rollout's (grpo_core.mesh), over which the KV cache is laid out."""
     graphdef = model_or_graphdef
     if isinstance(model_or_graphdef, nnx.Module):
         graphdef, params = nnx.split(model_or_graphdef)
     cache, state, ptok, pvalid = prefill(graphdef, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_valid),
-                                         key, opts=opts, num_samples=num_samples)
+                                         key, opts=opts, num_samples=num_samples, mesh=mesh)
     _, (tokens, logprobs, lengths, truncated) = decode(graphdef, params, cache, state, key, opts=opts,
                                                   prompt_len=int(prompt_tokens.shape[1]))
     return Completions(ptok, pvalid, tokens, logprobs, lengths, truncated)
@@ -229,19 +234,32 @@ def completion_texts(tokenizer, tokens: np.ndarray, lengths: np.ndarray, eos_ids
 
 
 def spec_of(tree):
-    """Shapes and dtypes of a pytree of arrays, for ahead-of-time compilation."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    """Shapes, dtypes and mesh layouts of a pytree of arrays, for ahead-of-time compilation: a
+    program compiled for these is the one a call with the arrays themselves finds in the cache."""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else None)
+
+    return jax.tree.map(one, tree)
 
 
-def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int):
+def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int,
+                 mesh=None):
     """Callables that compile prefill and decode for this prompt shape (run them in threads):
     XLA compiles with the GIL released, so on a cold start they overlap each other and the
     learner's compilation instead of running one after another."""
     p_spec, t_spec, v_spec, k_spec = spec_of((params, prompt_tokens, prompt_valid, key))
-    kw = dict(opts=opts, num_samples=num_samples)
+    kw = dict(opts=opts, num_samples=num_samples, mesh=mesh)
     cache, state, _, _ = jax.eval_shape(lambda p, t, v, k: prefill(graphdef, p, t, v, k, **kw), p_spec, t_spec, v_spec, k_spec)
-    return [
-        lambda: prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile(),
-        lambda: decode.lower(graphdef, p_spec, cache, state, k_spec, opts=opts,
-                             prompt_len=int(prompt_tokens.shape[1])).compile(),
-    ]
+    compile_decode = lambda cache, state: decode.lower(graphdef, p_spec, cache, state, k_spec, opts=opts,
+                                                       prompt_len=int(prompt_tokens.shape[1])).compile()
+    if mesh is None:
+        return [lambda: prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile(),
+                lambda: compile_decode(cache, state)]
+
+    def both():  # on a mesh, decode takes prefill's outputs in the layouts prefill's program gives them
+        out = prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile().output_shardings
+        laid = lambda spec, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), spec, sh)
+        compile_decode(laid(cache, out[0]), laid(state, out[1]))
+
+    return [both]

@@ -22,12 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_core import algo, rewards as rw
+from grpo_core import algo, lora, rewards as rw
 from grpo_core.checkpoint import Checkpointer
 from grpo_core.config import TrainConfig
+from grpo_core.engines import make_engine
 from grpo_core.learner import Learner, LossParams, TrainState
+from grpo_core.mesh import Placement
 from grpo_core.model import CausalLM
-from grpo_core.sampler import SamplerOptions, stop_ids, compile_jobs, completion_texts, generate, pad_prompts, spec_of, step_key
+from grpo_core.sampler import SamplerOptions, stop_ids, completion_texts, pad_prompts, spec_of, step_key
 
 log = logging.getLogger(__name__)
 
@@ -105,22 +107,44 @@ class GRPOTrainer:
             raise ValueError("at least one reward function is needed")
         self.cfg, self.tokenizer, self.rewards, self.prompts = cfg, tokenizer, list(rewards), prompts
         self.graphdef, params = nnx.split(model)
+        # LoRA: the state trains the adapters; the base weights are a frozen argument of the step.
+        self.frozen, ref_graphdef = None, None
+        if lora.has_adapters(model):
+            self.graphdef, ref_graphdef, self.frozen, params = lora.split(model)
+        # train.mesh: parameters (and the frozen base) laid out over the learner's devices, all hosts'.
+        self.placement = Placement.from_config(cfg.mesh)
+        params = self.placement.put_params(params)
+        if self.frozen is not None:
+            self.frozen = self.placement.put_params(self.frozen)
         g = cfg.grpo
         self.opts = SamplerOptions.from_config(cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer),
                                                tokenizer.pad_token_id)
         hp = LossParams.from_config(g, cfg.sampling.max_new_tokens, cfg.sampling.temperature)
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
-        self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates)
-        # The reference is the starting policy, frozen. With beta == 0 it is never kept or scored.
-        self.ref_params = jax.tree.map(jnp.copy, params) if g.needs_reference else None
+        self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
+        # The reference is the starting policy, frozen (with LoRA: the base weights themselves,
+        # adapters off, no copy). With beta == 0 it is never kept or scored.
+        self.ref_params = None
+        if g.needs_reference:
+            self.ref_params = self.placement.reference_params(params if self.frozen is None else self.frozen,
+                                                              copy=self.frozen is None)
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
         self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
-        self._t = dict.fromkeys(("rollout", "rewards", "reference", "update"), 0.0)  # this step's time split
+        self._t = dict.fromkeys(("rollout", "rewards", "reference", "update", "sync", "rescore"), 0.0)  # this step's split
+        # The rollout engine (train.rollout): the built-in sampler reads self.params at each call;
+        # sglang / http engines hold their own copy, sent by _sync_engine after every update.
+        self.engine = make_engine(cfg.rollout, graphdef=self.graphdef, params_fn=lambda: self.params,
+                                  model_config=model.config, opts=self.opts, batch_size=g.batch_size,
+                                  tokenizer=tokenizer, seed=cfg.seed, placement=self.placement)
+        self._score_policy = None  # jitted old_logp rescoring, when the engine's are not used
 
     @property
     def params(self):
-        return self.state["params"]
+        """The policy's parameters (with LoRA: the base and the adapters, one nnx.State)."""
+        if self.frozen is None:
+            return self.state["params"]
+        return nnx.merge_state(self.frozen, self.state["params"])
 
     def model(self) -> CausalLM:
         return nnx.merge(self.graphdef, self.params)
@@ -140,8 +164,9 @@ class GRPOTrainer:
                       "old_logp": jax.ShapeDtypeStruct((b, n), jnp.float32), "ref_logp": jax.ShapeDtypeStruct((b, n), jnp.float32),
                       "advantages": jax.ShapeDtypeStruct((b,), jnp.float32)}
         batch_spec = spec_of(batch_spec)
-        sampler_jobs = compile_jobs(self.graphdef, self.params, ptok, pval, key, self.opts, g_cfg.num_generations)
-        learner_jobs = self.learner.compile_jobs(self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference)
+        sampler_jobs = self.engine.compile_jobs(ptok, pval, key, g_cfg.num_generations)
+        learner_jobs = self.learner.compile_jobs(self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference,
+                                                 self.frozen, self.ref_params)
         pool = ThreadPoolExecutor(max_workers=len(sampler_jobs) + len(learner_jobs))
         self._compiled[ptok.shape] = [pool.submit(job) for job in learner_jobs]  # the longest first
         for f in [pool.submit(job) for job in sampler_jobs]:
@@ -162,8 +187,10 @@ class GRPOTrainer:
         encoded = [r["prompt_ids"] if "prompt_ids" in r else self.tokenizer.encode(r["prompt"]) for r in rows]
         ptok, pval = pad_prompts(encoded, self.cfg.sampling.prompt_buckets, self.opts.pad_id)
         self._precompile(ptok, pval, step_key(self.cfg.seed, step, round_))
-        c = generate(self.graphdef, self.params, ptok, pval, step_key(self.cfg.seed, step, round_), self.opts, g)
-        tokens, logprobs, lengths, truncated = jax.device_get((c.tokens, c.logprobs, c.lengths, c.truncated))  # host sync
+        if self.engine.synced_step != self.step:  # a new trainer or a restored checkpoint
+            self._sync_engine(self.step)
+        out = self.engine.generate(ptok, pval, step_key(self.cfg.seed, step, round_), g)  # host arrays
+        tokens, logprobs, lengths, truncated = out.tokens, out.logprobs, out.lengths, out.truncated
         texts = completion_texts(self.tokenizer, tokens, lengths, self.opts.eos_ids)
         rep = lambda xs: [x for x in xs for _ in range(g)]
         columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k not in ("prompt", "prompt_ids")}
@@ -198,8 +225,8 @@ class GRPOTrainer:
 
     def _batch(self, ro: Rollout) -> dict[str, jax.Array]:
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
-        adv = _advantages(jnp.asarray(ro.rewards, jnp.float32), g_cfg.num_generations, g_cfg.advantage,
-                          g_cfg.scale_rewards, g_cfg.advantage_eps)
+        adv = np.asarray(_advantages(jnp.asarray(ro.rewards, jnp.float32), g_cfg.num_generations, g_cfg.advantage,
+                                     g_cfg.scale_rewards, g_cfg.advantage_eps))  # B floats: the batch goes up whole
         mask = np.arange(n)[None, :] < ro.lengths[:, None]
         if g_cfg.mask_truncated_completions:
             mask &= ~ro.truncated[:, None]
@@ -209,10 +236,8 @@ class GRPOTrainer:
             "prompt_tokens": ro.prompt_tokens, "prompt_valid": ro.prompt_valid,
             "targets": ro.tokens, "mask": mask.astype(np.float32), "old_logp": ro.logprobs.astype(np.float32),
         }
-        batch = jax.device_put(batch)
-        batch["advantages"] = adv
-        batch["ref_logp"] = jnp.zeros((b, n), jnp.float32)
-        return batch
+        batch.update(advantages=adv, ref_logp=np.zeros((b, n), np.float32))
+        return self.placement.put_batch(batch)  # rows over the mesh; the same host arrays on every process
 
     def _update(self, step: int, batch) -> dict[str, jax.Array]:
         g_cfg = self.cfg.grpo
@@ -226,7 +251,7 @@ class GRPOTrainer:
                 order = jax.tree.map(lambda x: x[perm] if x.shape[0] == p else x[rows], batch)
             for k in range(m):  # contiguous slices keep every group whole
                 mb = jax.tree.map(lambda x: x[k * x.shape[0] // m:(k + 1) * x.shape[0] // m], order) if m > 1 else order
-                self.state, metrics = self.learner.step(self.state, mb)
+                self.state, metrics = self.learner.step(self.state, self.placement.put_batch(mb), self.frozen)
                 per.append(metrics)
         return jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *per) if len(per) > 1 else per[0]
 
@@ -236,9 +261,13 @@ class GRPOTrainer:
         self._t = dict.fromkeys(self._t, 0.0)
         t0 = time.perf_counter()
         ro, info = self.rollout(step)
-        self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"]
+        self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"] - self._t["sync"]
         batch = self._batch(ro)
         self._wait_compiled()
+        if self.cfg.rollout.uses_learner_logprobs:
+            t = time.perf_counter()
+            batch["old_logp"] = self._rescore(batch).block_until_ready()
+            self._t["rescore"] = time.perf_counter() - t
         if self.ref_params is not None:
             t = time.perf_counter()
             batch["ref_logp"] = self.learner.score(self.ref_params, batch).block_until_ready()
@@ -246,10 +275,35 @@ class GRPOTrainer:
         t = time.perf_counter()
         learner_metrics = jax.device_get(self._update(step, batch))  # host sync: the step's end
         self._t["update"] = time.perf_counter() - t
+        self._sync_engine(step + 1)  # the engine serves the updated policy from the next rollout on
         metrics = self._metrics(step, ro, info, learner_metrics)
         metrics["time/step"] = time.perf_counter() - t0
         self.step += 1
         return metrics
+
+    def _sync_engine(self, version: int) -> None:
+        """Send the policy after `version` updates to the rollout engine (bounded by
+        train.rollout.sync_timeout_s inside the engine). LoRA adapters are merged first: the
+        engines serve plain models."""
+        t = time.perf_counter()
+        params = None
+        if self.engine.name != "jax":
+            params = self.params if self.frozen is None else nnx.state(lora.merge(self.model()), nnx.Param)
+        self.engine.sync(params, version)
+        self._t["sync"] += time.perf_counter() - t
+
+    def _rescore(self, batch) -> jax.Array:
+        """old_logp by the learner's own numerics under the current (= behaviour) policy."""
+        if self._score_policy is None:
+            from grpo_core.learner import score_completions
+
+            temp, graphdef = self.cfg.sampling.temperature, self.graphdef
+            self._score_policy = jax.jit(lambda params, b: score_completions(graphdef, params, b, temp))
+        return self._score_policy(self.params, batch)
+
+    def close(self) -> None:
+        """Stop the rollout engine (an in-process engine's threads, or a server this run started)."""
+        self.engine.close()
 
     def _metrics(self, step, ro: Rollout, info, lm) -> dict[str, float]:
         r = ro.rewards[~np.isnan(ro.rewards)]
@@ -276,7 +330,8 @@ class GRPOTrainer:
 
     def save(self, ckpt: Checkpointer, config_hash: str = "") -> None:
         """Checkpoint after `self.step` steps. The reference policy is not saved: it is the model
-        this trainer was built from, which a resumed run builds again from the same source."""
+        this trainer was built from, which a resumed run builds again from the same source; with
+        LoRA neither is the base (the state holds the adapters only)."""
         ckpt.save(self.step, self.state, {"seed": self.cfg.seed, "config_hash": config_hash})
 
     def restore(self, ckpt: Checkpointer, step: int | None = None, config_hash: str = "") -> bool:

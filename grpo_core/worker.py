@@ -19,18 +19,27 @@ Progress goes to stdout as JSON lines, one object per event:
     {"event": "done", "step": N, "steps_run": n}
     {"event": "eval", "step": s, "uri": ..., "cached": bool, "accuracy": ..., ...}
     {"event": "export", "step": s, "uri": ..., "cached": bool, "files": [...]}
-    {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage", "message": ...}
+    {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage" | "rollout" | "distributed",
+     "message": ...}
 
 Exit codes: 0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf) —
 none worth retrying, a retry would fail the same way; anything else (a crash, a kill, 5 for a
-storage error) is worth retrying: the next run resumes from the last checkpoint, re-running at
-most checkpoint_every - 1 steps, whose metric rows then replace their earlier copies
-(storage.RunRoot.read_metrics keeps one row per step).
+storage error, 7 for a rollout engine that failed or passed a time limit) is worth retrying:
+the next run resumes from the last checkpoint, re-running at most checkpoint_every - 1 steps,
+whose metric rows then replace their earlier copies (storage.RunRoot.read_metrics keeps one
+row per step); 8 for a multi-host setup that failed (a process did not join in time).
+
+Multi-host (grpo_core.distributed): `--distributed`, or GRPO_COORDINATOR / GRPO_NUM_PROCESSES /
+GRPO_PROCESS_ID set by a launcher (grpo_core.launch), joins jax.distributed before anything
+else. Every process runs the same stage; process 0 alone prints events and writes metrics,
+evaluation results and exports (checkpoints are written by all, as Orbax requires); training
+starts only once every process agrees on the config hash and the first batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -39,13 +48,24 @@ import time
 from typing import Any
 
 EXIT_CONFIG, EXIT_REWARD, EXIT_STORAGE, EXIT_DIVERGED = 2, 3, 5, 6
+EXIT_ROLLOUT = 7  # the rollout engine failed or passed a time limit (grpo_core.engines.EXIT_TIMEOUT): retryable
+EXIT_DISTRIBUTED = 8  # jax.distributed could not start or the processes disagree: retryable
 NOT_RETRYABLE = frozenset({EXIT_CONFIG, EXIT_REWARD, EXIT_DIVERGED})
 _STEP_KEYS = ("reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "completions/mean_length",
               "time/step")
 
 
+_PRIMARY = True  # process 0 of a multi-host run (or the only process): the one that reports and writes
+
+
 def _emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    """One JSON line on stdout, from process 0 only (the launcher streams process 0's); another
+    process's error goes to its stderr, which the launcher keeps for the failure message."""
+    line = json.dumps({"event": event, **fields})
+    if _PRIMARY:
+        print(line, flush=True)
+    elif event == "error":
+        print(line, file=sys.stderr, flush=True)
 
 
 def train(parts, until_step: int) -> int:
@@ -60,9 +80,10 @@ def train(parts, until_step: int) -> int:
     every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
     trainer = GRPOTrainer(parts.create_policy(), cfg.train, parts.tokenizer, parts.rewards,
                           DatasetPrompts(parts.train_rows, seed=cfg.data.seed))
-    with Checkpointer(root.uri("checkpoints")) as ckpt:
+    with Checkpointer(root.uri("checkpoints")) as ckpt, contextlib.closing(trainer):  # closing: the rollout engine
         resumed = trainer.restore(ckpt, config_hash=h)
         start = trainer.step
+        _agree(h, trainer)
         _emit("resumed" if resumed else "start", step=start, until=until_step)
         pending: list[dict[str, Any]] = []
         while trainer.step < until_step:
@@ -71,7 +92,8 @@ def train(parts, until_step: int) -> int:
             _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m})
             _fault("step", trainer.step, root.url)
             if trainer.step % every == 0 or trainer.step == until_step:
-                root.write_metrics(pending)  # outputs first ...
+                if _PRIMARY:
+                    root.write_metrics(pending)  # outputs first ...
                 trainer.save(ckpt, config_hash=h)  # ... the checkpoint (finalised last) after
                 ckpt.wait()
                 pending = []
@@ -85,14 +107,44 @@ def _fault(where: str, step: int, root_url: str) -> None:
     """Fault injection for the pipeline's tests: GRPO_FAULT="where:step:flagfile[,...]" SIGKILLs
     this process after that step ('step') or once its checkpoint is durable ('checkpoint'). Each
     fault fires once: its flag file records that it did, so the retried worker runs through.
-    GRPO_FAULT_RUN limits it to runs whose root URL contains that text."""
+    GRPO_FAULT_RUN limits it to runs whose root URL contains that text, GRPO_FAULT_PROCESS to one
+    process of a multi-host run."""
     if os.environ.get("GRPO_FAULT_RUN", "") not in root_url:
+        return
+    only = os.environ.get("GRPO_FAULT_PROCESS")
+    if only is not None and int(only) != _process_index():
         return
     for spec in filter(None, os.environ.get("GRPO_FAULT", "").split(",")):
         w, s, flag = spec.split(":", 2)
         if w == where and int(s) == step and not os.path.exists(flag):
             open(flag, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _process_index() -> int:
+    if "jax" not in sys.modules:  # a single process that has not started JAX yet
+        return 0
+    import jax
+
+    return jax.process_index()
+
+
+def _agree(config_hash: str, trainer) -> None:
+    """With several processes: stop unless every one has the same config hash and draws the same
+    first batch (a host that read other data, or another config.json, would feed the shared
+    programs other inputs and corrupt them silently)."""
+    import jax
+
+    from grpo_core import distributed
+
+    if jax.process_count() == 1:
+        return
+    p = trainer.cfg.grpo.prompts_per_step
+    differ = distributed.disagreements({"config hash": config_hash,
+                                        "first batch": distributed.first_batch_digest(trainer.prompts, trainer.step, p)})
+    if differ:
+        raise distributed.DistributedError("processes disagree before training: " + "; ".join(
+            f"{name} of process(es) {procs} differs from process 0's" for name, procs in differ.items()))
 
 
 def _policy_params(parts, ckpt, step: int):
@@ -149,7 +201,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
             result["examples"] = _examples(parts, graphdef, params, sampling)
             result["seconds"] = round(time.perf_counter() - t, 3)
-            _emit("eval", cached=False, uri=root.write_json(rel, result), **result)
+            _emit("eval", cached=False, uri=root.write_json(rel, result) if _PRIMARY else root.uri(rel), **result)
     return 0
 
 
@@ -176,6 +228,8 @@ def export(parts, step: int | None) -> int:
             return 0
         t = time.perf_counter()
         graphdef, params = _policy_params(parts, ckpt, step)
+    if not _PRIMARY:  # the files are process 0's to write
+        return 0
     model = nnx.merge(graphdef, params)
     if cfg.model.get("lora"):
         from grpo_core.lora import merge
@@ -254,20 +308,40 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--root", required=True, help="the run's folder or URL (gs://bucket/prefix/run)")
         p.add_argument("--config", help="JSON run config (default: config.json in the run root)")
+        p.add_argument("--distributed", action="store_true",
+                       help="join a multi-host run (jax.distributed; see grpo_core.distributed for the environment)")
     sub.choices["train"].add_argument("--until-step", type=int, required=True, help="train until this many steps")
     sub.choices["eval"].add_argument("--steps", required=True, help="comma-separated steps; 0 = starting policy")
     sub.choices["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest)")
     args = ap.parse_args(argv)
     t = time.perf_counter()
     _compilation_cache()
-    rc = _run(args)
+    rc = _join(args.distributed) or _run(args)
     print(json.dumps({"event": "exit", "code": rc, "seconds": round(time.perf_counter() - t, 3)}), file=sys.stderr)
     return rc
+
+
+def _join(requested: bool) -> int:
+    """Join the other processes of a multi-host run, if the launcher started several."""
+    global _PRIMARY
+    from grpo_core import distributed
+
+    try:
+        cluster = distributed.from_env(requested=requested)
+        distributed.initialize(cluster)
+    except distributed.DistributedError as exc:
+        _emit("error", kind="distributed", message=str(exc))
+        return EXIT_DISTRIBUTED
+    if cluster is not None:
+        _PRIMARY = distributed.is_primary()
+    return 0
 
 
 def _run(args) -> int:
     from grpo_core.config import ConfigError
     from grpo_core.data import DataError
+    from grpo_core.distributed import DistributedError
+    from grpo_core.engines import RolloutError, RolloutTimeout
     from grpo_core.rewards import RewardFunctionError
     from grpo_core.storage import StorageError
     from grpo_core.trainer import NonFiniteError
@@ -303,6 +377,16 @@ def _run(args) -> int:
     except NonFiniteError as exc:
         _emit("error", kind="diverged", message=str(exc))
         return EXIT_DIVERGED
+    except DistributedError as exc:
+        _emit("error", kind="distributed", message=str(exc))
+        return EXIT_DISTRIBUTED
+    except RolloutError as exc:
+        _emit("error", kind="rollout", message=str(exc))
+        if isinstance(exc, RolloutTimeout):  # a thread may still wait inside the engine: exit without joining it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_ROLLOUT)
+        return EXIT_ROLLOUT
 
 
 if __name__ == "__main__":

@@ -1,24 +1,22 @@
-"""Launch a worker process, stream its JSON-line events, and enforce a hard time limit.
+"""Launch a worker process (or, through a launcher, one per host), stream its JSON-line events,
+and enforce a hard time limit.
 
 Prefect cannot interrupt blocking code in a thread, so a stage's time limit is enforced here:
-the worker runs in its own process group and the whole group is stopped (SIGTERM, then
-SIGKILL) when the limit passes. The worker's exit code says whether a retry can help
+each worker runs in its own process group and every group is stopped (SIGTERM, then SIGKILL)
+when the limit passes, or as soon as one process of a multi-host set fails. The worker's exit code says whether a retry can help
 (grpo_core.worker.NOT_RETRYABLE); the task's retry_condition_fn reads it from StageError.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
+from grpo_core.launch import LauncherConfig, start
 from grpo_core.worker import EXIT_CONFIG, EXIT_DIVERGED, EXIT_REWARD, NOT_RETRYABLE
 
 
@@ -35,50 +33,68 @@ _KIND_BY_CODE = {EXIT_CONFIG: "config or data error", EXIT_REWARD: "reward funct
 
 
 def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[str, Any]], None],
-               what: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Run `python -m <args>`; call on_event for each JSON line; return all events.
+               what: str, env: dict[str, str] | None = None, python: str | None = None,
+               launcher: LauncherConfig | None = None) -> list[dict[str, Any]]:
+    """Run `python -m <args>` (`python`: another interpreter, e.g. the sglang-jax environment's;
+    default this one) through `launcher` (grpo_core.launch; default: one local process); call
+    on_event for each JSON line of process 0; return all events.
+
+    Every process of the set is watched: when one fails, the others would wait for it inside a
+    collective until their heartbeat timeout, so the whole set is stopped at once.
 
     Raises StageError: not retryable for the worker's config/data/reward/divergence exits,
     retryable for crashes, kills, storage errors and the time limit."""
-    proc = subprocess.Popen([sys.executable, "-m", *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    launched = start(launcher, args, env, python)
+    procs = launched.procs
     lines: queue.Queue = queue.Queue()
-    err_tail: deque[str] = deque(maxlen=40)
-    threading.Thread(target=_pump, args=(proc.stdout, lines.put, True), daemon=True).start()
-    err_thread = threading.Thread(target=_pump, args=(proc.stderr, err_tail.append), daemon=True)
-    err_thread.start()
+    tails: list[deque[str]] = [deque(maxlen=40) for _ in procs]
+    threading.Thread(target=_pump, args=(procs[0].stdout, lines.put, True), daemon=True).start()
+    for p in procs[1:]:  # only process 0 reports; the others' output is drained so a full pipe never blocks them
+        threading.Thread(target=_pump, args=(p.stdout, lambda _line: None), daemon=True).start()
+    err_threads = [threading.Thread(target=_pump, args=(p.stderr, tail.append), daemon=True) for p, tail in zip(procs, tails)]
+    for t in err_threads:
+        t.start()
     deadline = time.monotonic() + timeout_s
     events: list[dict[str, Any]] = []
-    timed_out = False
+    timed_out, streaming, failed = False, True, None
     while True:
         try:
             line = lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
         except queue.Empty:
-            if time.monotonic() >= deadline:
-                timed_out = True
-                _stop(proc)
-                break
-            continue
-        if line is None:  # stdout closed: the worker is exiting
+            line = ""
+        if line is None:  # process 0's stdout closed: it is exiting
+            streaming = False
+        else:
+            event = _parse(line)
+            if event is not None:
+                events.append(event)
+                on_event(event)
+        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if failed is not None:
+            launched.stop()
             break
-        event = _parse(line)
-        if event is not None:
-            events.append(event)
-            on_event(event)
-    rc = proc.wait()
-    err_thread.join(timeout=5)
+        if not streaming and all(p.poll() is not None for p in procs):
+            break
+        if time.monotonic() >= deadline:
+            timed_out = True
+            launched.stop()
+            break
+    codes = [p.wait() for p in procs]
+    for t in err_threads:
+        t.join(timeout=5)
     if timed_out:
         raise StageError(f"{what} passed its time limit of {timeout_s:g} s and was stopped "
                          f"(raise it with --set pipeline.*_timeout_s=...); it resumes from its last checkpoint",
                          retryable=True)
-    if rc == 0:
+    if failed is None:
         return events
+    rc, who = codes[failed], f" ({launched.specs[failed].name} of {len(procs)})" if len(procs) > 1 else ""
     errors = [e for e in events if e.get("event") == "error"]
-    detail = errors[-1]["message"] if errors else _tail(err_tail)
+    detail = errors[-1]["message"] if errors and failed == 0 else _tail(tails[failed])
     if rc in NOT_RETRYABLE:
-        raise StageError(f"{what} failed ({_KIND_BY_CODE[rc]}): {detail}", retryable=False)
+        raise StageError(f"{what} failed{who} ({_KIND_BY_CODE[rc]}): {detail}", retryable=False)
     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-    raise StageError(f"{what} {how}: {detail}", retryable=True)
+    raise StageError(f"{what}{who} {how}: {detail}", retryable=True)
 
 
 def _pump(stream, put, end_marker: bool = False) -> None:
@@ -96,20 +112,6 @@ def _parse(line: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return event if isinstance(event, dict) and "event" in event else None
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the worker's process group, then SIGKILL it if it has not exited."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _tail(lines: deque[str]) -> str:

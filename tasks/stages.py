@@ -91,11 +91,17 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
                               "(GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"})
     request = {"model": cfg.model_config(vocab_size=_vocab_size(cfg)).to_dict(), "train": cfg.train.to_dict(),
                "max_prompt_tokens": cfg.data.max_prompt_tokens, "require_tpu": cfg.pipeline.require_tpu,
-               "rollout_engine": "jax", "config_hash": cfg.train_hash}
+               "rollout_engine": cfg.train.rollout.engine.value, "config_hash": cfg.train_hash, "lora": cfg.model.get("lora"),
+               "run_root": cfg.run_url}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
     try:
-        report = _device_checks(f.name, timeout_s or cfg.pipeline.check_timeout_s)
+        try:
+            python = worker_python(cfg)
+        except StageError as exc:  # reported as a failed check, with the device checks run here
+            python = None
+            checks.append({"name": "worker_python", "ok": False, "detail": str(exc), "fix": "make sglang-env"})
+        report = _device_checks(f.name, timeout_s or cfg.pipeline.check_timeout_s, python, cfg.pipeline.launcher)
     finally:
         os.unlink(f.name)
     if "error" in report:  # the request itself was refused (exit 2): say why as a failed check
@@ -111,14 +117,43 @@ def _vocab_size(cfg: RunConfig) -> int:
     return make_tokenizer(cfg).vocab_size
 
 
-def _device_checks(request_path: str, timeout_s: float) -> dict[str, Any]:
-    """Run grpo_core.readiness in its own process: it initialises JAX, which the Prefect process
-    never does (a TPU belongs to the one process that opened it)."""
+def worker_python(cfg: RunConfig) -> str:
+    """The interpreter of training workers (and of their readiness checks): pipeline.worker_python,
+    else the sglang-jax environment when train.rollout.engine is sglang, else this one."""
+    import sys
+
+    from grpo_core.config import RolloutEngineKind
+    from grpo_core.engines import sglang_python
+
+    if cfg.pipeline.worker_python:
+        return cfg.pipeline.worker_python
+    if cfg.train.rollout.engine is RolloutEngineKind.SGLANG:
+        python = sglang_python()
+        if python is None:
+            raise StageError("train.rollout.engine=sglang runs the training worker in the sglang-jax environment "
+                             "(Python 3.12, its own jax/flax pins), which is not built: run `make sglang-env`, or set "
+                             "GRPO_SGLANG_PYTHON or pipeline.worker_python to its interpreter", retryable=False)
+        return python
+    return sys.executable
+
+
+def _device_checks(request_path: str, timeout_s: float, python: str | None = None, launcher=None) -> dict[str, Any]:
+    """Run grpo_core.readiness in its own process (in the training workers' interpreter): it
+    initialises JAX, which the Prefect process never does (a TPU belongs to the one process that
+    opened it). With a multi-host launcher, on every host as training will run, the request
+    passed inline (other hosts cannot read this machine's files); process 0 reports."""
     import subprocess
     import sys
 
+    if launcher is not None and launcher.distributed:
+        with open(request_path) as f:
+            inline = f.read()
+        events = run_worker(["grpo_core.readiness", "--events", "--request-json", inline], timeout_s=timeout_s,
+                            on_event=lambda e: None, what="the device checks", python=python, launcher=launcher)
+        return next(e["report"] for e in events if e["event"] == "report")
+
     try:
-        proc = subprocess.run([sys.executable, "-m", "grpo_core.readiness", "--request", request_path],
+        proc = subprocess.run([python or sys.executable, "-m", "grpo_core.readiness", "--request", request_path],
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise StageError(f"the device checks did not finish within {timeout_s:g} s (a TPU held by another "
@@ -197,7 +232,8 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
 
     t = time.perf_counter()
     events = run_worker(["grpo_core.worker", "train", "--root", run_url, "--until-step", str(until)],
-                        timeout_s=cfg.pipeline.train_timeout_s, on_event=on_event, what=f"training epoch {epoch}")
+                        timeout_s=cfg.pipeline.train_timeout_s, on_event=on_event, what=f"training epoch {epoch}",
+                        python=worker_python(cfg), launcher=cfg.pipeline.launcher)
     done = next(e for e in events if e["event"] == "done")
     info = {"epoch": epoch, "step": done["step"], "steps_run": done["steps_run"], "train_hash": cfg.train_hash,
             "checkpoint_uri": root.uri("checkpoints", str(done["step"])), "seconds": round(time.perf_counter() - t, 2),
@@ -215,7 +251,7 @@ def export_model(run_url: str, step: int) -> dict[str, Any]:
     cfg, log = load_run(run_url), get_run_logger()
     events = run_worker(["grpo_core.worker", "export", "--root", run_url, "--step", str(step)],
                         timeout_s=cfg.pipeline.export_timeout_s, on_event=lambda e: None,
-                        what=f"export of step {step}")
+                        what=f"export of step {step}", launcher=cfg.pipeline.launcher.single())
     done = next(e for e in events if e["event"] == "export")
     log.info("exported step %d as a Hugging Face model: %s%s", step, done["uri"],
              " (already exported)" if done["cached"] else "")
@@ -253,7 +289,7 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     else:
         events = run_worker(["grpo_core.worker", "eval", "--root", run_url, "--steps", ",".join(map(str, steps))],
                             timeout_s=cfg.pipeline.eval_timeout_s, on_event=on_event,
-                            what=f"evaluation of steps {steps}")
+                            what=f"evaluation of steps {steps}", launcher=cfg.pipeline.launcher.single())
     results = {str(e["step"]): {k: v for k, v in e.items() if k == "accuracy" or k.startswith("pass@")}
                for e in events if e["event"] == "eval"}
     table = eval_table(eval_results(root))

@@ -3,7 +3,6 @@ transformers (PyTorch on CPU), loaded here; logits and greedy generations must m
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

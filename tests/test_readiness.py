@@ -97,7 +97,7 @@ def test_memory_that_does_not_fit_names_a_lever(tmp_path):
     ({"train": {"grpo": {"num_generations": 1}}}, "num_generations must be >= 2, got 1"),
     ({"max_prompt_tokens": "16"}, "request.max_prompt_tokens must be a positive integer, got '16'"),
     ({"memory_bytes": "lots"}, "request.memory_bytes must be a positive integer or null, got 'lots'"),
-    ({"rollout_engine": "vllm"}, "request.rollout_engine must be one of ['jax', 'sglang-jax'], got 'vllm'"),
+    ({"rollout_engine": "vllm"}, "request.rollout_engine must be one of ['jax', 'sglang', 'http'], got 'vllm'"),
     ({"model": [1, 2]}, "request.model must be a mapping, got [1, 2]"),
 ])
 def test_bad_request(tmp_path, overrides, message):
