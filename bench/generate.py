@@ -12,7 +12,7 @@ generates 64 new tokens per row with EOS ignored, so every row runs the full len
   ours          load_hf_model, then grpo_core.sampler.generate (jitted prefill + while_loop decode
                 over a preallocated KV cache, SamplingConfig(ignore_eos=True)); the tokens are
                 copied to the host, as the rollout does.
-  transformers  AutoModelForCausalLM.from_pretrained(dtype=torch.float32) on CPU, then
+  transformers  AutoModelForCausalLM.from_pretrained(dtype=torch.float32) on the GPU when torch sees one, else CPU, then
                 model.generate(attention_mask=..., max_new_tokens=min_new_tokens=64,
                 do_sample=True, top_k=0, top_p=1) under torch.no_grad().
 Each engine runs in its own process (ours with JAX's persistent compilation cache off). Reported
@@ -56,6 +56,7 @@ def _timed(call, calls: int) -> dict:
 
 def run_ours(workload: str, folder: str, batches: list[int], new_tokens: int, calls: int, temperature: float) -> list[dict]:
     """Write the workload's model to `folder`, load it back and time grpo_core.sampler.generate."""
+    import jax
     import numpy as np
     from flax import nnx
 
@@ -79,7 +80,7 @@ def run_ours(workload: str, folder: str, batches: list[int], new_tokens: int, ca
             out = np.asarray(generate(graphdef, params, tokens, valid, step_key(0, i), opts).tokens)  # host sync
             assert out.shape == (b, new_tokens), out.shape
 
-        rows.append(dict(engine="ours", batch=b, **_timed(call, calls)))
+        rows.append(dict(engine="ours", batch=b, device=jax.default_backend(), **_timed(call, calls)))
     return rows
 
 
@@ -90,20 +91,21 @@ def run_transformers(workload: str, folder: str, batches: list[int], new_tokens:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the accelerator ours runs on, where there is one
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(device)
     sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     rows = []
     for b in batches:
-        ids = torch.from_numpy(prompts(b, model.config.vocab_size)).long()
+        ids = torch.from_numpy(prompts(b, model.config.vocab_size)).long().to(device)
 
         def call(i):
             torch.manual_seed(i)
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, **sample)
+                                     min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, **sample).cpu()
             assert out.shape == (b, PROMPT_LEN + new_tokens), out.shape
 
-        rows.append(dict(engine="transformers", batch=b, torch_threads=torch.get_num_threads(), **_timed(call, calls)))
+        rows.append(dict(engine="transformers", batch=b, device=device, torch_threads=torch.get_num_threads(), **_timed(call, calls)))
     return rows
 
 
@@ -121,9 +123,10 @@ def _child(engine: str, args, folder: str) -> list[dict]:
 
 def _table(args, params_m: float, rows: list[dict]) -> str:
     threads = next((r["torch_threads"] for r in rows if "torch_threads" in r), "?")
+    devices = {r["engine"]: r.get("device", "?") for r in rows}
     out = [f"workload {args.workload} ({params_m:.1f} M params, f32): {PROMPT_LEN}-token prompts, {args.new_tokens} new "
            f"tokens per row (EOS ignored), temperature {args.temperature}; median of {args.calls} calls; "
-           f"torch threads {threads}", "",
+           f"torch threads {threads}; ours on {devices.get('ours')}, transformers on {devices.get('transformers')}", "",
            f"{'batch':>5} {'engine':<12} {'first s':>8} {'median s':>8} {'tokens/s':>9}"]
     out += [f"{r['batch']:>5} {r['engine']:<12} {r['first_s']:>8.2f} {r['median_s']:>8.3f} {r['tokens_per_s']:>9.0f}"
             for r in rows]
