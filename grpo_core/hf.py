@@ -145,8 +145,12 @@ def _check_shape(x: np.ndarray, want: tuple[int, ...], name: str) -> np.ndarray:
     return x
 
 
-def load_hf_model(folder: str, dtype: str | None = None, **overrides):
-    """The NNX model of a local Hugging Face folder (config.json + safetensors)."""
+def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overrides):
+    """The NNX model of a local Hugging Face folder (config.json + safetensors).
+
+    With a `placement` (grpo_core.mesh.Placement), each parameter goes straight to its shards on
+    the learner's mesh as it is read: no device ever holds a whole parameter the mesh splits,
+    and on a multi-host slice each process sends only its own devices' shards."""
     import jax
     from flax import nnx
 
@@ -173,7 +177,12 @@ def load_hf_model(folder: str, dtype: str | None = None, **overrides):
         raise ConfigError(f"{folder}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     loaded: dict[tuple, Any] = {}
     for path, arr in _stream(tensors, flat, cfg.num_hidden_layers):
-        loaded[path] = jax.device_put(arr)  # host copy freed when `arr` goes
+        if placement is None:
+            loaded[path] = jax.device_put(arr)  # host copy freed when `arr` goes
+        else:
+            from grpo_core.mesh import put
+
+            loaded[path] = put(arr, placement.param_sharding(path, arr.shape))
         tensors.drop_pages()
     nested: dict[str, Any] = {}
     for path, v in loaded.items():

@@ -155,15 +155,16 @@ class Placement:
     def param_shardings(self, tree, mesh: Mesh | None = None):
         """NamedShardings for a tree of parameters, or of anything whose paths end with a
         parameter's (optimizer moments); leaves the model does not know are replicated."""
+        return jax.tree_util.tree_map_with_path(lambda path, x: self.param_sharding(path_names(path), np.shape(x), mesh),
+                                                tree)
+
+    def param_sharding(self, names: Sequence[str], shape: Sequence[int], mesh: Mesh | None = None) -> NamedSharding:
+        """The sharding of the parameter at path `names` (('model', 'layers', 'mlp', 'up_proj',
+        'kernel')) with this shape."""
         from grpo_core.model import partition_axes
 
-        mesh = mesh or self.train
-
-        def one(path, x):
-            shape = tuple(np.shape(x))
-            return NamedSharding(mesh, fit(partition_axes(path_names(path), len(shape)), shape, mesh))
-
-        return jax.tree_util.tree_map_with_path(one, tree)
+        shape = tuple(shape)
+        return NamedSharding(mesh or self.train, fit(partition_axes(tuple(names), len(shape)), shape, mesh or self.train))
 
     def batch_sharding(self, shape: Sequence[int], mesh: Mesh | None = None) -> NamedSharding:
         """Rows (the leading dimension) over data x fsdp, as far as they divide."""

@@ -69,17 +69,18 @@ class RunParts:
     def model_config(self):
         return self.cfg.model_config(vocab_size=self.tokenizer.vocab_size)
 
-    def create_policy(self):
+    def create_policy(self, placement=None):
         """The starting policy: the checkpoint at model.path, or a preset initialised from
-        model.seed, with fresh LoRA adapters when model.lora is set; every process builds the same."""
-        model = self._base_policy()
+        model.seed, with fresh LoRA adapters when model.lora is set; every process builds the same.
+        With a `placement`, checkpoint weights are loaded straight onto its mesh."""
+        model = self._base_policy(placement)
         if self.cfg.model.get("lora"):
             from grpo_core import lora
 
             lora.apply(model, lora.LoraConfig.from_value(self.cfg.model["lora"]), int(self.cfg.model.get("seed", 0)))
         return model
 
-    def _base_policy(self):
+    def _base_policy(self, placement=None):
         from grpo_core.model import create_model
 
         mc = self.model_config()
@@ -91,7 +92,8 @@ class RunParts:
             from grpo_core.sources import resolve
 
             overrides = {k: v for k, v in self.cfg.model.items() if k in ("dtype", "param_dtype")}
-            return load_hf_model(resolve(self.cfg.model_path, self.cfg.model.get("revision")), **overrides)
+            return load_hf_model(resolve(self.cfg.model_path, self.cfg.model.get("revision")), placement=placement,
+                                 **overrides)
         return create_model(mc, int(self.cfg.model.get("seed", 0)))
 
 

@@ -102,7 +102,7 @@ class GRPOTrainer:
     """GRPO on one model. `train()` runs steps; `state` is what a checkpoint must hold."""
 
     def __init__(self, model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, rewards: Sequence[rw.Reward],
-                 prompts: PromptSource, eos_ids: Sequence[int] | None = None):
+                 prompts: PromptSource, eos_ids: Sequence[int] | None = None, placement: Placement | None = None):
         if not rewards:
             raise ValueError("at least one reward function is needed")
         self.cfg, self.tokenizer, self.rewards, self.prompts = cfg, tokenizer, list(rewards), prompts
@@ -112,7 +112,7 @@ class GRPOTrainer:
         if lora.has_adapters(model):
             self.graphdef, ref_graphdef, self.frozen, params = lora.split(model)
         # train.mesh: parameters (and the frozen base) laid out over the learner's devices, all hosts'.
-        self.placement = Placement.from_config(cfg.mesh)
+        self.placement = placement or Placement.from_config(cfg.mesh)  # the one the model was loaded onto, if any
         params = self.placement.put_params(params)
         if self.frozen is not None:
             self.frozen = self.placement.put_params(self.frozen)

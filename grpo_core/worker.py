@@ -72,14 +72,16 @@ def train(parts, until_step: int) -> int:
     from grpo_core.checkpoint import Checkpointer
     from grpo_core.config import ConfigError
     from grpo_core.data import DatasetPrompts
+    from grpo_core.mesh import Placement
     from grpo_core.trainer import GRPOTrainer
 
     cfg, root = parts.cfg, parts.root
     if until_step > cfg.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
         raise ConfigError(f"--until-step {until_step} is past train.num_steps ({cfg.train.num_steps})")
     every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
-    trainer = GRPOTrainer(parts.create_policy(), cfg.train, parts.tokenizer, parts.rewards,
-                          DatasetPrompts(parts.train_rows, seed=cfg.data.seed))
+    placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
+    trainer = GRPOTrainer(parts.create_policy(placement), cfg.train, parts.tokenizer, parts.rewards,
+                          DatasetPrompts(parts.train_rows, seed=cfg.data.seed), placement=placement)
     with Checkpointer(root.uri("checkpoints")) as ckpt, contextlib.closing(trainer):  # closing: the rollout engine
         resumed = trainer.restore(ckpt, config_hash=h)
         start = trainer.step

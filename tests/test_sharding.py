@@ -191,3 +191,52 @@ def test_sharded_lora_run_matches_one_device(tmp_path):
     assert one["metrics"][-1]["kl"] > 0
     for k in p1:
         np.testing.assert_allclose(p8[k], p1[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def load_child(folder: str, out: str) -> None:
+    """Load a Hugging Face folder onto a data=2 x fsdp=2 x tensor=2 mesh and without one; write
+    how each parameter came out."""
+    import jax
+    from flax import nnx
+
+    from grpo_core.hf import load_hf_model
+    from grpo_core.mesh import Placement
+
+    pl = Placement.from_config(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = dict(nnx.to_flat_state(nnx.state(load_hf_model(folder, placement=pl))))
+    plain = dict(nnx.to_flat_state(nnx.state(load_hf_model(folder))))
+    rows = {}
+    for path, v in sharded.items():
+        a = v[...]
+        rows[".".join(map(str, path))] = {
+            "as_placed": a.sharding == pl.param_sharding(path, a.shape),
+            "equal": bool(np.array_equal(np.asarray(a), np.asarray(plain[path][...]))),
+            "spec": [list(x) if isinstance(x, tuple) else x for x in a.sharding.spec],
+            "shape": list(a.shape), "shard": list(a.addressable_shards[0].data.shape),
+            "devices": len(a.sharding.device_set)}
+    with open(out, "w") as f:
+        json.dump({"devices": jax.device_count(), "params": rows}, f)
+
+
+def test_checkpoint_loads_straight_onto_the_mesh(tmp_path):
+    """model.path weights go to their shards as they are read (no whole copy on one device),
+    and equal what an unsharded load gives."""
+    from grpo_core.hf import save_hf_model
+    from grpo_core.model import create_model
+    from grpo_core.presets import get_preset
+
+    folder, out = str(tmp_path / "model"), str(tmp_path / "load.json")
+    save_hf_model(create_model(get_preset("tiny", vocab_size=64), 0), folder)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    code = f"import tests.test_sharding as t; t.load_child({folder!r}, {out!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["devices"] == 8
+    params = res["params"]
+    assert all(p["as_placed"] and p["equal"] and p["devices"] == 8 for p in params.values()), params
+    q = params["model.layers.self_attn.q_proj.kernel"]
+    assert q["spec"] == [None, "fsdp", "tensor"] and q["shard"] == [q["shape"][0], q["shape"][1] // 2, q["shape"][2] // 2]
+    assert params["model.embed_tokens.embedding"]["spec"] == ["tensor", "fsdp"]
