@@ -1,11 +1,15 @@
-"""Benchmark: one GRPO step of the engine on two Qwen3-shaped f32 workloads.
+"""Benchmark: one GRPO step of the engine on two Qwen3-shaped f32 workloads, and LoRA.
 
-    python -m bench.grpo_step [--workload small|tiny|all] [--steps N] [--json out.json]
+    python -m bench.grpo_step [--workload small|tiny|small-lora|all] [--steps N] [--json out.json]
 
 Both workloads: tied embeddings, vocab 384, 8 prompts of 8-10 tokens, 8 completions each forced
 to 32 tokens (EOS ignored), temperature 1, beta = 0.04 (reference model on), num_iterations 1,
 AdamW with gradient clipping at 1.0. "small": hidden 512, 8 layers, 8/4 heads, head_dim 64,
 intermediate 1408. "tiny": hidden 128, 2 layers, 4/2 heads, head_dim 32, intermediate 256.
+"small-lora": "small" with rank-8 LoRA adapters (alpha 16) on every linear of each layer: only
+the adapters train, the reference is the base with adapters off; compared with "small" (full
+fine-tuning) of the same run, also by optimizer-state size. Its FLOP/s are not reported (the
+model-FLOP formula is full fine-tuning's).
 
 Each workload runs in its own process (so peak memory is its own). Reported: first-step time
 (compilation included), then medians over N steps of wall and CPU seconds (all threads), the
@@ -28,7 +32,7 @@ import time
 # most of its memory up front; allocate on demand so they fit side by side.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-WORKLOADS = {"small": dict(steps=5), "tiny": dict(steps=20)}
+WORKLOADS = {"small": dict(steps=5), "tiny": dict(steps=20), "small-lora": dict(steps=5, preset="small", lora=8)}
 REFERENCE = {  # measured on this kind of machine with the same settings (issue 2)
     "small": {"TRL 1.16": 6.2, "Tunix 0.1.7": 9.9, "EasyDeL 0.3": 11.2, "target": 4.5},
     "tiny": {"TRL 1.16": 0.23, "Tunix 0.1.7": 0.35, "target": 0.08},
@@ -96,6 +100,8 @@ def frac_a(prompts, completions, **_):
 
 
 def run_workload(name: str, steps: int) -> dict:
+    import jax
+
     from grpo_core.config import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
     from grpo_core.model import create_model
     from grpo_core.presets import get_preset
@@ -103,14 +109,22 @@ def run_workload(name: str, steps: int) -> dict:
     from grpo_core.synthetic import CharTokenizer
     from grpo_core.trainer import GRPOTrainer
 
-    mcfg = get_preset(name, vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32")
+    w = WORKLOADS[name]
+    mcfg = get_preset(w.get("preset", name), vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32")
     cfg = TrainConfig(
         grpo=GRPOConfig(num_generations=GENERATIONS, prompts_per_step=PROMPTS, beta=0.04, num_iterations=1),
         sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True),
         optimizer=OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0), num_steps=steps + 1)
     tok = CharTokenizer()
     prompts = RandomPrompts(tok.chars)
-    tr = GRPOTrainer(create_model(mcfg, 0), cfg, tok, [Reward(frac_a)], prompts)
+    model = create_model(mcfg, 0)
+    if w.get("lora"):
+        from grpo_core import lora
+
+        lora.apply(model, lora.LoraConfig(rank=w["lora"], alpha=2.0 * w["lora"]))
+    tr = GRPOTrainer(model, cfg, tok, [Reward(frac_a)], prompts)
+    opt_mib = sum(x.nbytes for x in jax.tree.leaves(tr.state["opt_state"])) / 2**20
+    trained_m = sum(x.size for x in jax.tree.leaves(tr.state["params"])) / 1e6
     t = time.perf_counter()
     tr.train_step()
     first = time.perf_counter() - t
@@ -130,26 +144,39 @@ def run_workload(name: str, steps: int) -> dict:
         "reference_s": med("time/reference"), "update_s": med("time/update"),
         "rollout_tokens_per_s": med("rollout_tokens_per_s"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "model_gflop_per_step": total / 1e9, "gflops": total / med("time/step") / 1e9,
+        "model_gflop_per_step": total / 1e9, "gflops": None if w.get("lora") else total / med("time/step") / 1e9,
+        "trained_m": trained_m, "opt_state_mib": opt_mib,
         "steps": [{k: m[k] for k in ("time/step", "cpu_s", "time/rollout", "time/reference", "time/update")} for m in per_step],
     }
 
 
 def _table(peak: float, rows: list[dict]) -> str:
-    cols = [("workload", "{:<8}"), ("params_m", "{:>8.2f}"), ("first_step_s", "{:>8.2f}"), ("step_s", "{:>8.3f}"),
+    cols = [("workload", "{:<10}"), ("params_m", "{:>8.2f}"), ("first_step_s", "{:>8.2f}"), ("step_s", "{:>8.3f}"),
             ("cpu_s", "{:>8.3f}"), ("rollout_s", "{:>8.3f}"), ("rewards_s", "{:>8.4f}"), ("reference_s", "{:>8.3f}"),
             ("update_s", "{:>8.3f}"), ("rollout_tokens_per_s", "{:>9.0f}"), ("peak_rss_mib", "{:>8.0f}"),
-            ("gflops", "{:>8.1f}"), ("pct_peak", "{:>7.1f}")]
+            ("opt_state_mib", "{:>8.2f}"), ("gflops", "{:>8.1f}"), ("pct_peak", "{:>7.1f}")]
     heads = ["workload", "params M", "first s", "step s", "CPU s", "rollout", "rewards", "ref", "update",
-             "roll t/s", "peak MiB", "GFLOP/s", "% peak"]
+             "roll t/s", "peak MiB", "opt MiB", "GFLOP/s", "% peak"]
     out = [f"f32 matmul peak on this machine: {peak:.1f} GFLOP/s (measured in this run)", "",
-           " ".join(f"{h:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" if i else f"{h:<8}"
+           " ".join(f"{h:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" if i else f"{h:<10}"
                     for i, (h, (_, fmt)) in enumerate(zip(heads, cols)))]
     for r in rows:
-        r = dict(r, pct_peak=100 * r["gflops"] / peak)
-        out.append(" ".join(fmt.format(r[k]) for k, fmt in cols))
+        r = dict(r, pct_peak=None if r["gflops"] is None else 100 * r["gflops"] / peak)
+        out.append(" ".join(f"{'-':>{len(fmt.format(0))}}" if r[k] is None else fmt.format(r[k]) for k, fmt in cols))
     out.append("")
+    by = {r["workload"]: r for r in rows}
     for r in rows:
+        if WORKLOADS[r["workload"]].get("lora"):
+            base = by.get(WORKLOADS[r["workload"]]["preset"])
+            line = (f"{r['workload']}: median {r['step_s']:.3f} s/step, {r['trained_m']:.2f} M trained parameters, "
+                    f"optimizer state {r['opt_state_mib']:.2f} MiB")
+            if base:
+                line += (f"; full fine-tuning of the same run {base['step_s']:.3f} s/step "
+                         f"({base['step_s'] / r['step_s']:.2f}x the time), {base['opt_state_mib']:.1f} MiB "
+                         f"({base['opt_state_mib'] / r['opt_state_mib']:.0f}x), peak RSS {base['peak_rss_mib']:.0f} "
+                         f"vs {r['peak_rss_mib']:.0f} MiB")
+            out.append(line)
+            continue
         refs = REFERENCE[r["workload"]]
         cmp = ", ".join(f"{k} {v} s (ours {v / r['step_s']:.2f}x faster)" for k, v in refs.items() if k != "target")
         out.append(f"{r['workload']}: median {r['step_s']:.3f} s/step vs {cmp}; target {refs['target']} s")

@@ -38,3 +38,16 @@ def test_generate_benchmark(tmp_path, capsys):
     assert [(r["batch"], r["engine"]) for r in rows] == [(1, "ours"), (1, "transformers"), (4, "ours"),
                                                          (4, "transformers")]
     assert all(r["first_s"] > 0 and r["median_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_grpo_step_benchmark(tmp_path, capsys):
+    from bench import grpo_step
+
+    assert grpo_step.main(["--workload", "tiny", "--steps", "2", "--json", str(tmp_path / "out.json")]) == 0
+    table = capsys.readouterr().out
+    assert "f32 matmul peak on this machine" in table and "tiny: median" in table
+    out = json.load(open(tmp_path / "out.json"))
+    [row] = out["workloads"]
+    assert out["matmul_peak_gflops"] > 0 and row["workload"] == "tiny" and len(row["steps"]) == 2
+    assert row["step_s"] > 0 and row["gflops"] > 0 and row["trained_m"] == pytest.approx(row["params_m"], rel=1e-3)
+    assert row["opt_state_mib"] > 2 * row["params_m"] * 4 / 1.05  # two AdamW moments in f32
