@@ -33,6 +33,8 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "model.lora": ("LoRA instead of full fine-tuning: only the adapters train and are checkpointed, the KL "
                    "reference is the base with adapters off, the export has them merged. Empty: full fine-tuning", {}),
     "model.lora.rank": ("Adapter rank r", {"ge": 1}),
+    "model.lora.dropout": ("Adapter dropout: only 0, since dropout in the update alone would bias GRPO's "
+                           "importance ratios", {"ge": 0, "le": 0}),
     "model.lora.alpha": ("The update x A B is scaled by alpha / rank", {"gt": 0}),
     "model.lora.target_modules": ("Regular expression searched in each decoder linear's path "
                                   "(model.layers.self_attn.q_proj, ..., model.layers.mlp.down_proj), e.g. "
@@ -224,12 +226,12 @@ _LORA = LoraConfig()
 
 
 class LoraParams(BaseModel):
-    # dropout is left out: it must be 0 (see grpo_core.lora.LoraConfig).
     model_config = ConfigDict(extra="forbid")
     rank: int = Field(_LORA.rank, description=DOCS["model.lora.rank"][0], **DOCS["model.lora.rank"][1])
     alpha: float = Field(_LORA.alpha, description=DOCS["model.lora.alpha"][0], **DOCS["model.lora.alpha"][1])
     target_modules: str = Field(_LORA.target_modules, description=DOCS["model.lora.target_modules"][0],
                                 **DOCS["model.lora.target_modules"][1])
+    dropout: float = Field(_LORA.dropout, description=DOCS["model.lora.dropout"][0], **DOCS["model.lora.dropout"][1])
 
 
 class ModelParams(BaseModel):

@@ -89,3 +89,23 @@ def test_own_rewards_are_the_eval_rewards_and_decide_accuracy(tmp_path):
         RunConfig.from_dict({"rewards": specs, "eval": {"accuracy_reward": "exact_match"}})
     default = RunConfig.from_dict({})
     assert default.eval.accuracy_reward == "exact_match" and len(default.eval.rewards) == 2
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["model.lora=true"],
+    ["model.lora.rank=4", "model.lora.target_modules=.*(q_proj|v_proj).*"],
+    ["train.mesh.data=2", "train.mesh.rollout.data=-1", "train.mesh.rollout.fsdp=1"],
+    ["train.rollout.engine=http", "train.rollout.server=sglang-jax", "train.rollout.api=sglang"],
+    ["pipeline.launcher.kind=multiprocess", "pipeline.launcher.num_processes=2"],
+    ["data.source=train.jsonl", "data.format=gsm8k", "rewards=[{function: math_answer, weight: 1.0}]"],
+])
+def test_the_cli_config_passes_the_flow_parameter_form(overrides, tmp_path, monkeypatch):
+    """`grpo run` sends config.to_dict() as the flow's typed parameter: every field it writes
+    must validate there and come back as the same config."""
+    from flows.params import RunParams
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, overrides)
+    back = RunParams.model_validate(cfg.to_dict()).to_config()
+    assert back.to_dict() == cfg.to_dict() and back.train_hash == cfg.train_hash
