@@ -19,13 +19,17 @@ inherit them; `gcs_emulator.env` has the same dict for a child given an explicit
   names it as a plugin): gcsfs reads it at import, and with it on every new filesystem spends
   60 s on a gRPC bucket-type probe the emulator cannot answer.
 
-One emulator gap is closed here: an object read ignored ifGenerationMatch/ifGenerationNotMatch
+Two emulator gaps are closed here. Its multipart-upload parser (Python's email package) dropped a
+trailing b"\r" from an object's bytes: gcsfs ends the part with "\n--boundary", and the parser took
+"\r\n" as the line break before it, so about one small binary upload in 256 (an exported
+safetensors file, say) came back a byte short; real GCS keeps every byte. And: an object read ignored ifGenerationMatch/ifGenerationNotMatch
 and carried no x-goog-generation header. TensorStore's OCDBT (Orbax's default format)
 sometimes revalidates its cached manifest with ifGenerationNotMatch=<the generation it just
 wrote>; real GCS answers 304, the emulator answered 200 with no generation, and the next
 manifest write failed with "Malformed StorageGeneration" (a few percent of saves).
 """
 
+import json
 import logging
 import os
 import sys
@@ -101,6 +105,47 @@ def _patch_downloads():
     return undo
 
 
+def _exact_multipart(read_data):
+    """The emulator's request-body reader, with multipart/related uploads split on the boundary
+    exactly: the part's bytes end where the line break before the next delimiter starts, and
+    that line break is the one the part's headers use ("\n" for gcsfs, "\r\n" for others)."""
+    from email.message import Message
+
+    from gcp_storage_emulator import server
+
+    def handler(request_handler, query):
+        ctype = request_handler.headers.get("Content-Type") or ""
+        if not ctype.startswith("multipart/related"):
+            return read_data(request_handler, query)
+        raw = server._decode_raw_data(server._read_raw_data(request_handler), request_handler)
+        header = Message()
+        header["Content-Type"] = ctype
+        parts = []
+        for part in raw.split(b"--" + header.get_param("boundary").encode())[1:-1]:
+            crlf = part.startswith(b"\r\n")
+            head, _, body = part.partition(b"\r\n\r\n" if crlf else b"\n\n")
+            types = [line.split(b":", 1)[1].strip().decode() for line in head.splitlines()
+                     if line.lower().startswith(b"content-type:")]
+            parts.append((types[0].split(";")[0].strip().lower() if types else "text/plain",
+                          body[:-2 if crlf else -1]))
+        (_, meta), (content_type, content) = parts
+        return {"meta": json.loads(meta), "content": content, "content-type": content_type}
+
+    return handler
+
+
+def _patch_uploads():
+    from gcp_storage_emulator import server
+
+    original = server._read_data
+    server._read_data = _exact_multipart(original)
+
+    def undo():
+        server._read_data = original
+
+    return undo
+
+
 def _forget_gcs_clients():
     """Drop cached gcsfs instances (they keep the credentials they were made with), including the
     one etils.epath caches for Orbax."""
@@ -118,7 +163,7 @@ def gcs_emulator():
     # Port 0: the OS picks a free port at bind time, so no other process can take it in between
     # (the emulator binds in its thread, and start() would wait forever on a failed bind).
     server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)
-    undo_patch = _patch_downloads()
+    undo_patch, undo_uploads = _patch_downloads(), _patch_uploads()
     server.start()
     httpd = server._api._httpd  # the pinned emulator has no public accessor for the bound port
     endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -149,6 +194,7 @@ def gcs_emulator():
     finally:
         server.stop()
         undo_patch()
+        undo_uploads()
         emulator_log.setLevel(log_level)
         for k, v in saved_env.items():
             if v is None:

@@ -114,3 +114,10 @@ print(json.dumps({{"step": step, "meta": meta, "done": RunRoot({gs_root.url!r}).
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"step": 5, "meta": {"seed": 1, "step": 5}, "done": {"step": 5},
                    "w": np.asarray(_tree(5)["params"]["w"]).tolist(), "mu": "bfloat16"}
+
+
+def test_binary_objects_keep_every_byte(gs_root):
+    """Uploads through gcsfs's multipart form come back byte for byte, whatever they end with."""
+    for i, data in enumerate([b"abc\r", b"\r", b"x\r\n", b"\n\n--\r\n", bytes(range(256)), b"\r" * 3 + b"\x00"]):
+        gs_root.write_bytes(f"bin/{i}", data)
+        assert gs_root.read_bytes(f"bin/{i}") == data, data
