@@ -158,6 +158,8 @@ class Learner:
         self.step = jax.jit(step, donate_argnums=(0,))  # never the frozen base: it lives on
         ref = graphdef if ref_graphdef is None else ref_graphdef
         self._score = jax.jit(lambda params, batch: score_completions(ref, params, batch, hp.temperature))
+        # the policy itself (adapters included): old_logp when the rollout engine's are not used
+        self.score_policy = jax.jit(lambda params, batch: score_completions(graphdef, params, batch, hp.temperature))
 
     def _ref_mesh(self):
         pl = self.placement

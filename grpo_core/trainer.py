@@ -137,7 +137,6 @@ class GRPOTrainer:
         self.engine = make_engine(cfg.rollout, graphdef=self.graphdef, params_fn=lambda: self.params,
                                   model_config=model.config, opts=self.opts, batch_size=g.batch_size,
                                   tokenizer=tokenizer, seed=cfg.seed, placement=self.placement)
-        self._score_policy = None  # jitted old_logp rescoring, when the engine's are not used
 
     @property
     def params(self):
@@ -266,7 +265,7 @@ class GRPOTrainer:
         self._wait_compiled()
         if self.cfg.rollout.uses_learner_logprobs:
             t = time.perf_counter()
-            batch["old_logp"] = self._rescore(batch).block_until_ready()
+            batch["old_logp"] = self.learner.score_policy(self.params, batch).block_until_ready()  # behaviour = current policy
             self._t["rescore"] = time.perf_counter() - t
         if self.ref_params is not None:
             t = time.perf_counter()
@@ -291,15 +290,6 @@ class GRPOTrainer:
             params = self.params if self.frozen is None else nnx.state(lora.merge(self.model()), nnx.Param)
         self.engine.sync(params, version)
         self._t["sync"] += time.perf_counter() - t
-
-    def _rescore(self, batch) -> jax.Array:
-        """old_logp by the learner's own numerics under the current (= behaviour) policy."""
-        if self._score_policy is None:
-            from grpo_core.learner import score_completions
-
-            temp, graphdef = self.cfg.sampling.temperature, self.graphdef
-            self._score_policy = jax.jit(lambda params, b: score_completions(graphdef, params, b, temp))
-        return self._score_policy(self.params, batch)
 
     def close(self) -> None:
         """Stop the rollout engine (an in-process engine's threads, or a server this run started)."""
