@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from grpo_core import algo
 from grpo_core.config import GRPOConfig, KLEstimator, LossAggregation, OptimizerConfig, RatioLevel
 from grpo_core.model import CausalLM
+from grpo_core.sampler import spec_of
 
 # A training batch (all device arrays; P prompts, B = P*G completions):
 #   prompt_tokens (P, Tp) int32, prompt_valid (P, Tp) bool, targets (B, N) int32, mask (B, N) f32,
@@ -178,21 +178,15 @@ class Learner:
         """Callables that compile the update step (for minibatches of the batch) and the scorer
         (of `ref_params`, by default parameters shaped like the state's), for the layouts the
         arrays will have, so that the calls find these programs in the cache."""
-        def sharded(x):
-            sharding = getattr(x, "sharding", None)
-            return sharding if isinstance(sharding, NamedSharding) else None
-
-        spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded(x)), tree)
-
         def batch_of(shape, dtype, mesh=None):
             sharding = None if self.placement is None else self.placement.batch_sharding(shape, mesh)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        state_spec = spec(state)
+        state_spec = spec_of(state)
         mb_spec = jax.tree.map(lambda s: batch_of((s.shape[0] // minibatches, *s.shape[1:]), s.dtype), batch_spec)
-        jobs = [lambda: self.step.lower(state_spec, mb_spec, spec(frozen)).compile()]
+        jobs = [lambda: self.step.lower(state_spec, mb_spec, spec_of(frozen)).compile()]
         if with_reference:
-            ref_spec = state_spec["params"] if ref_params is None else spec(ref_params)
+            ref_spec = state_spec["params"] if ref_params is None else spec_of(ref_params)
             ref_batch = jax.tree.map(lambda s: batch_of(s.shape, s.dtype, self._ref_mesh()), batch_spec)
             jobs.append(lambda: self._score.lower(ref_spec, ref_batch).compile())
         return jobs
