@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -57,13 +56,14 @@ def matmul_peak_gflops() -> float:
     return best
 
 
-def model_flops(cfg, prompt_lens: list[int]) -> dict[str, float]:
+def model_flops(cfg, prompt_lens: list[int], generations: int = GENERATIONS, new_tokens: int = NEW_TOKENS) -> dict[str, float]:
     """Model FLOPs of one step from real (unpadded) lengths; padding shows up as lost utilisation.
 
     Per token, a forward costs 2 * (matmul params + LM head) plus attention 4 * H * D * context
-    per layer. Rollout: each prompt prefilled once, then 64 rows x 31 decode steps. Reference:
-    one forward of prompts (once per group) and completions, logits at the 32 completion
-    positions. Update: 3x the reference forward (forward + backward).
+    per layer. Rollout: each prompt prefilled once, then G rows x (N - 1) decode steps per prompt.
+    Reference: one forward of prompts (once per group) and completions, logits at the N completion
+    positions. Update: 3x the reference forward (forward + backward; recomputation under remat
+    is not model FLOPs).
     """
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     mm = L * (h * cfg.num_attention_heads * d * 2 + 2 * h * cfg.num_key_value_heads * d + 3 * h * cfg.intermediate_size)
@@ -73,12 +73,11 @@ def model_flops(cfg, prompt_lens: list[int]) -> dict[str, float]:
     def forward(tokens_ctx, logits_tokens):
         return sum(2 * mm + attn(c) for c in tokens_ctx) + 2 * head * logits_tokens
 
+    g, n = generations, new_tokens
     prefill = forward([c for p in prompt_lens for c in range(1, p + 1)], len(prompt_lens))
-    decode = forward([p + t for p in prompt_lens for _ in range(GENERATIONS) for t in range(1, NEW_TOKENS)],
-                     GENERATIONS * len(prompt_lens) * (NEW_TOKENS - 1))
+    decode = forward([p + t for p in prompt_lens for _ in range(g) for t in range(1, n)], g * len(prompt_lens) * (n - 1))
     score = forward([c for p in prompt_lens for c in range(1, p + 1)]
-                    + [p + t for p in prompt_lens for _ in range(GENERATIONS) for t in range(1, NEW_TOKENS)],
-                    GENERATIONS * len(prompt_lens) * NEW_TOKENS)
+                    + [p + t for p in prompt_lens for _ in range(g) for t in range(1, n)], g * len(prompt_lens) * n)
     return {"rollout": prefill + decode, "reference": score, "update": 3 * score}
 
 
@@ -103,6 +102,7 @@ def run_workload(name: str, steps: int) -> dict:
     import jax
 
     from grpo_core.config import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
+    from grpo_core.memory import peak_rss_bytes
     from grpo_core.model import create_model
     from grpo_core.presets import get_preset
     from grpo_core.rewards import Reward
@@ -143,7 +143,7 @@ def run_workload(name: str, steps: int) -> dict:
         "cpu_s": med("cpu_s"), "rollout_s": med("time/rollout"), "rewards_s": med("time/rewards"),
         "reference_s": med("time/reference"), "update_s": med("time/update"),
         "rollout_tokens_per_s": med("rollout_tokens_per_s"),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,  # VmHWM: ru_maxrss would carry this process's parent's peak
         "model_gflop_per_step": total / 1e9, "gflops": None if w.get("lora") else total / med("time/step") / 1e9,
         "trained_m": trained_m, "opt_state_mib": opt_mib,
         "steps": [{k: m[k] for k in ("time/step", "cpu_s", "time/rollout", "time/reference", "time/update")} for m in per_step],

@@ -66,6 +66,10 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "train.num_steps": ("GRPO steps in the whole run", {"ge": 1}),
     "train.seed": ("Seed of every step's sampling", {"ge": 0}),
     "train.log_every": ("Report metrics every N steps", {"ge": 1}),
+    "train.remat": ("What each decoder layer keeps for the backward pass: none (all, fastest), dots (the matmul "
+                    "outputs), full (its input only); auto: the fastest that fits the devices", {}),
+    "train.logits_chunk_mib": ("Size of one vocabulary chunk's f32 logits when log-probs are computed (MiB)",
+                               {"ge": 1}),
     "train.grpo.num_generations": ("Completions per prompt (G)", {"ge": 2}),
     "train.grpo.prompts_per_step": ("Prompts per step (P)", {"ge": 1}),
     "train.grpo.advantage": ("grpo: (r - mean)/std; dr_grpo: r - mean; rloo: leave-one-out", {}),
@@ -81,7 +85,8 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "train.grpo.kl_estimator": ("KL estimator", {}),
     "train.grpo.num_iterations": ("Passes over each rollout batch", {"ge": 1}),
     "train.grpo.minibatches_per_rollout": ("Optimizer updates per pass", {"ge": 1}),
-    "train.grpo.grad_accum_steps": ("Micro-batches summed into one update", {"ge": 1}),
+    "train.grpo.grad_accum_steps": ("Micro-batches summed into one update; auto: the fewest that fit the devices",
+                                    {"ge": 1}),
     "train.grpo.mask_truncated_completions": ("No loss on completions cut at max_new_tokens", {}),
     "train.grpo.dynamic_sampling": ("Drop groups whose rewards are all equal and sample again", {}),
     "train.grpo.max_sampling_rounds": ("Bound on sampling rounds per step", {"ge": 1}),
@@ -100,14 +105,15 @@ DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "train.optimizer.eps": ("Adam epsilon", {"gt": 0}),
     "train.optimizer.weight_decay": ("Decoupled weight decay", {"ge": 0}),
     "train.optimizer.max_grad_norm": ("Global-norm gradient clipping; empty: off", {"gt": 0}),
+    "train.optimizer.mu_dtype": ("dtype of Adam's first moment (bfloat16 halves it); empty: the parameters'", {}),
     "train.rollout.engine": ("Rollout engine: jax (built-in sampler, multi-host), sglang (sglang-jax in the worker's "
                              "process: one host, TPU v4+; the worker runs in .venv-sglang) or http (an "
                              "OpenAI-compatible server)", {}),
     "train.rollout.start_timeout_s": ("Limit on an engine's or a server's start, seconds", {"gt": 0}),
     "train.rollout.generate_timeout_s": ("Limit on one rollout (http: one request), seconds", {"gt": 0}),
     "train.rollout.sync_timeout_s": ("Limit on one weight sync (http: export + reload), seconds", {"gt": 0}),
-    "train.rollout.recompute_logprobs": ("old_logp from the learner instead of the engine; empty: sglang yes, "
-                                         "http no", {}),
+    "train.rollout.recompute_logprobs": ("old_logp rescored by the learner instead of the engine's; empty: sglang, http and "
+                                         "bfloat16 yes, the built-in sampler in float32 no", {}),
     "train.rollout.dtype": ("sglang/http engine dtype (float32, bfloat16); empty: the policy's", {}),
     "train.rollout.mem_fraction_static": ("sglang: share of device memory for its weights and KV cache",
                                           {"gt": 0, "lt": 1}),
@@ -178,18 +184,26 @@ class RewardParams(BaseModel):
     weight: float = Field(1.0, description="weight in the total reward (0: reported, not optimised)")
 
 
-def _annotation(hint: Any, enum_cls: type[enum.Enum] | None) -> Any:
-    if enum_cls is not None:
-        return Literal[tuple(m.value for m in enum_cls)]
+def _annotation(hint: Any, enum_cls: type[enum.Enum] | None, bounds: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The pydantic type of a config field, and the bounds left for its Field (a number beside a
+    word such as "auto" carries its own bounds)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    optional = origin in (typing.Union, types.UnionType) and type(None) in args
+    if enum_cls is not None:
+        ann = Literal[tuple(m.value for m in enum_cls)]
+        return (Optional[ann] if optional else ann), bounds
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        return Optional[_annotation(inner[0], None)]
+        words = [a for a in inner if typing.get_origin(a) is Literal]
+        if words:
+            number = typing.Annotated[inner[0], Field(**bounds)]
+            return typing.Union[(number, *words)], {}
+        return Optional[_annotation(inner[0], None, {})[0]], bounds
     if origin is tuple:
-        return list[args[0]]
+        return list[args[0]], bounds
     if hint is dict or origin is dict:
-        return dict[str, Any]
-    return hint
+        return dict[str, Any], bounds
+    return hint, bounds
 
 
 def _title(path: str) -> str:
@@ -212,7 +226,7 @@ def _model_for(cls, path: str, defaults: dict[str, Any]) -> type[BaseModel]:
             fields[f.name] = (list[RewardParams], Field(default=defaults[f.name], description=doc,
                                                         validate_default=True))
         else:
-            ann = _annotation(hints[f.name], getattr(cls, "_enums", {}).get(f.name))
+            ann, bounds = _annotation(hints[f.name], getattr(cls, "_enums", {}).get(f.name), bounds)
             fields[f.name] = (ann, Field(default=defaults[f.name], description=doc, **bounds))
     return create_model(_title(path), __config__=ConfigDict(extra="forbid"), **fields)
 

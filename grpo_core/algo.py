@@ -91,14 +91,21 @@ def clipped_surrogate(log_r: jax.Array, adv: jax.Array, eps_low: float, eps_high
     return loss
 
 
-def clip_fractions(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
-    """Fraction of tokens whose ratio the clip stopped: (low with A<0, high with A>0)."""
+def clip_counts(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
+    """Tokens whose ratio the clip stopped: (low with A<0, high with A>0). Counts, so that
+    micro-batches add up; clip_fractions divides by the tokens."""
     a = adv[:, None] if adv.ndim == 1 else adv
     rho = jnp.exp(log_r)
-    n = jnp.maximum(jnp.sum(mask), 1)
-    low = jnp.sum(((rho < 1 - eps_low) & (a < 0)) * mask) / n
-    high = jnp.sum(((rho > 1 + eps_high) & (a > 0)) * mask) / n
+    low = jnp.sum(((rho < 1 - eps_low) & (a < 0)) * mask)
+    high = jnp.sum(((rho > 1 + eps_high) & (a > 0)) * mask)
     return low, high
+
+
+def clip_fractions(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
+    """Fraction of tokens whose ratio the clip stopped: (low with A<0, high with A>0)."""
+    n = jnp.maximum(jnp.sum(mask), 1)
+    low, high = clip_counts(log_r, adv, mask, eps_low, eps_high)
+    return low / n, high / n
 
 
 def token_weights(mask: jax.Array, mode: LossAggregation, num_micro: int, max_len: int) -> jax.Array:
@@ -125,11 +132,15 @@ def token_weights(mask: jax.Array, mode: LossAggregation, num_micro: int, max_le
     return (micro / (per_micro * num_micro)).reshape(mask.shape)
 
 
+def weighted_sum(per_token: jax.Array, weights: jax.Array) -> jax.Array:
+    """A micro-batch's share of the loss: sum(w * per_token), w from token_weights."""
+    return jnp.sum(weights * per_token)
+
+
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: LossAggregation, num_micro: int = 1,
               max_len: int | None = None) -> jax.Array:
     """The scalar loss of an update batch under an aggregation mode."""
-    w = token_weights(mask, mode, num_micro, max_len or mask.shape[-1])
-    return jnp.sum(w * per_token)
+    return weighted_sum(per_token, token_weights(mask, mode, num_micro, max_len or mask.shape[-1]))
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:

@@ -46,7 +46,8 @@ class _Config:
             name = f"{type(self).__name__}.{f.name}"
             value = getattr(self, f.name)
             if f.name in self._enums:
-                value = _enum(self._enums[f.name], value, name)
+                optional = value is None and type(None) in typing.get_args(hints[f.name])
+                value = value if optional else _enum(self._enums[f.name], value, name)
             else:
                 value = _coerce(hints[f.name], value, name)
             object.__setattr__(self, f.name, value)
@@ -90,7 +91,10 @@ def _coerce(hint, value, name: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        hint = next(a for a in args if a is not type(None))
+        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if isinstance(value, str) and value in words:  # a word such as "auto" beside a number
+            return value
+        hint = next(a for a in args if a is not type(None) and typing.get_origin(a) is not typing.Literal)
         origin, args = typing.get_origin(hint), typing.get_args(hint)
     bad = ConfigError(f"{name} must be {getattr(hint, '__name__', hint)}, got {value!r}")
     if hint is float:
@@ -245,6 +249,16 @@ class KLEstimator(enum.Enum):
     K3 = "k3"  # exp(x) - x - 1, x = log ref - log pi
 
 
+class RematPolicy(enum.Enum):
+    """What each decoder layer keeps for the backward pass (grpo_core.model); the rest is
+    recomputed there. AUTO: the fastest that fits the devices (grpo_core.memory chooses)."""
+
+    AUTO = "auto"
+    NONE = "none"  # keep every intermediate: fastest, most memory
+    DOTS = "dots"  # keep the weight matmuls' outputs, recompute norms, RoPE, attention and activations
+    FULL = "full"  # keep each layer's input only: about one more forward pass of compute
+
+
 class RatioLevel(enum.Enum):
     TOKEN = "token"  # PPO/GRPO per-token importance ratio
     SEQUENCE = "sequence"  # GSPO: exp(mean over the sequence of the log-ratio)
@@ -268,7 +282,8 @@ class GRPOConfig(_Config):
     kl_estimator: KLEstimator = KLEstimator.K3
     num_iterations: int = 1  # passes over each rollout batch (mu); > 1 is off-policy
     minibatches_per_rollout: int = 1  # optimizer updates per pass
-    grad_accum_steps: int = 1  # micro-batches summed into one update
+    # micro-batches summed into one update; "auto": the fewest that fit the devices (grpo_core.memory)
+    grad_accum_steps: int | typing.Literal["auto"] = "auto"
     mask_truncated_completions: bool = False  # DAPO: no loss on completions cut at max_new_tokens
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
     max_sampling_rounds: int = 3  # bound on extra rollouts to refill a dynamic-sampling batch
@@ -290,16 +305,23 @@ class GRPOConfig(_Config):
         _check(self.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {self.num_iterations}")
         _check(self.minibatches_per_rollout >= 1,
                f"grpo.minibatches_per_rollout must be >= 1, got {self.minibatches_per_rollout}")
-        _check(self.grad_accum_steps >= 1, f"grpo.grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+        _check(self.grad_accum_steps == "auto" or self.grad_accum_steps >= 1,
+               f"grpo.grad_accum_steps must be >= 1 or auto, got {self.grad_accum_steps}")
         _check(self.max_sampling_rounds >= 1,
                f"grpo.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         _check(not (self.advantage is AdvantageEstimator.DR_GRPO and self.scale_rewards is not RewardScaling.NONE),
                "grpo.advantage=dr_grpo does not divide by a std; set grpo.scale_rewards=none "
                f"(got {self.scale_rewards.value}) or use grpo.advantage=grpo")
-        per_update = self.minibatches_per_rollout * self.grad_accum_steps
+        accum = 1 if self.grad_accum_steps == "auto" else self.grad_accum_steps
+        per_update = self.minibatches_per_rollout * accum
         _check(self.prompts_per_step % per_update == 0,
                f"grpo.prompts_per_step ({self.prompts_per_step}) must divide evenly into "
                f"minibatches_per_rollout * grad_accum_steps ({per_update}) micro-batches of whole groups")
+
+    def accumulation_choices(self) -> list[int]:
+        """The grad_accum_steps values this batch allows (micro-batches of whole groups), fewest first."""
+        per_pass = self.prompts_per_step // self.minibatches_per_rollout
+        return [a for a in range(1, per_pass + 1) if per_pass % a == 0]
 
     @property
     def batch_size(self) -> int:
@@ -328,6 +350,10 @@ class OptimizerConfig(_Config):
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
+    # dtype of Adam's first moment (optax mu_dtype); null: the parameters' dtype. bfloat16 halves it.
+    mu_dtype: DType | None = None
+
+    _enums = {"mu_dtype": DType}
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -373,9 +399,10 @@ class RolloutConfig(_Config):
     start_timeout_s: float = 900.0  # in-process engine start, or an owned server's start
     generate_timeout_s: float = 900.0  # one rollout (HTTP: one request)
     sync_timeout_s: float = 600.0  # one weight sync (in memory, or export + server reload)
-    # old_logp from the learner instead of the engine: null = auto (sglang: yes, its weights are
-    # the learner's own after every sync, so the first ratio is exactly 1 despite the engine's
-    # numerics; http: no, the served policy may lag the learner by sync_every - 1 steps)
+    # old_logp rescored by the learner instead of the engine's own: null = wherever the sampler's
+    # numbers can differ from the learner's (sglang and http engines: other kernels; the built-in
+    # sampler in bfloat16: decoding with a KV cache rounds differently from the learner's forward).
+    # The built-in sampler in float32 keeps its own: they agree to ~1e-6 (tests/test_learner.py).
     recompute_logprobs: bool | None = None
     # sglang-jax: the in-process engine, and the servers the http engine starts (server: sglang-jax)
     dtype: str | None = None  # engine weights/compute; null: the policy's compute dtype
@@ -436,11 +463,11 @@ class RolloutConfig(_Config):
                    "(SGLang: /update_weights_from_disk) so it serves each exported policy, or use "
                    "train.rollout.server=sglang-jax")
 
-    @property
-    def uses_learner_logprobs(self) -> bool:
+    def learner_logprobs(self, compute_dtype: DType = DType.FLOAT32) -> bool:
+        """Whether the learner rescores old_logp (see recompute_logprobs) for a policy computing in `compute_dtype`."""
         if self.recompute_logprobs is not None:
             return self.recompute_logprobs
-        return self.engine is RolloutEngineKind.SGLANG
+        return self.engine is not RolloutEngineKind.JAX or compute_dtype is DType.BFLOAT16
 
     def result_fields(self) -> dict[str, Any] | None:
         """The fields that change what training computes (part of the training hash); None for
@@ -451,7 +478,7 @@ class RolloutConfig(_Config):
         keep = ["engine", "dtype", "deterministic"]
         if self.engine is RolloutEngineKind.HTTP:
             keep += ["api", "sync_every"]
-        return dict({k: v for k, v in self.to_dict().items() if k in keep}, learner_logprobs=self.uses_learner_logprobs)
+        return dict({k: v for k, v in self.to_dict().items() if k in keep}, learner_logprobs=self.learner_logprobs())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -543,11 +570,19 @@ class TrainConfig(_Config):
     num_steps: int = 100
     seed: int = 0
     log_every: int = 1
+    # Memory at real shapes (grpo_core.memory): the decoder layers' rematerialisation, and the size
+    # of one vocabulary chunk's f32 logits when log-probs are computed (grpo_core.logprobs). Neither
+    # changes a result: not in the training hash.
+    remat: RematPolicy = RematPolicy.AUTO
+    logits_chunk_mib: int = 64
+
+    _enums = {"remat": RematPolicy}
 
     def __post_init__(self) -> None:
         self._normalize()
         _check(self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps}")
         _check(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
+        _check(self.logits_chunk_mib >= 1, f"train.logits_chunk_mib must be >= 1, got {self.logits_chunk_mib}")
         _check(not self.sampling.greedy,
                "sampling.temperature must be > 0 for training: greedy decoding gives all "
                f"{self.grpo.num_generations} completions of a group the same reward, so every advantage is 0")
@@ -561,7 +596,19 @@ class TrainConfig(_Config):
         else:
             out["rollout"] = rollout
         del out["mesh"]  # where arrays live changes results only within float tolerance
+        del out["remat"], out["logits_chunk_mib"]  # how memory is spent: the same numbers
+        # Accumulation sums exact per-token weights (algo.token_weights): the same update within
+        # float tolerance, so it is hashed as 1, except under BNPO, which normalises per micro-batch.
+        if self.grpo.loss_aggregation is not LossAggregation.BNPO:
+            out["grpo"]["grad_accum_steps"] = 1
+        if self.optimizer.mu_dtype is None:  # runs that never set it keep their hashes
+            del out["optimizer"]["mu_dtype"]
         return out
+
+    @property
+    def memory_resolved(self) -> bool:
+        """Whether remat and grad_accum_steps are chosen (not auto): what the learner needs."""
+        return self.remat is not RematPolicy.AUTO and self.grpo.grad_accum_steps != "auto"
 
 
 _SUBCONFIGS.update({

@@ -19,7 +19,9 @@ import optax
 from flax import nnx
 
 from grpo_core import algo
-from grpo_core.config import GRPOConfig, KLEstimator, LossAggregation, OptimizerConfig, RatioLevel
+from grpo_core.config import (DType, GRPOConfig, KLEstimator, LossAggregation, OptimizerConfig, RatioLevel, RematPolicy,
+                              TrainConfig)
+from grpo_core.logprobs import DEFAULT_CHUNK_MIB, token_logprobs
 from grpo_core.model import CausalLM
 from grpo_core.sampler import spec_of
 
@@ -44,23 +46,33 @@ class LossParams:
     grad_accum_steps: int
     max_new_tokens: int
     temperature: float
+    remat: RematPolicy = RematPolicy.NONE
+    chunk_mib: int = DEFAULT_CHUNK_MIB  # one vocabulary chunk's f32 logits (grpo_core.logprobs)
 
     @classmethod
-    def from_config(cls, g: GRPOConfig, max_new_tokens: int, temperature: float) -> "LossParams":
+    def from_config(cls, g: GRPOConfig, max_new_tokens: int, temperature: float, remat: RematPolicy = RematPolicy.NONE,
+                    chunk_mib: int = DEFAULT_CHUNK_MIB) -> "LossParams":
+        if g.grad_accum_steps == "auto" or remat is RematPolicy.AUTO:
+            raise ValueError("grad_accum_steps and remat must be chosen before the learner is built "
+                             "(grpo_core.memory.plan resolves auto)")
         return cls(g.epsilon_low, g.epsilon_high, g.dual_clip, g.beta, g.kl_estimator, g.ratio_level,
-                   g.loss_aggregation, g.grad_accum_steps, max_new_tokens, temperature)
+                   g.loss_aggregation, g.grad_accum_steps, max_new_tokens, temperature, remat, chunk_mib)
+
+    @classmethod
+    def from_train(cls, t: TrainConfig) -> "LossParams":
+        return cls.from_config(t.grpo, t.sampling.max_new_tokens, t.sampling.temperature, t.remat, t.logits_chunk_mib)
 
 
-def completion_logprobs(model: CausalLM, prompt_tokens, prompt_valid, targets, temperature: float,
-                        with_entropy: bool = False):
-    """Log-prob of each completion token under softmax(logits / T). -> (B, N) [, entropy (B, N)]."""
-    h = model.hidden_states_grouped(prompt_tokens, prompt_valid, targets[:, :-1])  # (B, N, E)
-    logits = model.logits(h) / (temperature if temperature > 0 else 1.0)
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
-    if not with_entropy:
-        return logp
-    return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+def completion_logprobs(model: CausalLM, prompt_tokens, prompt_valid, targets, temperature: float, *,
+                        remat: RematPolicy = RematPolicy.NONE, chunk_mib: int = DEFAULT_CHUNK_MIB,
+                        head_grad: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of each completion token under softmax(logits / T), and the entropy there:
+    (B, N) each. No (B, N, V) tensor is made (grpo_core.logprobs); `head_grad=False` when the LM
+    head is frozen (LoRA), so its gradient is not computed."""
+    h = model.hidden_states_grouped(prompt_tokens, prompt_valid, targets[:, :-1], remat)  # (B, N, E)
+    w, vocab_major = model.head()
+    return token_logprobs(h, w, targets, temperature=temperature, chunk_mib=chunk_mib, vocab_major=vocab_major,
+                          dtype=jnp.float32 if model.config.dtype is DType.FLOAT32 else jnp.bfloat16, w_grad=head_grad)
 
 
 def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -75,7 +87,9 @@ def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.Grad
     schedule = optax.join_schedules(parts, bounds) if bounds else parts[0]
     # Decay matrices only: norms and biases are left alone, as in the HF trainers.
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    mu_dtype = None if cfg.mu_dtype is None else jnp.dtype(cfg.mu_dtype.value)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask,
+                        mu_dtype=mu_dtype)
     tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw) if cfg.max_grad_norm else adamw
     return tx, schedule
 
@@ -84,21 +98,20 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
     """Sum of weighted per-token losses of one micro-batch, and its metric sums. With LoRA
     `params` are the adapters and `frozen` the base weights, which get no gradient."""
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
-    logp, ent = completion_logprobs(model, micro["prompt_tokens"], micro["prompt_valid"], micro["targets"], hp.temperature, True)
+    logp, ent = completion_logprobs(model, micro["prompt_tokens"], micro["prompt_valid"], micro["targets"], hp.temperature,
+                                    remat=hp.remat, chunk_mib=hp.chunk_mib, head_grad=frozen is None)
     mask = micro["mask"]
     log_r = algo.log_ratio(logp, micro["old_logp"], mask, hp.ratio_level)
     per_token = algo.clipped_surrogate(log_r, micro["advantages"], hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
     kl = algo.kl_penalty(logp, micro["ref_logp"], hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)
-    per_token = per_token + hp.beta * kl
-    loss = jnp.sum(weights * per_token)
-    rho = jnp.exp(log_r)
-    a = micro["advantages"][:, None]
+    loss = algo.weighted_sum(per_token + hp.beta * kl, weights)
+    low, high = algo.clip_counts(log_r, micro["advantages"], mask, hp.epsilon_low, hp.epsilon_high)
     sums = {  # token sums; divided by the update batch's token count after accumulation
         "kl": jnp.sum(kl * mask),
-        "entropy": jnp.sum(jax.lax.stop_gradient(ent) * mask),
-        "clip_ratio_low": jnp.sum(((rho < 1 - hp.epsilon_low) & (a < 0)) * mask),
-        "clip_ratio_high": jnp.sum(((rho > 1 + hp.epsilon_high) & (a > 0)) * mask),
-        "ratio_mean": jnp.sum(rho * mask),
+        "entropy": jnp.sum(ent * mask),
+        "clip_ratio_low": low,
+        "clip_ratio_high": high,
+        "ratio_mean": jnp.sum(jnp.exp(log_r) * mask),
     }
     return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
@@ -131,10 +144,13 @@ def train_step(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, sc
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
-def score_completions(graphdef, params, batch: Batch, temperature: float):
-    """Log-probs of the completions under `params` (the reference policy, or old policy)."""
+def score_completions(graphdef, params, batch: Batch, temperature: float, chunk_mib: int = DEFAULT_CHUNK_MIB):
+    """Log-probs of the completions under `params` (the reference policy, or the old policy).
+    Forward only: every layer's activations die with it, so no rematerialisation applies."""
     model = nnx.merge(graphdef, params)
-    return completion_logprobs(model, batch["prompt_tokens"], batch["prompt_valid"], batch["targets"], temperature)
+    logp, _ = completion_logprobs(model, batch["prompt_tokens"], batch["prompt_valid"], batch["targets"],
+                                  temperature, chunk_mib=chunk_mib)
+    return logp
 
 
 class Learner:
@@ -157,9 +173,10 @@ class Learner:
 
         self.step = jax.jit(step, donate_argnums=(0,))  # never the frozen base: it lives on
         ref = graphdef if ref_graphdef is None else ref_graphdef
-        self._score = jax.jit(lambda params, batch: score_completions(ref, params, batch, hp.temperature))
-        # the policy itself (adapters included): old_logp when the rollout engine's are not used
-        self.score_policy = jax.jit(lambda params, batch: score_completions(graphdef, params, batch, hp.temperature))
+        score = lambda graph: jax.jit(lambda params, batch: score_completions(graph, params, batch, hp.temperature,
+                                                                              hp.chunk_mib))
+        self._score = score(ref)
+        self.score_policy = score(graphdef)  # the policy itself (adapters included): old_logp rescored
 
     def _ref_mesh(self):
         pl = self.placement

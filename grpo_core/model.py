@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_core.config import DType, ModelConfig
+from grpo_core.config import DType, ModelConfig, RematPolicy
 
 # A KV cache: (k, v), each (L, B, S, K, D) for L layers.
 KVCache = tuple[jax.Array, jax.Array]
@@ -240,36 +240,60 @@ class CausalLM(nnx.Module):
         (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(self.config.num_hidden_layers)))
         return self.model.norm(x), cache
 
-    def hidden_states_grouped(self, prompt_tokens, prompt_valid, completion_tokens):
+    def hidden_states_grouped(self, prompt_tokens, prompt_valid, completion_tokens, remat: RematPolicy = RematPolicy.NONE):
         """Prompts run once per group of G completions, not G times.
 
         prompt_tokens/valid: (P, Tp) left-padded; completion_tokens: (B = P*G, Tc), rows
         i*G .. i*G+G-1 following prompt i. Returns (B, 1 + Tc, E): the hidden states at the last
         prompt position and at each completion token, i.e. those predicting completion tokens
         0 .. Tc. Equal to a full forward over [prompt | completion] rows, at (Tp*P + Tc*B) tokens
-        of compute instead of (Tp + Tc)*B.
+        of compute instead of (Tp + Tc)*B. `remat`: what each layer keeps for the backward pass
+        (RematPolicy); the rest is recomputed there, one layer at a time.
         """
         prefix = GroupedInputs.build(prompt_valid, completion_tokens.shape)
         (p, tp), (b, tc) = prefix.shapes
         inv_freq = rope_inv_freq(self.config)
         x = self.model.embed_tokens(jnp.concatenate([prompt_tokens.reshape(-1), completion_tokens.reshape(-1)]))
         graphdef, stacked = nnx.split(self.model.layers)
-        x, _ = jax.lax.scan(lambda x, state: (nnx.merge(graphdef, state).grouped(x, prefix, inv_freq), None), x, stacked)
+        layer = lambda x, state: (nnx.merge(graphdef, state).grouped(x, prefix, inv_freq), None)
+        x, _ = jax.lax.scan(_remat(layer, remat), x, stacked)
         x = self.model.norm(x)
         last_prompt = x[: p * tp].reshape(p, tp, -1)[:, -1:]  # left padding: every prompt ends at Tp-1
         return jnp.concatenate([jnp.repeat(last_prompt, prefix.group_size, axis=0), x[p * tp:].reshape(b, tc, -1)], axis=1)
 
+    def head(self) -> tuple[jax.Array, bool]:
+        """The LM head's weight and whether it is vocabulary-major: the tied embedding (V, E), or
+        lm_head's kernel (E, V). Never LoRA-adapted (grpo_core.lora)."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.embedding[...], True
+        return self.lm_head.kernel[...], False
+
     def logits(self, h: jax.Array) -> jax.Array:
-        """(B, T, E) -> (B, T, V) in f32: log-probs and sampling need the precision."""
-        hf = h.reshape(-1, h.shape[-1])
-        out = self.model.embed_tokens.attend(hf) if self.lm_head is None else self.lm_head(hf)
-        return out.astype(jnp.float32).reshape(*h.shape[:-1], -1)
+        """(B, T, E) -> (B, T, V) f32, the matmul in the compute dtype with f32 accumulation (the
+        learner's chunked log-probs compute the very same numbers). For a few positions only (the
+        sampler's): a whole sequence's logits at a real vocabulary are the learner's memory wall."""
+        from grpo_core.logprobs import head_logits
+
+        w, vocab_major = self.head()
+        return head_logits(h, w, vocab_major, _dtype(self.config.dtype))
 
     def __call__(self, tokens, valid=None):
         """Full causal forward over (B, T) tokens; `valid` (B, T) marks non-padding. -> (B, T, V)."""
         positions, mask = causal_inputs(valid if valid is not None else jnp.ones(tokens.shape, bool))
         h, _ = self.hidden_states(tokens, positions, mask)
         return self.logits(h)
+
+
+def _remat(layer, policy: RematPolicy):
+    """The scanned layer body under a rematerialisation policy: NONE keeps every intermediate for
+    the backward pass; DOTS keeps the outputs of the weight matmuls (the 2-D projections, not the
+    attention einsums) and recomputes the rest; FULL keeps only each layer's input. prevent_cse
+    is off as a scan body needs (the loop already stops XLA from merging the recomputation)."""
+    if policy is RematPolicy.NONE:
+        return layer
+    saveable = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy is RematPolicy.DOTS
+                else jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(layer, policy=saveable, prevent_cse=False)
 
 
 def causal_inputs(valid: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -26,8 +26,6 @@ from grpo_core.config import ConfigError, ModelConfig, RolloutEngineKind, TrainC
 
 log = logging.getLogger(__name__)
 EXIT_NOT_READY, EXIT_BAD_REQUEST = 4, 2
-GiB = 1024**3
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 RolloutEngine = RolloutEngineKind  # "sglang-jax" is accepted for "sglang"
@@ -41,66 +39,6 @@ def tpu_generation(device_kind: str) -> int | None:
 
 def check(name: str, ok: bool, detail: str, fix: str | None = None) -> dict[str, Any]:
     return {"name": name, "ok": bool(ok), "detail": detail, "fix": None if ok else fix}
-
-
-def memory_budget(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, device_bytes: int | None,
-                  device_count: int = 1, lora=None) -> dict[str, Any]:
-    """Bytes the run needs on its devices, by term, against what they have.
-
-    params and gradients in param_dtype; AdamW's two moments in f32; a reference copy only with
-    beta > 0; the rollout batch's KV cache; and the largest activation, the logits of one
-    update micro-batch in f32 (prompt + completion tokens x vocabulary). With LoRA (`lora`, a
-    grpo_core.lora.LoraConfig) the adapters (f32) add to the params, gradients and moments cover
-    them alone, and the reference is the base itself: no copy. Over `device_count` devices the
-    terms are per device, as train.mesh splits them: weights and optimizer state over fsdp x
-    tensor, the KV cache and logits over all three axes (even splits assumed)."""
-    n = model.num_params()
-    pbytes, cbytes = _DTYPE_BYTES[model.param_dtype.value], _DTYPE_BYTES[model.dtype.value]
-    trained, tbytes = n, pbytes
-    if lora is not None:
-        from grpo_core.lora import num_adapter_params
-
-        trained, tbytes = num_adapter_params(model, lora), 4
-    g, s = train.grpo, train.sampling
-    rows = g.batch_size
-    seq = max_prompt_tokens + s.max_new_tokens
-    micro_rows = rows // (g.minibatches_per_rollout * g.grad_accum_steps)
-    terms = {
-        "params": n * pbytes + (trained * tbytes if lora is not None else 0),
-        "gradients": trained * tbytes,
-        "optimizer": 2 * trained * 4,
-        "reference": n * pbytes if g.beta > 0 and lora is None else 0,
-        "kv_cache": 2 * model.num_hidden_layers * rows * seq * model.num_key_value_heads * model.head_dim * cbytes,
-        "logits": micro_rows * seq * model.vocab_size * 4,
-    }
-    try:
-        data, fsdp, tensor = train.mesh.sizes(device_count)
-    except ConfigError:  # the mesh check reports it; count everything on one device
-        data, fsdp, tensor = 1, 1, 1
-    split = {k: fsdp * tensor if k in ("params", "gradients", "optimizer", "reference") else data * fsdp * tensor
-             for k in terms}
-    terms = {k: -(-v // split[k]) for k, v in terms.items()}
-    total = sum(terms.values())
-    out: dict[str, Any] = {"terms_bytes": terms, "total_bytes": total, "total_gib": round(total / GiB, 3),
-                           "available_bytes": device_bytes, "fits": None, "largest": max(terms, key=terms.get)}
-    if device_bytes is not None:
-        out["fits"] = total <= device_bytes
-    return out
-
-
-def _lever(budget: dict[str, Any], train: TrainConfig) -> str:
-    g, s = train.grpo, train.sampling
-    need, have = budget["total_bytes"] / GiB, (budget["available_bytes"] or 0) / GiB
-    head = f"needs {need:.2f} GiB, devices have {have:.2f} GiB; largest term {budget['largest']}: "
-    return head + {
-        "kv_cache": f"lower train.grpo.prompts_per_step (now {g.prompts_per_step}) or train.sampling.max_new_tokens "
-                    f"(now {s.max_new_tokens}) or data.max_prompt_tokens",
-        "logits": f"raise train.grpo.grad_accum_steps (now {g.grad_accum_steps}) to split each update",
-        "reference": "set train.grpo.beta=0 (no reference copy), use LoRA (model.lora: the base is the "
-                     "reference), or use a smaller model",
-    }.get(budget["largest"], "use a smaller model preset, bfloat16 parameters (model.param_dtype=bfloat16), "
-                             "LoRA (model.lora: gradients and optimizer state for the adapters only), "
-                             "or shard over more devices (train.mesh: fsdp and tensor split the weights)")
 
 
 def lock_holders(path: str) -> list[int]:
@@ -296,16 +234,25 @@ def _run_digests(run_url: str) -> tuple[str, str]:
 
 
 def _device_memory(report: dict[str, Any], override: int | None) -> int | None:
+    """One device's memory (the plan counts per device, as train.mesh splits the run); on CPU the
+    host's, shared by every CPU device."""
     if override is not None:
         return int(override)
-    if report.get("backend") == "cpu":  # host RAM, shared by every CPU device
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    import jax
+    from grpo_core import memory
 
-    # One device's limit, not the sum: memory_budget counts per device, as train.mesh splits the run.
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    return None if limit is None else int(limit)
+    return memory.device_facts()["available"]
+
+
+def _runtime_bytes() -> int:
+    """On CPU the training worker's own size counts against the host's memory: this process after
+    importing what the worker imports (JAX, Flax, Optax, Orbax, the data and reward stack) is the
+    same program before its first array."""
+    import grpo_core.checkpoint  # noqa: F401
+    import grpo_core.run  # noqa: F401
+    import grpo_core.trainer  # noqa: F401
+    from grpo_core import memory
+
+    return memory.rss_bytes()
 
 
 def parse_request(req: Any) -> dict[str, Any]:
@@ -338,6 +285,8 @@ def parse_request(req: Any) -> dict[str, Any]:
 
 
 def run_checks(req: dict[str, Any]) -> dict[str, Any]:
+    from grpo_core import memory
+
     t = time.perf_counter()
     req = parse_request(req)
     model, train = req["model"], req["train"]
@@ -347,13 +296,12 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
     checks = [_lockfile_check(req.get("lockfile") or "/tmp/libtpu_lockfile")]  # before JAX opens a TPU
     checks += _device_checks(req, report)
     if report["backend"] is not None:
-        budget = memory_budget(model, train, req["max_prompt_tokens"],
-                               _device_memory(report, req.get("memory_bytes")),
-                               1 if report["backend"] == "cpu" else report["device_count"], req["lora"])  # CPU devices share RAM
-        report["memory"] = budget
-        have = "unknown" if budget["available_bytes"] is None else f"{budget['available_bytes'] / GiB:.2f} GiB"
-        checks.append(check("memory", budget["fits"] is not False,
-                            f"needs ~{budget['total_gib']:.2f} GiB of {have}", _lever(budget, train)))
+        cpu = report["backend"] == "cpu"
+        facts = {"backend": report["backend"], "devices": report["device_count"],
+                 "available": _device_memory(report, req.get("memory_bytes")), "runtime": _runtime_bytes() if cpu else 0}
+        plan = memory.plan_on(model, train, req["max_prompt_tokens"], facts, req["lora"])
+        report["memory"] = plan.report()
+        checks.append(check("memory", plan.fits is not False, plan.describe(), plan.lever(train)))
     report["checks"] = checks
     report["ready"] = all(c["ok"] for c in checks)
     report["seconds"] = round(time.perf_counter() - t, 3)

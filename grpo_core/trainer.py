@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_core import algo, lora, rewards as rw
+from grpo_core import algo, lora, memory as mem, rewards as rw
 from grpo_core.checkpoint import Checkpointer
-from grpo_core.config import TrainConfig
+from grpo_core.config import DType, TrainConfig
 from grpo_core.engines import make_engine
 from grpo_core.learner import Learner, LossParams, TrainState
 from grpo_core.mesh import Placement
@@ -102,15 +102,24 @@ class GRPOTrainer:
     """GRPO on one model. `train()` runs steps; `state` is what a checkpoint must hold."""
 
     def __init__(self, model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, rewards: Sequence[rw.Reward],
-                 prompts: PromptSource, eos_ids: Sequence[int] | None = None, placement: Placement | None = None):
+                 prompts: PromptSource, eos_ids: Sequence[int] | None = None, placement: Placement | None = None,
+                 memory_plan: "mem.Plan | None" = None):
+        """`memory_plan` (grpo_core.memory.plan) chooses train.remat and grad_accum_steps where the
+        config says auto; without one they are chosen here from this process's devices (the worker
+        passes the plan it made for data.max_prompt_tokens)."""
         if not rewards:
             raise ValueError("at least one reward function is needed")
-        self.cfg, self.tokenizer, self.rewards, self.prompts = cfg, tokenizer, list(rewards), prompts
+        self.tokenizer, self.rewards, self.prompts = tokenizer, list(rewards), prompts
         self.graphdef, params = nnx.split(model)
         # LoRA: the state trains the adapters; the base weights are a frozen argument of the step.
         self.frozen, ref_graphdef = None, None
         if lora.has_adapters(model):
             self.graphdef, ref_graphdef, self.frozen, params = lora.split(model)
+        if not cfg.memory_resolved:
+            memory_plan = memory_plan or self._plan(model.config, cfg, params)
+            cfg = mem.resolve(cfg, memory_plan)
+            log.info("memory: %s", memory_plan.describe())
+        self.cfg, self.memory_plan = cfg, memory_plan
         # train.mesh: parameters (and the frozen base) laid out over the learner's devices, all hosts'.
         self.placement = placement or Placement.from_config(cfg.mesh)  # the one the model was loaded onto, if any
         params = self.placement.put_params(params)
@@ -119,7 +128,7 @@ class GRPOTrainer:
         g = cfg.grpo
         self.opts = SamplerOptions.from_config(cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer),
                                                tokenizer.pad_token_id)
-        hp = LossParams.from_config(g, cfg.sampling.max_new_tokens, cfg.sampling.temperature)
+        hp = LossParams.from_train(cfg)
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
         self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
         # The reference is the starting policy, frozen (with LoRA: the base weights themselves,
@@ -128,6 +137,9 @@ class GRPOTrainer:
         if g.needs_reference:
             self.ref_params = self.placement.reference_params(params if self.frozen is None else self.frozen,
                                                               copy=self.frozen is None)
+            self.ref_params = _in_compute_dtype(self.ref_params, model.config.dtype)
+        # old_logp from the learner where the engine's numbers can differ from its own
+        self.rescore = cfg.rollout.learner_logprobs(model.config.dtype)
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
         self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
@@ -137,6 +149,15 @@ class GRPOTrainer:
         self.engine = make_engine(cfg.rollout, graphdef=self.graphdef, params_fn=lambda: self.params,
                                   model_config=model.config, opts=self.opts, batch_size=g.batch_size,
                                   tokenizer=tokenizer, seed=cfg.seed, placement=self.placement)
+
+    def _plan(self, mc, cfg: TrainConfig, params) -> "mem.Plan":
+        """A memory plan from this process's devices, for prompts of up to 64 tokens (the worker
+        plans with data.max_prompt_tokens instead and passes it in)."""
+        facts = mem.device_facts()
+        trainable = None if self.frozen is None else lora.num_params(params)
+        layout = mem.Layout() if facts["backend"] == "cpu" else mem.Layout(*cfg.mesh.sizes(facts["devices"]))
+        return mem.plan(mc, cfg, 64, facts["available"], trainable=trainable, layout=layout, backend=facts["backend"],
+                        runtime_bytes=facts["runtime"])
 
     @property
     def params(self):
@@ -263,9 +284,11 @@ class GRPOTrainer:
         self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"] - self._t["sync"]
         batch = self._batch(ro)
         self._wait_compiled()
-        if self.cfg.rollout.uses_learner_logprobs:
+        if self.rescore:
             t = time.perf_counter()
+            sampler_logp = batch["old_logp"]
             batch["old_logp"] = self.learner.score_policy(self.params, batch).block_until_ready()  # behaviour = current policy
+            info.update(_logprob_gap(sampler_logp, batch["old_logp"], batch["mask"]))
             self._t["rescore"] = time.perf_counter() - t
         if self.ref_params is not None:
             t = time.perf_counter()
@@ -301,6 +324,7 @@ class GRPOTrainer:
         for name, v in ro.per_function.items():
             v = v[~np.isnan(v)]
             out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _mean(v), _std(v)
+        out.update({k: float(v) for k, v in info.items() if k.startswith("logprobs/")})
         out["frac_reward_zero_std"] = info["frac_reward_zero_std"]
         out["sampling_rounds"] = info["sampling_rounds"]
         out["completions/mean_length"] = float(ro.lengths.mean())
@@ -347,6 +371,28 @@ class GRPOTrainer:
             if on_step is not None:
                 on_step(m)
         return history
+
+
+def _in_compute_dtype(params, dtype: DType):
+    """The reference's weights as the matmuls read them: every matrix in the compute dtype (a
+    bfloat16 run with float32 master weights keeps a bfloat16 reference, half the memory and the
+    same numbers), vectors (norm scales, biases) as they are."""
+    if dtype is not DType.BFLOAT16:
+        return params
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 and x.dtype == jnp.float32 else x, params)
+
+
+@jax.jit
+def _gap(a, b, mask):
+    d = jnp.abs(a - b) * mask
+    return jnp.sum(d) / jnp.maximum(jnp.sum(mask), 1.0), jnp.max(d)
+
+
+def _logprob_gap(sampler_logp, learner_logp, mask) -> dict[str, float]:
+    """How far the engine's log-probs are from the learner's on the same tokens (verl's
+    rollout_probs_diff): mean and max |difference| over the completion tokens."""
+    mean, top = _gap(sampler_logp, learner_logp, mask)  # read with the step's metrics: no sync here
+    return {"logprobs/sampler_gap_mean": mean, "logprobs/sampler_gap_max": top}
 
 
 def _mean(x):

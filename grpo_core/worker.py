@@ -19,11 +19,12 @@ Progress goes to stdout as JSON lines, one object per event:
     {"event": "done", "step": N, "steps_run": n}
     {"event": "eval", "step": s, "uri": ..., "cached": bool, "accuracy": ..., ...}
     {"event": "export", "step": s, "uri": ..., "cached": bool, "files": [...]}
-    {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage" | "rollout" | "distributed",
-     "message": ...}
+    {"event": "memory", "describe": ..., "total_bytes": ..., ...}  # grpo_core.memory's plan, before training
+    {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage" | "rollout" | "distributed"
+     | "memory", "message": ...}
 
-Exit codes: 0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf) —
-none worth retrying, a retry would fail the same way; anything else (a crash, a kill, 5 for a
+Exit codes: 0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf), 9
+out of memory — none worth retrying, a retry would fail the same way; anything else (a crash, a kill, 5 for a
 storage error, 7 for a rollout engine that failed or passed a time limit) is worth retrying:
 the next run resumes from the last checkpoint, re-running at most checkpoint_every - 1 steps,
 whose metric rows then replace their earlier copies (storage.RunRoot.read_metrics keeps one
@@ -50,10 +51,16 @@ from typing import Any
 EXIT_CONFIG, EXIT_REWARD, EXIT_STORAGE, EXIT_DIVERGED = 2, 3, 5, 6
 EXIT_ROLLOUT = 7  # the rollout engine failed or passed a time limit (grpo_core.engines.EXIT_TIMEOUT): retryable
 EXIT_DISTRIBUTED = 8  # jax.distributed could not start or the processes disagree: retryable
-NOT_RETRYABLE = frozenset({EXIT_CONFIG, EXIT_REWARD, EXIT_DIVERGED})
+EXIT_MEMORY = 9  # out of device or host memory: the same settings fail the same way
+NOT_RETRYABLE = frozenset({EXIT_CONFIG, EXIT_REWARD, EXIT_DIVERGED, EXIT_MEMORY})
 _STEP_KEYS = ("reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "completions/mean_length",
               "time/step")
 
+
+# What to change when a run does not fit (the task's message for a kill by the kernel says the same).
+OUT_OF_MEMORY_LEVERS = ("lower train.grpo.prompts_per_step or train.sampling.max_new_tokens, set train.remat=full "
+                        "and train.grpo.grad_accum_steps=auto, use LoRA (model.lora) or bfloat16 "
+                        "(model.param_dtype), or shard over more devices (train.mesh); `grpo check` shows the estimate")
 
 _PRIMARY = True  # process 0 of a multi-host run (or the only process): the one that reports and writes
 
@@ -69,9 +76,11 @@ def _emit(event: str, **fields: Any) -> None:
 
 
 def train(parts, until_step: int) -> int:
+    from grpo_core import memory
     from grpo_core.checkpoint import Checkpointer
     from grpo_core.config import ConfigError
     from grpo_core.data import DatasetPrompts
+    from grpo_core.lora import LoraConfig
     from grpo_core.mesh import Placement
     from grpo_core.trainer import GRPOTrainer
 
@@ -79,9 +88,13 @@ def train(parts, until_step: int) -> int:
     if until_step > cfg.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
         raise ConfigError(f"--until-step {until_step} is past train.num_steps ({cfg.train.num_steps})")
     every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
+    plan = memory.plan_on(parts.model_config(), cfg.train, cfg.data.max_prompt_tokens,
+                          memory.device_facts(),  # before the model exists: the runtime term is this process alone
+                          LoraConfig.from_value(cfg.model["lora"]) if cfg.model.get("lora") else None)
+    _emit("memory", describe=plan.describe(), **plan.report())
     placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
     trainer = GRPOTrainer(parts.create_policy(placement), cfg.train, parts.tokenizer, parts.rewards,
-                          DatasetPrompts(parts.train_rows, seed=cfg.data.seed), placement=placement)
+                          DatasetPrompts(parts.train_rows, seed=cfg.data.seed), placement=placement, memory_plan=plan)
     with Checkpointer(root.uri("checkpoints")) as ckpt, contextlib.closing(trainer):  # closing: the rollout engine
         resumed = trainer.restore(ckpt, config_hash=h)
         start = trainer.step
@@ -91,7 +104,7 @@ def train(parts, until_step: int) -> int:
         while trainer.step < until_step:
             m = trainer.train_step()
             pending.append(m)
-            _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m})
+            _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m}, **memory.peak_bytes())
             _fault("step", trainer.step, root.url)
             if trainer.step % every == 0 or trainer.step == until_step:
                 if _PRIMARY:
@@ -389,6 +402,17 @@ def _run(args) -> int:
             sys.stderr.flush()
             os._exit(EXIT_ROLLOUT)
         return EXIT_ROLLOUT
+    except Exception as exc:
+        from grpo_core import memory
+
+        if not memory.is_out_of_memory(exc):
+            raise
+        peak = memory.peak_bytes()
+        where = (f"device peak {peak['peak_device_bytes'] / 2**30:.2f} GiB" if "peak_device_bytes" in peak
+                 else f"process peak {peak['peak_rss_bytes'] / 2**30:.2f} GiB")
+        _emit("error", kind="memory", message=f"out of memory ({where}): {str(exc).splitlines()[0][:300]}; "
+                                              f"{OUT_OF_MEMORY_LEVERS}")
+        return EXIT_MEMORY
 
 
 if __name__ == "__main__":

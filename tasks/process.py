@@ -17,7 +17,9 @@ from collections import deque
 from typing import Any, Callable
 
 from grpo_core.launch import LauncherConfig, start
-from grpo_core.worker import EXIT_CONFIG, EXIT_DIVERGED, EXIT_REWARD, NOT_RETRYABLE
+from grpo_core.memory import host_memory_bytes
+from grpo_core.worker import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_MEMORY, EXIT_REWARD, NOT_RETRYABLE,
+                              OUT_OF_MEMORY_LEVERS)
 
 
 class StageError(RuntimeError):
@@ -29,7 +31,58 @@ class StageError(RuntimeError):
 
 
 _KIND_BY_CODE = {EXIT_CONFIG: "config or data error", EXIT_REWARD: "reward function error",
-                 EXIT_DIVERGED: "training diverged"}
+                 EXIT_DIVERGED: "training diverged", EXIT_MEMORY: "out of memory"}
+GiB = 2**30
+
+
+class MemoryWatch:
+    """The resident memory of the local worker processes, sampled about once a second, and the
+    kernel's count of out-of-memory kills, so that a worker the kernel killed for memory is
+    reported as such (a retry with the same settings would be killed again) and not as a crash."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.peak, self.last = pids, 0, 0
+        self.limit = min([host_memory_bytes(pid) for pid in pids] or [host_memory_bytes()])
+        self.kills0 = _oom_kills()
+
+    def sample(self) -> None:
+        total = sum(_rss(pid) for pid in self.pids)
+        if total:
+            self.last, self.peak = total, max(self.peak, total)
+            # read each time: a worker may move to a cgroup of its own after it starts
+            self.limit = min([self.limit] + [host_memory_bytes(pid) for pid in self.pids])
+
+    def killed_for_memory(self, rc: int) -> bool:
+        """SIGKILL with the kernel's OOM-kill count up since start, or near the limit when last seen."""
+        return rc == -9 and (_oom_kills() > self.kills0 or self.peak >= 0.8 * self.limit)
+
+    def message(self, what: str, plan: dict[str, Any] | None) -> str:
+        said = f"; the memory plan said ~{plan['total_bytes'] / GiB:.2f} GiB ({plan.get('describe', '')})" if plan else ""
+        return (f"{what} ran out of memory: the kernel killed it (SIGKILL) at {self.peak / GiB:.2f} GiB resident "
+                f"of {self.limit / GiB:.2f} GiB{said}. To fit: {OUT_OF_MEMORY_LEVERS}")
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _oom_kills() -> int:
+    """The kernel's running count of OOM kills, machine-wide (/proc/vmstat; cgroup v2's memory.events
+    where vmstat lacks it): a worker killed in a cgroup of its own counts too."""
+    for path, key in (("/proc/vmstat", "oom_kill"), ("/sys/fs/cgroup/memory.events", "oom_kill")):
+        try:
+            with open(path) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == key:
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[str, Any]], None],
@@ -55,6 +108,7 @@ def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[st
     for t in err_threads:
         t.start()
     deadline = time.monotonic() + timeout_s
+    watch = MemoryWatch([p.pid for p in procs])
     events: list[dict[str, Any]] = []
     timed_out, streaming, failed = False, True, None
     while True:
@@ -69,6 +123,7 @@ def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[st
             if event is not None:
                 events.append(event)
                 on_event(event)
+        watch.sample()
         failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
         if failed is not None:
             launched.stop()
@@ -93,6 +148,9 @@ def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[st
     detail = errors[-1]["message"] if errors and failed == 0 else _tail(tails[failed])
     if rc in NOT_RETRYABLE:
         raise StageError(f"{what} failed{who} ({_KIND_BY_CODE[rc]}): {detail}", retryable=False)
+    if watch.killed_for_memory(rc):
+        plan = next((e for e in reversed(events) if e.get("event") == "memory"), None)
+        raise StageError(watch.message(f"{what}{who}", plan), retryable=False)
     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
     raise StageError(f"{what}{who} {how}: {detail}", retryable=True)
 

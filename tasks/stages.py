@@ -229,6 +229,8 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
                 state["shown"] = frac
         elif kind == "checkpoint":
             log.info("checkpoint %s", e["uri"])
+        elif kind == "memory":
+            log.info("memory: %s", e["describe"])
 
     t = time.perf_counter()
     events = run_worker(["grpo_core.worker", "train", "--root", run_url, "--until-step", str(until)],

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_core.config import ConfigError, RolloutConfig, TrainConfig
+from grpo_core.config import ConfigError, DType, RolloutConfig, TrainConfig
 from grpo_core.engines import (RolloutError, RolloutTimeout, finish_rows, make_engine, prompt_lists, row_seeds,
                                wait_for)
 from grpo_core.engines.http import OwnedServer, request_json
@@ -124,8 +124,10 @@ def test_rollout_config_validation_and_hash():
     with pytest.raises(ConfigError, match="RolloutConfig.engine must be one of jax, sglang, http; got 'vllm'"):
         RolloutConfig(engine="vllm")
     assert RolloutConfig(engine="sglang-jax").engine.value == "sglang"
-    assert RolloutConfig(engine="sglang").uses_learner_logprobs
-    assert not RolloutConfig(engine="http", server="sglang-jax").uses_learner_logprobs
+    assert RolloutConfig(engine="sglang").learner_logprobs()
+    assert RolloutConfig(engine="http", server="sglang-jax").learner_logprobs()  # another engine's kernels
+    assert not RolloutConfig().learner_logprobs() and RolloutConfig().learner_logprobs(DType.BFLOAT16)
+    assert not RolloutConfig(engine="http", server="sglang-jax", recompute_logprobs=False).learner_logprobs()
     base = RunConfig.from_dict({})
     same = RunConfig.from_dict({"train": {"rollout": {"engine": "jax", "generate_timeout_s": 5}}})
     assert same.train_hash == base.train_hash  # the built-in engine and time limits change no result

@@ -236,21 +236,23 @@ def test_lora_run_evaluates_and_exports_a_merged_model_transformers_loads(tmp_pa
     np.testing.assert_allclose(np.asarray(policy(jnp.asarray(x))), merged, rtol=1e-5, atol=1e-5 * np.abs(merged).max())
 
 
-def test_memory_budget_counts_adapters_not_a_second_model():
+def test_memory_plan_counts_adapters_not_a_second_model():
+    from grpo_core import memory
     from grpo_core.config import TrainConfig
-    from grpo_core.readiness import memory_budget, parse_request
+    from grpo_core.readiness import parse_request
 
     mc = get_preset("qwen3-0.6b")
     cfg = lora.LoraConfig(rank=8, target_modules=QV)
     abstract = nnx.eval_shape(lambda: lora.apply(create_model(mc), cfg))
     n = lora.num_adapter_params(mc, cfg)
     assert n == lora.num_params(nnx.state(abstract, nnx.LoRAParam)) == 28 * 8 * (1024 + 2048 + 1024 + 1024)
-    train = TrainConfig.from_dict({"grpo": {"beta": 0.04}})
-    full, adapted = memory_budget(mc, train, 64, None), memory_budget(mc, train, 64, None, lora=cfg)
-    t, f = adapted["terms_bytes"], full["terms_bytes"]
+    train = TrainConfig.from_dict({"grpo": {"beta": 0.04, "grad_accum_steps": 1}, "remat": "full"})
+    facts = {"backend": "cpu", "available": None, "devices": 1}
+    full, adapted = memory.plan_on(mc, train, 64, facts).estimate, memory.plan_on(mc, train, 64, facts, lora=cfg).estimate
+    t, f = adapted.terms, full.terms
     assert t["gradients"] == 4 * n and t["optimizer"] == 8 * n and t["reference"] == 0 < f["reference"]
     assert t["params"] == f["params"] + 4 * n and t["kv_cache"] == f["kv_cache"]
-    assert full["total_bytes"] - adapted["total_bytes"] > 3 * mc.num_params() * 2  # grads + moments + reference
+    assert full.total - adapted.total > 3 * mc.num_params() * 2  # grads + moments + reference
     req = {"model": mc.to_dict(), "train": train.to_dict(), "max_prompt_tokens": 64}
     assert parse_request(dict(req, lora={"rank": 8, "target_modules": QV}))["lora"] == cfg
     with pytest.raises(ConfigError, match="model.lora.rank must be a positive integer, got 0"):

@@ -44,6 +44,7 @@ def test_two_processes_train_checkpoint_are_killed_and_resume(tmp_path):
         outs = list(pool.map(lambda p: p.communicate(timeout=240), launched.procs))
     assert [p.returncode for p in launched.procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     ev = [json.loads(x) for x in outs[0][0].splitlines() if x.startswith("{")]
+    assert ev.pop(0)["event"] == "memory"  # the memory plan comes first
     assert ev[0] == {"event": "start", "step": 0, "until": 6} and ev[-1] == {"event": "done", "step": 6, "steps_run": 6}
     assert [e["step"] for e in ev if e["event"] == "checkpoint"] == [2, 4, 6]
     assert not [x for x in outs[1][0].splitlines() if x.startswith("{")]
@@ -63,7 +64,7 @@ def test_two_processes_train_checkpoint_are_killed_and_resume(tmp_path):
         assert ckpt.all_steps() == [2]
 
     ev = _train(killed, 6, on_event=lambda e: None)  # the retry: resumes from 2
-    assert ev[0] == {"event": "resumed", "step": 2, "until": 6} and ev[-1] == {"event": "done", "step": 6, "steps_run": 4}
+    assert ev[0]["event"] == "memory" and ev[1] == {"event": "resumed", "step": 2, "until": 6} and ev[-1] == {"event": "done", "step": 6, "steps_run": 4}
     a, b = RunRoot(straight).read_metrics(), RunRoot(killed).read_metrics()
     assert [r["step"] for r in b] == list(range(6))
     for x, y in zip(a, b):  # the same program on the same inputs: the same numbers

@@ -9,7 +9,7 @@ import pytest
 
 from grpo_core.config import TrainConfig
 from grpo_core.presets import get_preset
-from grpo_core.readiness import memory_budget, tpu_generation
+from grpo_core.readiness import tpu_generation
 
 
 @pytest.mark.parametrize("kind, gen", [("TPU v3", 3), ("TPU v4", 4), ("TPU v5 lite", 5), ("TPU v5e", 5),
@@ -19,19 +19,22 @@ def test_tpu_generation(kind, gen):
     assert tpu_generation(kind) == gen
 
 
-def test_memory_budget_pinned():
+def test_memory_plan_pinned():
+    from grpo_core import memory
+
     m = get_preset("tiny", vocab_size=50)
     n = m.num_params()
     train = TrainConfig.from_dict({"grpo": {"num_generations": 4, "prompts_per_step": 2},
                                    "sampling": {"max_new_tokens": 6}})
-    b = memory_budget(m, train, max_prompt_tokens=10, device_bytes=10**9)
-    t = b["terms_bytes"]
+    p = memory.plan(m, train, 10, 10**9, runtime_bytes=7)
+    t = p.estimate.terms
     assert t["params"] == t["gradients"] == 4 * n and t["optimizer"] == 8 * n and t["reference"] == 0
-    assert t["kv_cache"] == 2 * 2 * 8 * 16 * 2 * 32 * 4  # k,v x layers x rows x tokens x kv heads x head_dim x f32
-    assert t["logits"] == 8 * 16 * 50 * 4
-    assert b["total_bytes"] == sum(t.values()) and b["fits"] is True
-    with_ref = memory_budget(m, train.replace(grpo=train.grpo.replace(beta=0.04)), 10, None)
-    assert with_ref["terms_bytes"]["reference"] == 4 * n and with_ref["fits"] is None
+    assert t["kv_cache"] == 2 * 2 * 8 * 18 * 2 * 32 * 4  # k,v x layers x rows x (12-token bucket + 6) x kv heads x head_dim x f32
+    assert t["runtime"] == 7 and t["programs"] == memory.CPU_PROGRAMS_BYTES
+    assert p.estimate.total == p.estimate.resident + max(p.estimate.phases.values()) and p.fits is True
+    assert (p.estimate.remat.value, p.estimate.grad_accum_steps) == ("none", 1)  # plenty of room: the fastest
+    with_ref = memory.plan(m, train.replace(grpo=train.grpo.replace(beta=0.04)), 10, None)
+    assert with_ref.estimate.terms["reference"] == 4 * n and with_ref.fits is None
 
 
 def run_readiness(tmp_path, **overrides):

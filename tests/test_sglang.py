@@ -67,9 +67,9 @@ def test_train_worker_runs_in_the_sglang_environment(tmp_path):
                           python=worker_python(cfg))
 
     first = train(2)
-    assert [e["event"] for e in first] == ["start", "step", "step", "checkpoint", "done"]
+    assert [e["event"] for e in first] == ["memory", "start", "step", "step", "checkpoint", "done"]
     again = train(3)
-    assert again[0] == {"event": "resumed", "step": 2, "until": 3} and again[-1]["steps_run"] == 1
+    assert again[1] == {"event": "resumed", "step": 2, "until": 3} and again[-1]["steps_run"] == 1
     assert all(np.isfinite(e["reward"]) for e in first + again if e["event"] == "step")
 
 

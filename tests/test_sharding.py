@@ -60,13 +60,16 @@ def test_layout_rules():
 
 
 def test_readiness_counts_memory_per_device_and_checks_the_mesh():
+    from grpo_core import memory
     from grpo_core.presets import get_preset
-    from grpo_core.readiness import _mesh_check, memory_budget
+    from grpo_core.readiness import _mesh_check
 
     m, train = get_preset("qwen3-0.6b"), TrainConfig.from_dict({"mesh": {"data": 2, "fsdp": -1, "tensor": 2}})
-    one, eight = memory_budget(m, train, 64, None, 1), memory_budget(m, train, 64, None, 8)
-    assert eight["terms_bytes"]["params"] == -(-one["terms_bytes"]["params"] // 4)  # fsdp=2 x tensor=2
-    assert eight["terms_bytes"]["kv_cache"] == -(-one["terms_bytes"]["kv_cache"] // 8)  # every axis splits a batch
+    facts = {"backend": "tpu", "available": None, "runtime": 0}
+    one = memory.plan_on(m, train, 64, dict(facts, devices=1)).estimate  # the mesh does not divide 1: all on one
+    eight = memory.plan_on(m, train, 64, dict(facts, devices=8)).estimate
+    assert eight.terms["params"] == -(-one.terms["params"] // 4)  # fsdp=2 x tensor=2
+    assert eight.terms["kv_cache"] == -(-one.terms["kv_cache"] // 8)  # every axis splits a batch
     ok = _mesh_check(train, 8)
     assert ok["ok"] and ok["detail"] == "train data=2 x fsdp=2 x tensor=2 over 8 devices"
     bad = _mesh_check(TrainConfig.from_dict({"mesh": {"rollout": {"data": 3, "fsdp": 1}}}), 8)

@@ -2,6 +2,7 @@
 process group, and retries only where a retry can help."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -66,3 +67,54 @@ def test_retry_condition_retries_only_what_can_succeed():
 
     assert both() == ("ok", "failed")
     assert calls == {"crash": 3, "config": 1}
+
+
+def _memory_cgroup(tmp_path, limit_bytes: int):
+    """A cgroup v1 memory controller child with this limit, and an interpreter wrapper that starts
+    python inside it; None where this machine does not let us make one."""
+    base = "/sys/fs/cgroup/memory"
+    here = open("/proc/self/cgroup").read().splitlines()
+    path = next((line.split(":", 2)[2] for line in here if line.split(":")[1] == "memory"), None)
+    if path is None or not os.access(os.path.join(base, path.strip("/")), os.W_OK):
+        return None
+    group = os.path.join(base, path.strip("/"), f"grpo-test-{os.getpid()}")
+    try:
+        os.mkdir(group)
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit_bytes))
+    except OSError:
+        return None
+    wrapper = tmp_path / "python-in-cgroup"
+    wrapper.write_text(f"#!/bin/sh\necho $$ > {group}/cgroup.procs\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return group, str(wrapper)
+
+
+def test_a_worker_the_kernel_kills_for_memory_is_reported_as_such_and_not_retried(tmp_path):
+    from tests.test_worker import make_run
+
+    run = make_run(str(tmp_path), "oom", model={"preset": "small"})  # ~0.7 GiB of weights and optimizer state
+    made = _memory_cgroup(tmp_path, 450 * 2**20)
+    if made is None:
+        pytest.skip("no writable cgroup memory controller here: the kernel's OOM kill cannot be produced")
+    group, python = made
+    seen = []
+    try:
+        with pytest.raises(StageError, match="ran out of memory: the kernel killed it") as err:
+            run_worker(["grpo_core.worker", "train", "--root", run, "--until-step", "2"], timeout_s=300,
+                       on_event=seen.append, what="training epoch 0", python=python)
+    finally:
+        os.rmdir(group)  # empty again: its only process was killed
+    assert not err.value.retryable  # the same settings would be killed again
+    msg = str(err.value)
+    assert "GiB resident of 0.44 GiB" in msg and "train.remat=full" in msg and "grpo check" in msg
+    plan = [e for e in seen if e["event"] == "memory"]
+    assert plan and not plan[0]["fits"] and "the memory plan said" in msg  # it knew, and says so
+
+
+def test_out_of_memory_errors_are_recognised():
+    from grpo_core.memory import is_out_of_memory
+
+    assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 21.5GiB"))
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(ValueError("model.hidden_size must be a positive integer"))

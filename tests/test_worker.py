@@ -37,9 +37,14 @@ def worker(root, until=None, steps=None):
 
 
 def events(proc):
+    """The worker's events after the memory plan a training worker reports first."""
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    return [json.loads(line) for line in out.splitlines()]
+    ev = [json.loads(line) for line in out.splitlines()]
+    if ev and ev[0]["event"] == "memory":
+        assert ev[0]["total_bytes"] > 0 and ev[0]["fits"] and "train.remat=" in ev[0]["describe"]
+        ev = ev[1:]
+    return ev
 
 
 def final_params(root, step=6):

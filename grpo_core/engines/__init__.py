@@ -18,7 +18,7 @@
 The returned log-probs are the behaviour policy's old_logp under softmax(logits / T) before
 top-k/top-p filtering (our sampler's convention, and sglang-jax's: it takes log(softmax(logits
 / T)) of the processed logits). Where the learner's numerics should define them instead,
-RolloutConfig.uses_learner_logprobs has the trainer rescore the completions.
+RolloutConfig.learner_logprobs has the trainer rescore the completions.
 
 Never hang: engine start, each generate call and each weight sync wait at most the configured
 time, then raise RolloutTimeout naming what was waited for (or, where the wait cannot be
