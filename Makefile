@@ -54,6 +54,7 @@ bench: $(STAMP) $(SGL_DEP)  # one after another: each measures this machine, so 
 	$(BIN)/python -m bench.grpo_step
 	$(BIN)/python -m bench.hf_load
 	$(BIN)/python -m bench.generate
+	$(BIN)/python -m bench.real_shapes
 	$(BIN)/python -m bench.rollout_engines
 
 clean:

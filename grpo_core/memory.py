@@ -33,10 +33,14 @@ from grpo_core.config import DType, ModelConfig, RematPolicy, TrainConfig
 GiB = 2**30
 _BYTES = {DType.FLOAT32: 4, DType.BFLOAT16: 2}
 
-# Cost of each choice relative to (no remat, no accumulation), by which `plan` orders them: full
-# remat runs the forward pass again (~1/3 more update compute), dots recomputes norms, RoPE and
-# attention; each extra micro-batch reads every weight once more.
-_REMAT_COST = {RematPolicy.NONE: 1.0, RematPolicy.DOTS: 1.15, RematPolicy.FULL: 1.35}
+# Cost of each choice relative to (no remat, no accumulation), by which `plan` orders them. On
+# accelerators the update is compute-bound: full remat runs the forward pass again (~1/3 more
+# update compute), dots recomputes norms, RoPE and attention. XLA:CPU is memory-bound and dots
+# measured fastest: update seconds none / dots / full on 2 cores, same run (bench.real_shapes):
+# tiny 0.07 / 0.06 / 0.07, small 2.19 / 2.07 / 2.56, shape (a) 24.4 / 22.9 / 23.4. Each extra
+# micro-batch reads every weight once more.
+_REMAT_COST = {"cpu": {RematPolicy.DOTS: 0.97, RematPolicy.NONE: 1.0, RematPolicy.FULL: 1.1},
+               "accelerator": {RematPolicy.NONE: 1.0, RematPolicy.DOTS: 1.1, RematPolicy.FULL: 1.33}}
 _ACCUM_COST = 0.05
 # A plan fits when its estimate is at most this share of the memory: the estimate is held to
 # within 25% of measured peaks, and a host also runs the Prefect process and the OS.
@@ -240,13 +244,14 @@ class Plan:
         }.get(big, weights)
 
 
-def candidates(train: TrainConfig) -> list[tuple[RematPolicy, int]]:
-    """The (remat, accumulation) choices the config leaves open, cheapest first."""
-    remats = [RematPolicy.NONE, RematPolicy.DOTS, RematPolicy.FULL] if train.remat is RematPolicy.AUTO else [train.remat]
+def candidates(train: TrainConfig, backend: str = "cpu") -> list[tuple[RematPolicy, int]]:
+    """The (remat, accumulation) choices the config leaves open, cheapest first on `backend`."""
+    cost = _REMAT_COST["cpu" if backend == "cpu" else "accelerator"]
+    remats = list(cost) if train.remat is RematPolicy.AUTO else [train.remat]
     g = train.grpo
     accums = g.accumulation_choices() if g.grad_accum_steps == "auto" else [g.grad_accum_steps]
     out = [(r, a) for r in remats for a in accums]
-    return sorted(out, key=lambda c: (_REMAT_COST[c[0]] * (1 + _ACCUM_COST * (c[1] - 1)), c[1]))
+    return sorted(out, key=lambda c: (cost[c[0]] * (1 + _ACCUM_COST * (c[1] - 1)), c[1]))
 
 
 def plan(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, available: int | None,
@@ -256,7 +261,8 @@ def plan(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, availab
     cheapest. `kw`: estimate's trainable, layout, backend, runtime_bytes."""
     auto = tuple(f for f, is_auto in (("train.remat", train.remat is RematPolicy.AUTO),
                                       ("train.grpo.grad_accum_steps", train.grpo.grad_accum_steps == "auto")) if is_auto)
-    ests = [estimate(model, train, max_prompt_tokens, remat=r, grad_accum_steps=a, **kw) for r, a in candidates(train)]
+    ests = [estimate(model, train, max_prompt_tokens, remat=r, grad_accum_steps=a, **kw)
+            for r, a in candidates(train, kw.get("backend", "cpu"))]
     if available is not None:
         fitting = [e for e in ests if e.total <= HEADROOM * available]
         return Plan(fitting[0] if fitting else min(ests, key=lambda e: e.total), available, auto)

@@ -90,8 +90,7 @@ def model_plain(model, ptok, pval, targets, temperature):
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], -jnp.sum(jnp.exp(lp) * lp, axis=-1)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("with_lora", [False, True])
+@pytest.mark.parametrize("tied, with_lora", [(True, False), (False, True)])  # each head kind, LoRA once
 def test_through_the_model_with_tied_and_untied_heads_and_lora(tied, with_lora):
     model = create_model(get_preset("tiny", tie_word_embeddings=tied), 0)
     ptok, pval, targets = batch()

@@ -82,8 +82,10 @@ def test_bfloat16_moments_halve_the_first_moment():
 def test_auto_takes_the_fastest_choice_that_fits():
     mc = get_preset("small", vocab_size=151936)
     train = train_config(p=4, n=128)  # remat and grad_accum_steps: auto
-    roomy = memory.plan(mc, train, 16, 64 * GiB)
-    assert (roomy.estimate.remat, roomy.estimate.grad_accum_steps) == (RematPolicy.NONE, 1) and roomy.fits
+    roomy = memory.plan(mc, train, 16, 64 * GiB)  # on CPU dots measured fastest (memory module doc)
+    assert (roomy.estimate.remat, roomy.estimate.grad_accum_steps) == (RematPolicy.DOTS, 1) and roomy.fits
+    tpu = memory.plan(mc, train, 16, 64 * GiB, backend="tpu")  # compute-bound: no recomputation first
+    assert (tpu.estimate.remat, tpu.estimate.grad_accum_steps) == (RematPolicy.NONE, 1)
     need = {c: memory.estimate(mc, train, 16, remat=c[0], grad_accum_steps=c[1]).total for c in memory.candidates(train)}
     cheapest = memory.candidates(train)[0]
     tight = memory.plan(mc, train, 16, int(need[cheapest] / memory.HEADROOM) - 1)  # the cheapest choice just misses
@@ -118,8 +120,7 @@ def bench_child(workload: str, remat: str = "auto", steps: int = 1) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload, remat", [("tiny", "auto"), ("small", "none"), ("small", "full"),
-                                             ("a-short", "dots")])
+@pytest.mark.parametrize("workload, remat", [("tiny", "auto"), ("small", "full"), ("a-short", "dots")])
 def test_estimate_within_a_quarter_of_the_measured_peak(workload, remat):
     r = bench_child(workload, remat)
     assert r["remat"] == (remat if remat != "auto" else r["remat"])

@@ -109,3 +109,60 @@ def test_the_cli_config_passes_the_flow_parameter_form(overrides, tmp_path, monk
     cfg = load_config(None, overrides)
     back = RunParams.model_validate(cfg.to_dict()).to_config()
     assert back.to_dict() == cfg.to_dict() and back.train_hash == cfg.train_hash
+
+
+# Stage hashes name run folders and decide what is finished: a refactor must not change them (a
+# run started before it would no longer resume). Values as computed when they were pinned.
+HASH_CONFIGS = {
+ "default": {},
+ "gsm8k": {"model": {"preset": "qwen3-0.6b"}, "data": {"source": "/data/gsm8k.jsonl", "format": "gsm8k"}, "rewards": [{"function": "math_answer"}],
+           "train": {"grpo": {"beta": 0.04, "loss_aggregation": "bnpo", "grad_accum_steps": 2}}},
+ "lora": {"model": {"preset": "small", "lora": {"rank": 4}}, "train": {"grpo": {"num_generations": 4}, "sampling": {"max_new_tokens": 12}}},
+ "sglang": {"train": {"rollout": {"engine": "sglang"}}},
+ "http": {"train": {"rollout": {"engine": "http", "server": "sglang-jax", "sync_every": 2}}},
+ "accum": {"train": {"grpo": {"grad_accum_steps": 4, "prompts_per_step": 16}}},
+}
+PINNED_HASHES = {
+    "default": [
+        "c56fddb0e548",
+        "97eb0009667b",
+        "bf4e622b8a84",
+        "tiny-c56fddb0"
+    ],
+    "gsm8k": [
+        "dc143d33a5bd",
+        "da192d853895",
+        "8ee7561791a6",
+        "qwen3-0.6b-dc143d33"
+    ],
+    "lora": [
+        "15be92a150af",
+        "97eb0009667b",
+        "c686ee029a2c",
+        "small-15be92a1"
+    ],
+    "sglang": [
+        "438bddbf428e",
+        "97eb0009667b",
+        "bf4e622b8a84",
+        "tiny-438bddbf"
+    ],
+    "http": [
+        "f328d1dc4fa9",
+        "97eb0009667b",
+        "bf4e622b8a84",
+        "tiny-f328d1dc"
+    ],
+    "accum": [
+        "c56fddb0e548",
+        "97eb0009667b",
+        "bf4e622b8a84",
+        "tiny-c56fddb0"
+    ]
+}
+
+
+@pytest.mark.parametrize("name", sorted(HASH_CONFIGS))
+def test_stage_hashes_are_stable(name):
+    cfg = RunConfig.from_dict(HASH_CONFIGS[name])
+    assert [cfg.train_hash, cfg.data_hash, cfg.eval_hash, cfg.name] == PINNED_HASHES[name]
