@@ -9,7 +9,7 @@ The model is bench.grpo_step's workload (default "small": Qwen3-shaped, vocab 38
 size B gets B prompts of 16 random token ids (no padding, attention mask all ones) and
 generates 64 new tokens per row with EOS ignored, so every row runs the full length; temperature
 1 over the whole softmax (no top-k / top-p) by default, greedy with --temperature 0.
-  ours          load_hf_model, then grpo_core.sampler.generate (jitted prefill + while_loop decode
+  ours          load_hf_model, then grpo_core.rl.sampler.generate (jitted prefill + while_loop decode
                 over a preallocated KV cache, SamplingConfig(ignore_eos=True)); the tokens are
                 copied to the host, as the rollout does.
   transformers  AutoModelForCausalLM.from_pretrained(dtype=torch.float32) on the GPU when torch sees one, else CPU, then
@@ -55,16 +55,16 @@ def _timed(call, calls: int) -> dict:
 
 
 def run_ours(workload: str, folder: str, batches: list[int], new_tokens: int, calls: int, temperature: float) -> list[dict]:
-    """Write the workload's model to `folder`, load it back and time grpo_core.sampler.generate."""
+    """Write the workload's model to `folder`, load it back and time grpo_core.rl.sampler.generate."""
     import jax
     import numpy as np
     from flax import nnx
 
     from bench.hf_load import model_config
-    from grpo_core.config import SamplingConfig
-    from grpo_core.hf import load_hf_model, save_hf_model
-    from grpo_core.model import create_model
-    from grpo_core.sampler import SamplerOptions, generate, pad_prompts, step_key
+    from grpo_core.config.train import SamplingConfig
+    from grpo_core.nn.hf import load_hf_model, save_hf_model
+    from grpo_core.nn.model import create_model
+    from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key
 
     cfg = model_config(workload)
     save_hf_model(create_model(cfg, 0), folder)

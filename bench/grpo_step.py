@@ -101,13 +101,13 @@ def frac_a(prompts, completions, **_):
 def run_workload(name: str, steps: int) -> dict:
     import jax
 
-    from grpo_core.config import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
-    from grpo_core.memory import peak_rss_bytes
-    from grpo_core.model import create_model
-    from grpo_core.presets import get_preset
-    from grpo_core.rewards import Reward
-    from grpo_core.synthetic import CharTokenizer
-    from grpo_core.trainer import GRPOTrainer
+    from grpo_core.config.train import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
+    from grpo_core.config.memory import peak_rss_bytes
+    from grpo_core.nn.model import create_model
+    from grpo_core.config.presets import get_preset
+    from grpo_core.rewards.functions import Reward
+    from grpo_core.data.synthetic import CharTokenizer
+    from grpo_core.rl.trainer import GRPOTrainer
 
     w = WORKLOADS[name]
     mcfg = get_preset(w.get("preset", name), vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32")
@@ -119,7 +119,7 @@ def run_workload(name: str, steps: int) -> dict:
     prompts = RandomPrompts(tok.chars)
     model = create_model(mcfg, 0)
     if w.get("lora"):
-        from grpo_core import lora
+        from grpo_core.nn import lora
 
         lora.apply(model, lora.LoraConfig(rank=w["lora"], alpha=2.0 * w["lora"]))
     tr = GRPOTrainer(model, cfg, tok, [Reward(frac_a)], prompts)

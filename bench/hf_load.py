@@ -7,14 +7,14 @@ Workloads (random f32 weights, Qwen3-shaped, tied embeddings): "small" is bench.
 model (vocab 384, hidden 512, 8 layers: 23.7 M parameters, 95 MB); "qwen3-0.6b" is that preset's
 shape in f32 (vocab 151936, hidden 1024, 28 layers: 596 M parameters, 2.4 GB); "tiny" (0.3 M) is
 for the tests. `all` = small and qwen3-0.6b. Each is built once in its own process with
-create_model and written with grpo_core.hf.save_hf_model (config.json + model.safetensors), and
+create_model and written with grpo_core.nn.hf.save_hf_model (config.json + model.safetensors), and
 copied into 4 shards with a model.safetensors.index.json ("sharded"), in a temporary folder.
 
 Every measurement is a fresh process. It first imports everything the loader needs (jax and
 grpo_core, or torch and the transformers model class) and starts the JAX CPU client, reads its
 RSS and resets the kernel's high-water mark (`echo 5 > /proc/self/clear_refs`, so the imports'
 peak does not count), then times:
-  ours          grpo_core.hf.load_hf_model(folder), then jax.block_until_ready on every parameter;
+  ours          grpo_core.nn.hf.load_hf_model(folder), then jax.block_until_ready on every parameter;
   transformers  AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32) on CPU. Its
                 parameters are memory-mapped views of the file that are read on first use, so
                 "ready" adds one pass reading every parameter (its sum); for ours ready = load.
@@ -49,7 +49,7 @@ MIB = 2 ** 20
 
 
 def model_config(name: str):
-    from grpo_core.presets import get_preset
+    from grpo_core.config.presets import get_preset
 
     if name == "qwen3-0.6b":
         return get_preset(name, dtype="float32", param_dtype="float32")
@@ -129,8 +129,8 @@ def build(name: str, folder: str) -> dict:
     import jax
     from flax import nnx
 
-    from grpo_core.hf import save_hf_model
-    from grpo_core.model import create_model
+    from grpo_core.nn.hf import save_hf_model
+    from grpo_core.nn.model import create_model
 
     cfg = model_config(name)
     model = create_model(cfg, 0)
@@ -150,8 +150,8 @@ def measure(engine: str, folder: str) -> dict:
         import numpy as np
         from flax import nnx
 
-        import grpo_core.model  # noqa: F401  (load_hf_model imports it)
-        from grpo_core.hf import load_hf_model
+        import grpo_core.nn.model  # noqa: F401  (load_hf_model imports it)
+        from grpo_core.nn.hf import load_hf_model
 
         jax.device_put(np.zeros(8)).block_until_ready()  # start the CPU client outside the timing
         with PeakMemory() as mem:

@@ -59,13 +59,13 @@ def run(name: str, remat: str, steps: int) -> dict:
     import jax
 
     from bench.grpo_step import RandomPrompts, frac_a, model_flops
-    from grpo_core import memory
-    from grpo_core.config import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
-    from grpo_core.model import create_model
-    from grpo_core.presets import get_preset
-    from grpo_core.rewards import Reward
-    from grpo_core.synthetic import CharTokenizer
-    from grpo_core.trainer import GRPOTrainer
+    from grpo_core.config import memory
+    from grpo_core.config.train import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
+    from grpo_core.nn.model import create_model
+    from grpo_core.config.presets import get_preset
+    from grpo_core.rewards.functions import Reward
+    from grpo_core.data.synthetic import CharTokenizer
+    from grpo_core.rl.trainer import GRPOTrainer
 
     w = WORKLOADS[name]
     facts = memory.device_facts()  # before any array: the runtime term is the process alone

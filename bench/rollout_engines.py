@@ -35,10 +35,10 @@ def _setup(shape: str):
     from flax import nnx
 
     from bench.grpo_step import RandomPrompts
-    from grpo_core.model import create_model
-    from grpo_core.presets import get_preset
-    from grpo_core.sampler import SamplerOptions, pad_prompts
-    from grpo_core.synthetic import CharTokenizer
+    from grpo_core.nn.model import create_model
+    from grpo_core.config.presets import get_preset
+    from grpo_core.rl.sampler import SamplerOptions, pad_prompts
+    from grpo_core.data.synthetic import CharTokenizer
 
     tok = CharTokenizer()
     mcfg = get_preset("small", vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32",
@@ -59,9 +59,9 @@ def _perturbed(params, i: int):
 def run_engine(engine_name: str, shape: str, calls: int, warm: int) -> dict:
     import jax
 
-    from grpo_core.config import RolloutConfig
+    from grpo_core.config.train import RolloutConfig
     from grpo_core.engines import make_engine
-    from grpo_core.sampler import step_key
+    from grpo_core.rl.sampler import step_key
 
     tok, mcfg, graphdef, params, ptok, pval, opts = _setup(shape)
     b = PROMPTS * GENERATIONS

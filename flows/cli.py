@@ -29,8 +29,8 @@ def _prefect_defaults() -> None:
 
 def _config(args):
     """The run config from --config and --set, or None after printing the error (exit 2)."""
-    from grpo_core.config import ConfigError
-    from grpo_core.run_config import load_config
+    from grpo_core.config.train import ConfigError
+    from grpo_core.config.run import load_config
 
     try:
         return load_config(args.config, args.set)
@@ -42,7 +42,7 @@ def _config(args):
 def _run_url(run: str, args) -> str:
     if "://" in run or os.sep in run or run.startswith("."):
         return run if "://" in run else os.path.abspath(run)
-    from grpo_core.run_config import load_config
+    from grpo_core.config.run import load_config
 
     cfg = load_config(getattr(args, "config", None), getattr(args, "set", []) + [f"run_name={run}"])
     return cfg.run_url
@@ -66,8 +66,8 @@ def _print_summary(s: dict, wall: float) -> None:
 
 
 def _print_examples(run_url: str) -> None:
-    from grpo_core.report import eval_results
-    from grpo_core.storage import RunRoot
+    from grpo_core.store.report import eval_results
+    from grpo_core.store.root import RunRoot
 
     evals = eval_results(RunRoot(run_url))
     if len(evals) < 2 or not evals[0].get("examples"):
@@ -129,7 +129,7 @@ def eval_command(args) -> int:
                   f"{'  (already evaluated)' if e['cached'] else ''}", flush=True)
 
     try:
-        run_worker(["grpo_core.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
+        run_worker(["grpo_core.stages.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
                    timeout_s=args.timeout, on_event=show, what="evaluation")
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -141,7 +141,7 @@ def export_command(args) -> int:
     from tasks.process import StageError, run_worker
 
     url = _run_url(args.run, args)
-    cmd = ["grpo_core.worker", "export", "--root", url] + (["--step", str(args.step)] if args.step is not None else [])
+    cmd = ["grpo_core.stages.worker", "export", "--root", url] + (["--step", str(args.step)] if args.step is not None else [])
 
     def show(e):
         if e["event"] == "export":
@@ -156,8 +156,8 @@ def export_command(args) -> int:
 
 
 def status_command(args) -> int:
-    from grpo_core.report import status
-    from grpo_core.storage import RunRoot
+    from grpo_core.store.report import status
+    from grpo_core.store.root import RunRoot
 
     url = _run_url(args.run, args)
     try:

@@ -15,11 +15,11 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from grpo_core.config import _SUBCONFIGS, TrainConfig
-from grpo_core.data import DataConfig
-from grpo_core.lora import LoraConfig
-from grpo_core.presets import PRESETS
-from grpo_core.run_config import EvalConfig, PipelineConfig, RunConfig
+from grpo_core.config.train import _SUBCONFIGS, TrainConfig
+from grpo_core.data.prepare import DataConfig
+from grpo_core.nn.lora import LoraConfig
+from grpo_core.config.presets import PRESETS
+from grpo_core.config.run import EvalConfig, PipelineConfig, RunConfig
 
 DOCS: dict[str, tuple[str, dict[str, Any]]] = {
     "run_name": ("Folder of this run under storage.root. Empty: named by the preset and the config hash, "

@@ -18,9 +18,9 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.params import RunParams
-from grpo_core.report import build_summary, plot_curve
-from grpo_core.run_config import RunConfig
-from grpo_core.storage import RunRoot
+from grpo_core.store.report import build_summary, plot_curve
+from grpo_core.config.run import RunConfig
+from grpo_core.store.root import RunRoot
 from tasks.stages import (_key, check_readiness, evaluate, export_model, init_run, load_run, prepare_dataset,
                           publish_readiness, readiness_report, retryable, train_epoch)
 

@@ -4,7 +4,7 @@ and enforce a hard time limit.
 Prefect cannot interrupt blocking code in a thread, so a stage's time limit is enforced here:
 each worker runs in its own process group and every group is stopped (SIGTERM, then SIGKILL)
 when the limit passes, or as soon as one process of a multi-host set fails. The worker's exit code says whether a retry can help
-(grpo_core.worker.NOT_RETRYABLE); the task's retry_condition_fn reads it from StageError.
+(grpo_core.stages.worker.NOT_RETRYABLE); the task's retry_condition_fn reads it from StageError.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from grpo_core.launch import LauncherConfig, start
-from grpo_core.memory import host_memory_bytes
-from grpo_core.worker import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_MEMORY, EXIT_REWARD, NOT_RETRYABLE,
+from grpo_core.launch.launchers import LauncherConfig, start
+from grpo_core.config.memory import host_memory_bytes
+from grpo_core.stages.worker import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_MEMORY, EXIT_REWARD, NOT_RETRYABLE,
                               OUT_OF_MEMORY_LEVERS)
 
 
@@ -89,7 +89,7 @@ def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[st
                what: str, env: dict[str, str] | None = None, python: str | None = None,
                launcher: LauncherConfig | None = None) -> list[dict[str, Any]]:
     """Run `python -m <args>` (`python`: another interpreter, e.g. the sglang-jax environment's;
-    default this one) through `launcher` (grpo_core.launch; default: one local process); call
+    default this one) through `launcher` (grpo_core.launch.launchers; default: one local process); call
     on_event for each JSON line of process 0; return all events.
 
     Every process of the set is watched: when one fails, the others would wait for it inside a

@@ -20,10 +20,10 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
                                update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
-from grpo_core.config import ConfigError
-from grpo_core.data import DataError
-from grpo_core.run_config import RunConfig
-from grpo_core.storage import RunRoot, StorageError
+from grpo_core.config.train import ConfigError
+from grpo_core.data.prepare import DataError
+from grpo_core.config.run import RunConfig
+from grpo_core.store.root import RunRoot, StorageError
 from tasks.process import StageError, run_worker
 
 
@@ -58,7 +58,7 @@ def load_run(run_url: str) -> RunConfig:
 def init_run(config: dict[str, Any]) -> str:
     """Validate the config and write it to {run}/config.json (refused if the run folder holds
     another training config)."""
-    from grpo_core.run import init_run_root
+    from grpo_core.store.runs import init_run_root
 
     cfg = RunConfig.from_dict(config)
     init_run_root(cfg)
@@ -69,8 +69,8 @@ def init_run(config: dict[str, Any]) -> str:
 @task(name="prepare-dataset", cache_policy=NO_CACHE)
 def prepare_dataset(run_url: str) -> dict[str, Any]:
     """Read, template, tokenize, filter and split the prompts into {run}/data/{hash}/."""
-    from grpo_core.data import prepare_dataset as prepare
-    from grpo_core.run import make_tokenizer
+    from grpo_core.data.prepare import prepare_dataset as prepare
+    from grpo_core.data.tokenizer import make_tokenizer
 
     cfg, log = load_run(run_url), get_run_logger()
     manifest = prepare(cfg.data, make_tokenizer(cfg), RunRoot(run_url), cfg.tokenizer_id)
@@ -112,7 +112,7 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
 
 
 def _vocab_size(cfg: RunConfig) -> int:
-    from grpo_core.run import make_tokenizer
+    from grpo_core.data.tokenizer import make_tokenizer
 
     return make_tokenizer(cfg).vocab_size
 
@@ -122,7 +122,7 @@ def worker_python(cfg: RunConfig) -> str:
     else the sglang-jax environment when train.rollout.engine is sglang, else this one."""
     import sys
 
-    from grpo_core.config import RolloutEngineKind
+    from grpo_core.config.train import RolloutEngineKind
     from grpo_core.engines import sglang_python
 
     if cfg.pipeline.worker_python:
@@ -138,7 +138,7 @@ def worker_python(cfg: RunConfig) -> str:
 
 
 def _device_checks(request_path: str, timeout_s: float, python: str | None = None, launcher=None) -> dict[str, Any]:
-    """Run grpo_core.readiness in its own process (in the training workers' interpreter): it
+    """Run grpo_core.stages.readiness in its own process (in the training workers' interpreter): it
     initialises JAX, which the Prefect process never does (a TPU belongs to the one process that
     opened it). With a multi-host launcher, on every host as training will run, the request
     passed inline (other hosts cannot read this machine's files); process 0 reports."""
@@ -148,12 +148,12 @@ def _device_checks(request_path: str, timeout_s: float, python: str | None = Non
     if launcher is not None and launcher.distributed:
         with open(request_path) as f:
             inline = f.read()
-        events = run_worker(["grpo_core.readiness", "--events", "--request-json", inline], timeout_s=timeout_s,
+        events = run_worker(["grpo_core.stages.readiness", "--events", "--request-json", inline], timeout_s=timeout_s,
                             on_event=lambda e: None, what="the device checks", python=python, launcher=launcher)
         return next(e["report"] for e in events if e["event"] == "report")
 
     try:
-        proc = subprocess.run([python or sys.executable, "-m", "grpo_core.readiness", "--request", request_path],
+        proc = subprocess.run([python or sys.executable, "-m", "grpo_core.stages.readiness", "--request", request_path],
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise StageError(f"the device checks did not finish within {timeout_s:g} s (a TPU held by another "
@@ -233,7 +233,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
             log.info("memory: %s", e["describe"])
 
     t = time.perf_counter()
-    events = run_worker(["grpo_core.worker", "train", "--root", run_url, "--until-step", str(until)],
+    events = run_worker(["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until)],
                         timeout_s=cfg.pipeline.train_timeout_s, on_event=on_event, what=f"training epoch {epoch}",
                         python=worker_python(cfg), launcher=cfg.pipeline.launcher)
     done = next(e for e in events if e["event"] == "done")
@@ -251,7 +251,7 @@ def export_model(run_url: str, step: int) -> dict[str, Any]:
     """The policy at `step` as a Hugging Face folder {run}/export/{step}/ (safetensors, config,
     tokenizer, generation config; LoRA merged), written by a worker process, marker last."""
     cfg, log = load_run(run_url), get_run_logger()
-    events = run_worker(["grpo_core.worker", "export", "--root", run_url, "--step", str(step)],
+    events = run_worker(["grpo_core.stages.worker", "export", "--root", run_url, "--step", str(step)],
                         timeout_s=cfg.pipeline.export_timeout_s, on_event=lambda e: None,
                         what=f"export of step {step}", launcher=cfg.pipeline.launcher.single())
     done = next(e for e in events if e["event"] == "export")
@@ -273,7 +273,7 @@ def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     """Greedy accuracy and pass@k on the eval split for the given checkpoints (0: the starting
     policy), in a worker process; each result lands in {run}/eval/{step}.json."""
-    from grpo_core.report import eval_results
+    from grpo_core.store.report import eval_results
 
     cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
 
@@ -289,7 +289,7 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
         for e in events:
             on_event(e)
     else:
-        events = run_worker(["grpo_core.worker", "eval", "--root", run_url, "--steps", ",".join(map(str, steps))],
+        events = run_worker(["grpo_core.stages.worker", "eval", "--root", run_url, "--steps", ",".join(map(str, steps))],
                             timeout_s=cfg.pipeline.eval_timeout_s, on_event=on_event,
                             what=f"evaluation of steps {steps}", launcher=cfg.pipeline.launcher.single())
     results = {str(e["step"]): {k: v for k, v in e.items() if k == "accuracy" or k.startswith("pass@")}

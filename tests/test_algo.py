@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_core import algo
-from grpo_core.config import AdvantageEstimator as Adv, KLEstimator, LossAggregation as Agg, RatioLevel, RewardScaling as Scale
+from grpo_core.rl import algo
+from grpo_core.config.train import AdvantageEstimator as Adv, KLEstimator, LossAggregation as Agg, RatioLevel, RewardScaling as Scale
 
 EPS = 1e-4
 # Two groups of G=4. Group 0: mean 1, deviations (1, -1, 0, 0), unbiased var 2/3. Group 1: all 3.

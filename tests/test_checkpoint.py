@@ -2,7 +2,7 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_core.checkpoint import Checkpointer
+from grpo_core.rl.checkpoint import Checkpointer
 from tests.test_trainer import make
 
 

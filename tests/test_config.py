@@ -1,6 +1,6 @@
 import pytest
 
-from grpo_core.config import (ConfigError, GRPOConfig, LossAggregation, OptimizerConfig, SamplingConfig, TrainConfig,
+from grpo_core.config.train import (ConfigError, GRPOConfig, LossAggregation, OptimizerConfig, SamplingConfig, TrainConfig,
                               apply_overrides)
 
 

@@ -6,10 +6,10 @@ import json
 import pandas as pd
 import pytest
 
-from grpo_core.config import ConfigError
-from grpo_core.data import DataConfig, DataError, DatasetPrompts, data_hash, load_prepared, prepare_dataset
-from grpo_core.storage import RunRoot
-from grpo_core.synthetic import CharTokenizer
+from grpo_core.config.train import ConfigError
+from grpo_core.data.prepare import DataConfig, DataError, DatasetPrompts, data_hash, load_prepared, prepare_dataset
+from grpo_core.store.root import RunRoot
+from grpo_core.data.synthetic import CharTokenizer
 
 TOK = CharTokenizer()
 ROWS = [{"question": f"{i}+{i}", "answer": str(2 * i)} for i in range(20)]

@@ -8,14 +8,14 @@ import json
 import pandas as pd
 import pytest
 
-from grpo_core.config import ConfigError
-from grpo_core.data import DataConfig, DataError, data_hash, load_prepared, prepare_dataset
-from grpo_core.data_formats import DataFormat, detect, gsm8k_truth
-from grpo_core.run import make_rewards
-from grpo_core.rewards import score
-from grpo_core.run_config import RewardSpec, RunConfig
-from grpo_core.storage import RunRoot, config_hash
-from grpo_core.synthetic import CharTokenizer
+from grpo_core.config.train import ConfigError
+from grpo_core.data.prepare import DataConfig, DataError, data_hash, load_prepared, prepare_dataset
+from grpo_core.data.formats import DataFormat, detect, gsm8k_truth
+from grpo_core.rewards.registry import make_rewards
+from grpo_core.rewards.functions import score
+from grpo_core.config.run import RewardSpec, RunConfig
+from grpo_core.store.root import RunRoot, config_hash
+from grpo_core.data.synthetic import CharTokenizer
 from tests.hf_models import save_tokenizer
 
 TOK = CharTokenizer()
@@ -32,7 +32,7 @@ def offline(monkeypatch, tmp_path):
 def hf_tok(tmp_path_factory):
     """A character-level HF tokenizer with a Qwen-style chat template (tests/hf_models.py),
     in the wrapper a run uses for model.tokenizer."""
-    from grpo_core.sources import HFTokenizer
+    from grpo_core.store.sources import HFTokenizer
 
     folder = tmp_path_factory.mktemp("tok")
     save_tokenizer(folder)

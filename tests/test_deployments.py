@@ -16,7 +16,7 @@ from base64 import b64encode
 
 import pytest
 
-from grpo_core.storage import RunRoot
+from grpo_core.store.root import RunRoot
 
 pytestmark = pytest.mark.slow
 

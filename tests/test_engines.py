@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_core.config import ConfigError, DType, RolloutConfig, TrainConfig
+from grpo_core.config.train import ConfigError, DType, RolloutConfig, TrainConfig
 from grpo_core.engines import (RolloutError, RolloutTimeout, finish_rows, make_engine, prompt_lists, row_seeds,
                                wait_for)
 from grpo_core.engines.http import OwnedServer, request_json
 from grpo_core.engines.sglang import make_converter, plan_sync, sampling_params, source_of
-from grpo_core.presets import get_preset
-from grpo_core.readiness import _engine_check
-from grpo_core.run_config import RunConfig
-from grpo_core.sampler import SamplerOptions, generate, pad_prompts, step_key
+from grpo_core.config.presets import get_preset
+from grpo_core.stages.readiness import _engine_check
+from grpo_core.config.run import RunConfig
+from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key
 
 
 def test_finish_rows_keeps_the_stop_token_and_flags_truncation():
@@ -53,7 +53,7 @@ def test_prompts_and_seeds_per_row():
 def test_jax_engine_is_the_sampler():
     from flax import nnx
 
-    from grpo_core.model import create_model
+    from grpo_core.nn.model import create_model
 
     cfg = get_preset("tiny", vocab_size=40)
     graphdef, params = nnx.split(create_model(cfg, 0))

@@ -2,9 +2,9 @@ import copy
 
 import pytest
 
-from grpo_core.evaluation import evaluate, pass_at_k
-from grpo_core.recipes import SYNTHETIC_DEFAULT, build_synthetic
-from grpo_core.rewards import Reward
+from grpo_core.rl.evaluation import evaluate, pass_at_k
+from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+from grpo_core.rewards.functions import Reward
 from flax import nnx
 
 

@@ -12,9 +12,9 @@ transformers = pytest.importorskip("transformers")
 
 from flax import nnx  # noqa: E402
 
-from grpo_core.config import ConfigError, SamplingConfig  # noqa: E402
-from grpo_core.hf import load_hf_model  # noqa: E402
-from grpo_core.sampler import SamplerOptions, generate, pad_prompts, step_key  # noqa: E402
+from grpo_core.config.train import ConfigError, SamplingConfig  # noqa: E402
+from grpo_core.nn.hf import load_hf_model  # noqa: E402
+from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key  # noqa: E402
 
 V = 96
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -88,7 +88,7 @@ def test_unknown_architecture_and_wrong_shapes_name_the_cause(tmp_path):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_export_round_trip_loads_in_transformers(tmp_path, arch):
-    from grpo_core.hf import save_hf_model
+    from grpo_core.nn.hf import save_hf_model
 
     hf, folder = build(tmp_path, arch)
     out = save_hf_model(load_hf_model(folder), str(tmp_path / "export"))
@@ -99,9 +99,9 @@ def test_export_round_trip_loads_in_transformers(tmp_path, arch):
 
 
 def test_export_of_a_preset_model(tmp_path):
-    from grpo_core.hf import save_hf_model
-    from grpo_core.model import create_model
-    from grpo_core.presets import get_preset
+    from grpo_core.nn.hf import save_hf_model
+    from grpo_core.nn.model import create_model
+    from grpo_core.config.presets import get_preset
 
     ours = create_model(get_preset("tiny", vocab_size=V), 3)
     back = transformers.AutoModelForCausalLM.from_pretrained(save_hf_model(ours, str(tmp_path / "tiny"))).eval()

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from grpo_core.storage import RunRoot  # noqa: E402
+from grpo_core.store.root import RunRoot  # noqa: E402
 from tests.hf_models import build_hf_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -46,7 +46,7 @@ def hf_config(tmp_path, folder, **model):
 
 def test_pipeline_trains_and_exports_a_hugging_face_model(tmp_path):
     from flows.pipeline import grpo_pipeline
-    from grpo_core.hf import load_hf_model
+    from grpo_core.nn.hf import load_hf_model
 
     folder = tmp_path / "tiny-qwen3"
     _, tok = build_hf_model(folder, "qwen3")

@@ -1,4 +1,4 @@
-"""Chunked log-probs and entropy (grpo_core.logprobs) equal the plain log-softmax formula in
+"""Chunked log-probs and entropy (grpo_core.rl.logprobs) equal the plain log-softmax formula in
 value and gradient, on raw tensors and through whole models (tied and untied heads, T != 1,
 LoRA); every remat policy gives the same update; and no value of the learner's program is as
 large as one (rows, tokens, vocab) logits tensor."""
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core import lora
-from grpo_core.config import GRPOConfig, OptimizerConfig, RematPolicy
-from grpo_core.learner import Learner, LossParams, completion_logprobs
-from grpo_core.logprobs import num_chunks, token_logprobs
-from grpo_core.model import create_model
-from grpo_core.presets import get_preset
+from grpo_core.nn import lora
+from grpo_core.config.train import GRPOConfig, OptimizerConfig, RematPolicy
+from grpo_core.rl.learner import Learner, LossParams, completion_logprobs
+from grpo_core.rl.logprobs import num_chunks, token_logprobs
+from grpo_core.nn.model import create_model
+from grpo_core.config.presets import get_preset
 
 
 def plain(h, w, targets, temperature, vocab_major):

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core import lora
-from grpo_core.checkpoint import Checkpointer
-from grpo_core.config import ConfigError
-from grpo_core.model import create_model
-from grpo_core.presets import get_preset
-from grpo_core.recipes import SYNTHETIC_DEFAULT, build_synthetic
-from grpo_core.run_config import RunConfig, load_config
-from grpo_core.trainer import GRPOTrainer
+from grpo_core.nn import lora
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.config.train import ConfigError
+from grpo_core.nn.model import create_model
+from grpo_core.config.presets import get_preset
+from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+from grpo_core.config.run import RunConfig, load_config
+from grpo_core.rl.trainer import GRPOTrainer
 
 QV = ".*(q_proj|v_proj).*"
 
@@ -192,10 +192,12 @@ def test_lora_run_evaluates_and_exports_a_merged_model_transformers_loads(tmp_pa
     from its adapter-only checkpoint; transformers loads the export with the merged policy's logits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from grpo_core import worker
-    from grpo_core.data import prepare_dataset
-    from grpo_core.hf import load_hf_model
-    from grpo_core.run import init_run_root, make_tokenizer, open_run
+    from grpo_core.stages import worker
+    from grpo_core.data.prepare import prepare_dataset
+    from grpo_core.nn.hf import load_hf_model
+    from grpo_core.stages.parts import open_run
+    from grpo_core.store.runs import init_run_root
+    from grpo_core.data.tokenizer import make_tokenizer
     from tests.hf_models import build_hf_model
 
     folder = tmp_path / "tiny-qwen3"
@@ -237,9 +239,9 @@ def test_lora_run_evaluates_and_exports_a_merged_model_transformers_loads(tmp_pa
 
 
 def test_memory_plan_counts_adapters_not_a_second_model():
-    from grpo_core import memory
-    from grpo_core.config import TrainConfig
-    from grpo_core.readiness import parse_request
+    from grpo_core.config import memory
+    from grpo_core.config.train import TrainConfig
+    from grpo_core.stages.readiness import parse_request
 
     mc = get_preset("qwen3-0.6b")
     cfg = lora.LoraConfig(rank=8, target_modules=QV)
@@ -267,9 +269,9 @@ def test_pipeline_with_lora_resumes_and_exports_merged(tmp_path, monkeypatch):
     reference copy, and the export is the merged policy, as transformers computes it."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from grpo_core.run import open_run
-    from grpo_core.storage import RunRoot
-    from grpo_core.worker import _policy_params
+    from grpo_core.stages.parts import open_run
+    from grpo_core.store.root import RunRoot
+    from grpo_core.stages.worker import _policy_params
     from tests.test_pipeline import NUM_STEPS, run_pipeline, small_config
 
     monkeypatch.setenv("GRPO_FAULT", f"step:5:{tmp_path}/fault")

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_core import math_rewards as mr
-from grpo_core.math_rewards import extract_answer, integer_answer, is_correct, math_answer, think_format
-from grpo_core.run import builtin_rewards, make_rewards
-from grpo_core.run_config import RewardSpec
+from grpo_core.rewards import math_answer as mr
+from grpo_core.rewards.math_answer import extract_answer, integer_answer, is_correct, math_answer, think_format
+from grpo_core.rewards.registry import builtin_rewards, make_rewards
+from grpo_core.config.run import RewardSpec
 
 
 @pytest.mark.parametrize("completion, answer", [

@@ -1,4 +1,4 @@
-"""The memory plan (grpo_core.memory): the estimate against XLA's own buffer assignment of the
+"""The memory plan (grpo_core.config.memory): the estimate against XLA's own buffer assignment of the
 learner's compiled step, and against the measured peak RSS of real training processes; auto
 choices of remat and accumulation; the lever named when nothing fits."""
 
@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from grpo_core import memory
-from grpo_core.config import GRPOConfig, OptimizerConfig, RematPolicy, SamplingConfig, TrainConfig
-from grpo_core.learner import Learner, LossParams
-from grpo_core.model import create_model
-from grpo_core.presets import get_preset
+from grpo_core.config import memory
+from grpo_core.config.train import GRPOConfig, OptimizerConfig, RematPolicy, SamplingConfig, TrainConfig
+from grpo_core.rl.learner import Learner, LossParams
+from grpo_core.nn.model import create_model
+from grpo_core.config.presets import get_preset
 
 GiB = 2**30
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.config import ConfigError, ModelConfig
-from grpo_core.model import apply_rope, create_model, rope_inv_freq
-from grpo_core.presets import PRESETS, get_preset
+from grpo_core.config.train import ConfigError, ModelConfig
+from grpo_core.nn.model import apply_rope, create_model, rope_inv_freq
+from grpo_core.config.presets import PRESETS, get_preset
 
 TINY = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=48)

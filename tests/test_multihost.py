@@ -1,5 +1,5 @@
 """Multi-host JAX on one machine: N worker processes on 127.0.0.1 with CPU devices and gloo
-collectives (grpo_core.launch kind multiprocess), as a TPU pod runs one per host. And the
+collectives (grpo_core.launch.launchers kind multiprocess), as a TPU pod runs one per host. And the
 launchers that cannot run here (Ray, TPU VMs): the exact commands they build."""
 
 import json
@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_core import distributed
-from grpo_core.checkpoint import Checkpointer
-from grpo_core.launch import LauncherConfig, plan, start
-from grpo_core.storage import RunRoot
+from grpo_core.launch import cluster as distributed
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.launch.launchers import LauncherConfig, plan, start
+from grpo_core.store.root import RunRoot
 from tasks.process import StageError, run_worker
 from tests.test_worker import make_run
 
@@ -24,7 +24,7 @@ TWO = LauncherConfig(kind="multiprocess", num_processes=2, init_timeout_s=60, he
 
 
 def _train(root: str, until: int, launcher=TWO, **kw):
-    return run_worker(["grpo_core.worker", "train", "--root", root, "--until-step", str(until)], timeout_s=240,
+    return run_worker(["grpo_core.stages.worker", "train", "--root", root, "--until-step", str(until)], timeout_s=240,
                       what="training", launcher=launcher, **kw)
 
 
@@ -39,7 +39,7 @@ def _params(root: str, step: int):
 def test_two_processes_train_checkpoint_are_killed_and_resume(tmp_path):
     # Uninterrupted, both processes' output read here: process 0 reports, process 1 prints no event.
     straight = make_run(str(tmp_path), "straight")
-    launched = start(TWO, ["grpo_core.worker", "train", "--root", straight, "--until-step", "6"])
+    launched = start(TWO, ["grpo_core.stages.worker", "train", "--root", straight, "--until-step", "6"])
     with ThreadPoolExecutor(2) as pool:
         outs = list(pool.map(lambda p: p.communicate(timeout=240), launched.procs))
     assert [p.returncode for p in launched.procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
@@ -75,7 +75,7 @@ def test_two_processes_train_checkpoint_are_killed_and_resume(tmp_path):
 
 _AGREE = """
 import json, os
-from grpo_core import distributed
+from grpo_core.launch import cluster as distributed
 distributed.initialize(distributed.from_env())
 i = distributed.process_index()
 print(json.dumps({"event": "agree", "process": i,
@@ -114,7 +114,7 @@ def test_distributed_environment():
 
 
 def test_launch_plans():
-    args = ["grpo_core.worker", "train", "--root", "gs://b/runs/r1", "--until-step", "10"]
+    args = ["grpo_core.stages.worker", "train", "--root", "gs://b/runs/r1", "--until-step", "10"]
     [local], stop = plan(LauncherConfig(), args, python="/py")
     assert local.argv == ["/py", "-m", *args] and local.env == {} and stop is None
 
@@ -127,7 +127,7 @@ def test_launch_plans():
 
     [driver], _ = plan(LauncherConfig(kind="ray", address="ray://head:10001", num_processes=4,
                                       resources_per_host={"TPU": 4}), args, env={"A": "1"}, python="/py")
-    assert driver.argv == ["/py", "-m", "grpo_core.launch", "ray", "--address", "ray://head:10001", "--hosts", "4",
+    assert driver.argv == ["/py", "-m", "grpo_core.launch.launchers", "ray", "--address", "ray://head:10001", "--hosts", "4",
                            "--port", "8476", "--strategy", "STRICT_SPREAD", "--resources", '{"TPU": 4}', "--env",
                            '{"A": "1", "GRPO_HEARTBEAT_TIMEOUT_S": "100", "GRPO_INIT_TIMEOUT_S": "300"}', "--", *args]
 
@@ -137,7 +137,7 @@ def test_launch_plans():
             "--worker=all"]
     assert ssh.argv == [*head, "--command=cd ~/grpo-pipeline && echo $$ > /tmp/grpo-worker-t0k.pid && exec env "
                         "GRPO_DISTRIBUTED=auto GRPO_FAULT='a b' GRPO_HEARTBEAT_TIMEOUT_S=100 GRPO_INIT_TIMEOUT_S=300 "
-                        ".venv/bin/python -m grpo_core.worker train --root gs://b/runs/r1 --until-step 10"]
+                        ".venv/bin/python -m grpo_core.stages.worker train --root gs://b/runs/r1 --until-step 10"]
     assert stop == [*head, "--command=kill -TERM $(cat /tmp/grpo-worker-t0k.pid 2>/dev/null) 2>/dev/null; "
                     "rm -f /tmp/grpo-worker-t0k.pid; true"]
     remote = ssh.argv[-1].split("=", 1)[1]
@@ -146,7 +146,7 @@ def test_launch_plans():
 
 @pytest.mark.slow
 def test_readiness_runs_on_every_process_and_compares_what_each_reads(tmp_path):
-    from grpo_core.run_config import RunConfig
+    from grpo_core.config.run import RunConfig
     from tasks.stages import readiness_report
 
     launcher = {"kind": "multiprocess", "num_processes": 2, "init_timeout_s": 60}
@@ -161,7 +161,7 @@ def test_readiness_runs_on_every_process_and_compares_what_each_reads(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the task's preexec_fn; no JAX in a Ray task's process
 def test_ray_host_task_runs_the_worker_and_relays_process_0():
-    from grpo_core.launch import _host_task
+    from grpo_core.launch.launchers import _host_task
 
     class Lines(list):
         put = list.append

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_core.checkpoint import Checkpointer
-from grpo_core.storage import RunRoot
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.store.root import RunRoot
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 
@@ -81,9 +81,9 @@ def test_export_loads_in_transformers_with_the_trained_logits(baseline):
     transformers = pytest.importorskip("transformers")
     from flax import nnx
 
-    from grpo_core.run import open_run
-    from grpo_core.run_config import RunConfig
-    from grpo_core.worker import _policy_params
+    from grpo_core.stages.parts import open_run
+    from grpo_core.config.run import RunConfig
+    from grpo_core.stages.worker import _policy_params
 
     root, _ = baseline
     run = RunRoot(f"{root}/baseline")

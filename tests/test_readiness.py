@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from grpo_core.config import TrainConfig
-from grpo_core.presets import get_preset
-from grpo_core.readiness import tpu_generation
+from grpo_core.config.train import TrainConfig
+from grpo_core.config.presets import get_preset
+from grpo_core.stages.readiness import tpu_generation
 
 
 @pytest.mark.parametrize("kind, gen", [("TPU v3", 3), ("TPU v4", 4), ("TPU v5 lite", 5), ("TPU v5e", 5),
@@ -20,7 +20,7 @@ def test_tpu_generation(kind, gen):
 
 
 def test_memory_plan_pinned():
-    from grpo_core import memory
+    from grpo_core.config import memory
 
     m = get_preset("tiny", vocab_size=50)
     n = m.num_params()
@@ -43,7 +43,7 @@ def run_readiness(tmp_path, **overrides):
            "rollout_engine": "jax", "config_hash": "abc", "lockfile": str(tmp_path / "libtpu_lockfile"), **overrides}
     path = tmp_path / "req.json"
     path.write_text(json.dumps(req))
-    proc = subprocess.run([sys.executable, "-m", "grpo_core.readiness", "--request", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "grpo_core.stages.readiness", "--request", str(path)],
                           capture_output=True, text=True, timeout=120)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     return proc.returncode, report, {c["name"]: c for c in report["checks"]}

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from grpo_core.rewards import Reward, RewardFunctionError, load_reward, score
+from grpo_core.rewards.functions import Reward, RewardFunctionError, load_reward, score
 
 PROMPTS = ["p0", "p1", "p2", "p3"]
 COMPLETIONS = ["a", "bb", "ccc", "dddd"]
@@ -68,7 +68,7 @@ def test_load_reward_from_file_and_module(tmp_path):
                  "def wrong(x):\n    return []\n")
     fn = load_reward(f"{f}:short")
     assert fn(["p"], ["ab"]) == [0.5]
-    assert load_reward("grpo_core.synthetic:exact_match")(["p"], ["ab"], answer=["ab"]) == [1.0]
+    assert load_reward("grpo_core.data.synthetic:exact_match")(["p"], ["ab"], answer=["ab"]) == [1.0]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_reward(f"{tmp_path}/nope.py:short")
     with pytest.raises(AttributeError, match="has no function 'missing'"):
@@ -113,14 +113,14 @@ NOT_A_FUNCTION = 3
     ("{p}/imports.py:f", "fails to import: ModuleNotFoundError: No module named 'no_such_dependency_xyz' (line 1)"),
     ("no_such_module_xyz.rewards:f", "rewards[0].function: reward module 'no_such_module_xyz.rewards' (from "
                                      "'no_such_module_xyz.rewards:f') is not installed or not on sys.path"),
-    ("grpo_core.synthetic:nope", "reward 'grpo_core.synthetic:nope': grpo_core.synthetic has no function 'nope'"),
+    ("grpo_core.data.synthetic:nope", "reward 'grpo_core.data.synthetic:nope': grpo_core.data.synthetic has no function 'nope'"),
     ("{p}/r.py:", "must look like 'path/to/file.py:function' or 'module:function'"),
     ("nothing_like_a_spec", "rewards[0].function 'nothing_like_a_spec' is not a built-in reward"),
 ])
 def test_reward_loading_errors_name_the_field_and_the_problem(tmp_path, spec, message):
-    from grpo_core.config import ConfigError
-    from grpo_core.run import make_rewards
-    from grpo_core.run_config import RewardSpec
+    from grpo_core.config.train import ConfigError
+    from grpo_core.rewards.registry import make_rewards
+    from grpo_core.config.run import RewardSpec
 
     (tmp_path / "r.py").write_text(REWARD_FILE)
     (tmp_path / "syntax.py").write_text("def f(prompts, completions, **kw):\n    return [1.0 for c in completions\n")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from grpo_core.config import ConfigError
-from grpo_core.run_config import DEFAULT, RunConfig, load_config
+from grpo_core.config.train import ConfigError
+from grpo_core.config.run import DEFAULT, RunConfig, load_config
 
 
 def test_defaults_and_run_placement(tmp_path):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.config import ConfigError, ModelConfig
-from grpo_core.learner import completion_logprobs
-from grpo_core.model import create_model
-from grpo_core.sampler import SamplerOptions, bucket_length, generate, pad_prompts, sample_logits, step_key
+from grpo_core.config.train import ConfigError, ModelConfig
+from grpo_core.rl.learner import completion_logprobs
+from grpo_core.nn.model import create_model
+from grpo_core.rl.sampler import SamplerOptions, bucket_length, generate, pad_prompts, sample_logits, step_key
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=48, qk_norm=True)
@@ -95,7 +95,7 @@ def test_buckets_pad_left_to_the_smallest_fit():
 
 
 def test_one_compile_per_bucket(model):
-    from grpo_core import sampler
+    from grpo_core.rl import sampler
     graphdef, params = nnx.split(model)
     key = jax.random.key(0)
     before = sampler.decode._cache_size()

@@ -41,9 +41,10 @@ def test_engine_matches_the_sampler_and_weight_syncs_change_outputs(tmp_path):
 def test_train_worker_runs_in_the_sglang_environment(tmp_path):
     """The pipeline's path: readiness and the training worker in the sglang-jax interpreter,
     a checkpoint, then a resumed worker whose engine is synced to the restored weights."""
-    from grpo_core.data import prepare_dataset
-    from grpo_core.run import init_run_root, make_tokenizer
-    from grpo_core.run_config import RunConfig
+    from grpo_core.data.prepare import prepare_dataset
+    from grpo_core.data.tokenizer import make_tokenizer
+    from grpo_core.store.runs import init_run_root
+    from grpo_core.config.run import RunConfig
     from tasks.process import run_worker
     from tasks.stages import readiness_report, worker_python
 
@@ -62,7 +63,7 @@ def test_train_worker_runs_in_the_sglang_environment(tmp_path):
     assert checks["rollout_engine"]["ok"] and "in process on CPU" in checks["rollout_engine"]["detail"]
 
     def train(until):
-        return run_worker(["grpo_core.worker", "train", "--root", cfg.run_url, "--until-step", str(until)],
+        return run_worker(["grpo_core.stages.worker", "train", "--root", cfg.run_url, "--until-step", str(until)],
                           timeout_s=600, on_event=lambda e: None, what="sglang training", env={"JAX_PLATFORMS": "cpu"},
                           python=worker_python(cfg))
 
@@ -78,9 +79,9 @@ def test_http_engine_trains_against_a_sglang_jax_server():
     and restarts on each exported policy; after training it serves the learner's weights."""
     import copy
 
-    from grpo_core.recipes import SYNTHETIC_DEFAULT, build_synthetic
-    from grpo_core.sampler import SamplerOptions, generate, pad_prompts, step_key
-    from grpo_core.trainer import GRPOTrainer
+    from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+    from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key
+    from grpo_core.rl.trainer import GRPOTrainer
 
     cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
     cfg["model"].update(num_attention_heads=2, num_key_value_heads=1, head_dim=128)

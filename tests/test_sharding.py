@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from grpo_core.config import ConfigError, MeshConfig, TrainConfig
-from grpo_core.mesh import fit
-from grpo_core.model import KV_CACHE_AXES, partition_axes
+from grpo_core.config.train import ConfigError, MeshConfig, TrainConfig
+from grpo_core.runtime.mesh import fit
+from grpo_core.nn.model import KV_CACHE_AXES, partition_axes
 
 STEPS = 3
 
@@ -60,9 +60,9 @@ def test_layout_rules():
 
 
 def test_readiness_counts_memory_per_device_and_checks_the_mesh():
-    from grpo_core import memory
-    from grpo_core.presets import get_preset
-    from grpo_core.readiness import _mesh_check
+    from grpo_core.config import memory
+    from grpo_core.config.presets import get_preset
+    from grpo_core.stages.readiness import _mesh_check
 
     m, train = get_preset("qwen3-0.6b"), TrainConfig.from_dict({"mesh": {"data": 2, "fsdp": -1, "tensor": 2}})
     facts = {"backend": "tpu", "available": None, "runtime": 0}
@@ -85,9 +85,9 @@ def child(mesh: dict | None, out: str, lora: bool = False) -> None:
     import jax
     from flax import nnx
 
-    from grpo_core.recipes import SYNTHETIC_DEFAULT, build_synthetic
-    from grpo_core.sampler import prefill, step_key
-    from grpo_core.trainer import GRPOTrainer
+    from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+    from grpo_core.rl.sampler import prefill, step_key
+    from grpo_core.rl.trainer import GRPOTrainer
 
     cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
     cfg["train"].update(num_steps=STEPS, mesh=mesh or {})
@@ -118,7 +118,7 @@ def child(mesh: dict | None, out: str, lora: bool = False) -> None:
               "q_proj_shard": list(tr.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]
                                    .addressable_shards[0].data.shape)}
     if mesh and not lora:  # resume on another layout of the same devices: Orbax reads onto the new shardings
-        from grpo_core.checkpoint import Checkpointer
+        from grpo_core.rl.checkpoint import Checkpointer
 
         cfg["train"]["mesh"] = {"data": 1, "fsdp": 8, "tensor": 1}
         fresh = build_synthetic(cfg)  # a new model: a trainer consumes (donates) the arrays of the one it is given
@@ -202,8 +202,8 @@ def load_child(folder: str, out: str) -> None:
     import jax
     from flax import nnx
 
-    from grpo_core.hf import load_hf_model
-    from grpo_core.mesh import Placement
+    from grpo_core.nn.hf import load_hf_model
+    from grpo_core.runtime.mesh import Placement
 
     pl = Placement.from_config(MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = dict(nnx.to_flat_state(nnx.state(load_hf_model(folder, placement=pl))))
@@ -224,9 +224,9 @@ def load_child(folder: str, out: str) -> None:
 def test_checkpoint_loads_straight_onto_the_mesh(tmp_path):
     """model.path weights go to their shards as they are read (no whole copy on one device),
     and equal what an unsharded load gives."""
-    from grpo_core.hf import save_hf_model
-    from grpo_core.model import create_model
-    from grpo_core.presets import get_preset
+    from grpo_core.nn.hf import save_hf_model
+    from grpo_core.nn.model import create_model
+    from grpo_core.config.presets import get_preset
 
     folder, out = str(tmp_path / "model"), str(tmp_path / "load.json")
     save_hf_model(create_model(get_preset("tiny", vocab_size=64), 0), folder)

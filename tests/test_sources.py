@@ -15,11 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from grpo_core.config import ConfigError  # noqa: E402
-from grpo_core.hf import load_hf_model  # noqa: E402
-from grpo_core.run_config import RunConfig  # noqa: E402
-from grpo_core.sources import HFTokenizer, read_config, resolve  # noqa: E402
-from grpo_core.storage import RunRoot  # noqa: E402
+from grpo_core.config.train import ConfigError  # noqa: E402
+from grpo_core.nn.hf import load_hf_model  # noqa: E402
+from grpo_core.config.run import RunConfig  # noqa: E402
+from grpo_core.store.sources import HFTokenizer, read_config, resolve  # noqa: E402
+from grpo_core.store.root import RunRoot  # noqa: E402
 from tests.hf_models import build_hf_model  # noqa: E402
 
 
@@ -129,8 +129,8 @@ def test_hub_id_resolves_through_snapshot_download_offline(qwen, tmp_path):
     folder, _, _ = qwen
     snap = _hub_cache(tmp_path / "hub", "acme/tiny-qwen3", folder)
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
-    code = ("import json, sys; from grpo_core.sources import resolve, read_config, load_tokenizer\n"
-            "from grpo_core.config import ConfigError\nfrom grpo_core.storage import StorageError\n"
+    code = ("import json, sys; from grpo_core.store.sources import resolve, read_config, load_tokenizer\n"
+            "from grpo_core.config.train import ConfigError\nfrom grpo_core.store.root import StorageError\n"
             "out = {'folder': resolve('acme/tiny-qwen3'), 'layers': read_config('acme/tiny-qwen3')['num_hidden_layers'],"
             " 'stops': load_tokenizer('acme/tiny-qwen3').stop_ids}\n"
             "try:\n    resolve('acme/absent')\nexcept StorageError as e:\n    out['absent'] = str(e)\n"

@@ -3,7 +3,7 @@ import uuid
 
 import pytest
 
-from grpo_core.storage import RunRoot, StorageError, config_hash
+from grpo_core.store.root import RunRoot, StorageError, config_hash
 
 
 @pytest.fixture(params=["local", "memory"])

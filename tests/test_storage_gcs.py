@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_core.checkpoint import Checkpointer
-from grpo_core.storage import RunRoot
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.store.root import RunRoot
 
 
 @pytest.fixture
@@ -101,8 +101,8 @@ def test_child_process_restores_what_this_one_saved(gs_root):
     gs_root.mark_done("checkpoints/5", {"step": 5})
     code = f"""
 import json, numpy as np
-from grpo_core.checkpoint import Checkpointer
-from grpo_core.storage import RunRoot
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.store.root import RunRoot
 with Checkpointer({url!r}) as c:
     step = c.latest_step()
     state, meta = c.restore(step)

@@ -101,7 +101,7 @@ def test_a_worker_the_kernel_kills_for_memory_is_reported_as_such_and_not_retrie
     seen = []
     try:
         with pytest.raises(StageError, match="ran out of memory: the kernel killed it") as err:
-            run_worker(["grpo_core.worker", "train", "--root", run, "--until-step", "2"], timeout_s=300,
+            run_worker(["grpo_core.stages.worker", "train", "--root", run, "--until-step", "2"], timeout_s=300,
                        on_event=seen.append, what="training epoch 0", python=python)
     finally:
         os.rmdir(group)  # empty again: its only process was killed
@@ -113,7 +113,7 @@ def test_a_worker_the_kernel_kills_for_memory_is_reported_as_such_and_not_retrie
 
 
 def test_out_of_memory_errors_are_recognised():
-    from grpo_core.memory import is_out_of_memory
+    from grpo_core.config.memory import is_out_of_memory
 
     assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 21.5GiB"))
     assert is_out_of_memory(MemoryError())

@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_core.config import GRPOConfig, LossAggregation, OptimizerConfig
-from grpo_core.learner import Learner, LossParams
-from grpo_core.recipes import SYNTHETIC_DEFAULT, build_synthetic
-from grpo_core.rewards import Reward
-from grpo_core.trainer import GRPOTrainer, NonFiniteError
+from grpo_core.config.train import GRPOConfig, LossAggregation, OptimizerConfig
+from grpo_core.rl.learner import Learner, LossParams
+from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+from grpo_core.rewards.functions import Reward
+from grpo_core.rl.trainer import GRPOTrainer, NonFiniteError
 
 
 def make(steps=3, rewards=None, **train):

@@ -10,11 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_core.checkpoint import Checkpointer
-from grpo_core.data import prepare_dataset
-from grpo_core.run import init_run_root, make_tokenizer
-from grpo_core.run_config import RunConfig
-from grpo_core.storage import RunRoot
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.data.prepare import prepare_dataset
+from grpo_core.data.tokenizer import make_tokenizer
+from grpo_core.store.runs import init_run_root
+from grpo_core.config.run import RunConfig
+from grpo_core.store.root import RunRoot
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,7 @@ def make_run(root: str, name: str, **extra) -> str:
 
 def worker(root, until=None, steps=None):
     args = ["train", "--until-step", str(until)] if steps is None else ["eval", "--steps", steps]
-    return subprocess.Popen([sys.executable, "-m", "grpo_core.worker", *args, "--root", root],
+    return subprocess.Popen([sys.executable, "-m", "grpo_core.stages.worker", *args, "--root", root],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

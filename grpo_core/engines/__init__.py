@@ -5,7 +5,7 @@
     engine.sync(params, step)  # after each optimizer step: the engine serves the new policy
     engine.close()
 
-- `jax` (JaxEngine, the default): grpo_core.sampler in the learner's own process and devices;
+- `jax` (JaxEngine, the default): grpo_core.rl.sampler in the learner's own process and devices;
   works on any backend and on multi-host slices.
 - `sglang` (SglangEngine): sglang-jax in the same process, single host. Its model is built
   from the policy's config with dummy weights; every sync assigns the policy's weights to the
@@ -176,8 +176,8 @@ def make_engine(cfg, *, graphdef, params_fn: Callable[[], Any], model_config, op
                 tokenizer=None, seed: int = 0, placement=None) -> RolloutEngine:
     """The engine `cfg` (a RolloutConfig) names. params_fn returns the policy's current params
     (the built-in engine reads them at each call; the others are sent them by `sync`).
-    `placement` (grpo_core.mesh): the built-in engine's rollout mesh."""
-    from grpo_core.config import RolloutEngineKind
+    `placement` (grpo_core.runtime.mesh): the built-in engine's rollout mesh."""
+    from grpo_core.config.train import RolloutEngineKind
 
     if cfg.engine is RolloutEngineKind.JAX:
         from grpo_core.engines.jax_engine import JaxEngine

@@ -182,7 +182,7 @@ class HttpEngine:
         import jax
         from flax import nnx
 
-        from grpo_core.model import CausalLM
+        from grpo_core.nn.model import CausalLM
 
         self.cfg, self.opts, self.batch_size, self.tokenizer = cfg, opts, batch_size, tokenizer
         self.model_config = model_config
@@ -215,7 +215,7 @@ class HttpEngine:
     def _export(self, params, step: int) -> str:
         from flax import nnx
 
-        from grpo_core.hf import save_hf_model
+        from grpo_core.nn.hf import save_hf_model
 
         folder = os.path.join(self.export_root, f"step-{step}")
         shutil.rmtree(folder, ignore_errors=True)

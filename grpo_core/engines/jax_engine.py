@@ -1,9 +1,9 @@
-"""The built-in engine: grpo_core.sampler on the learner's own parameters and devices.
+"""The built-in engine: grpo_core.rl.sampler on the learner's own parameters and devices.
 
 Nothing to sync: each call reads the current parameters through `params_fn`, so the compiled
 prefill/decode programs see every update (and no second copy of the weights exists). This is
 the engine that works on multi-host slices: every host runs the same compiled program on the
-same host arrays. With a `placement` (grpo_core.mesh) the prompts and the KV cache are laid
+same host arrays. With a `placement` (grpo_core.runtime.mesh) the prompts and the KV cache are laid
 out over the rollout mesh, the weights too where that mesh is not the learner's, and the
 completions come back whole to every process.
 """
@@ -11,8 +11,8 @@ completions come back whole to every process.
 from __future__ import annotations
 
 from grpo_core.engines import Generation
-from grpo_core.mesh import to_host
-from grpo_core.sampler import SamplerOptions, compile_jobs, generate
+from grpo_core.runtime.mesh import to_host
+from grpo_core.rl.sampler import SamplerOptions, compile_jobs, generate
 
 
 class JaxEngine:

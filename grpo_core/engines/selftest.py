@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def policy_config(**overrides):
-    from grpo_core.config import ModelConfig
+    from grpo_core.config.train import ModelConfig
 
     fields = dict(vocab_size=64, hidden_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=128, intermediate_size=512, tie_word_embeddings=False, qk_norm=True,
@@ -47,14 +47,14 @@ def peaked_policy(cfg, seed: int):
     import jax
     from flax import nnx
 
-    from grpo_core.model import create_model
+    from grpo_core.nn.model import create_model
 
     graphdef, params = nnx.split(create_model(cfg, seed))
     return graphdef, jax.tree.map(lambda p: p * 6.0 if p.ndim >= 2 else p, params)
 
 
 def _prompts(cfg, pad_id: int):
-    from grpo_core.sampler import pad_prompts
+    from grpo_core.rl.sampler import pad_prompts
 
     rows = [[5, 9, 11, 3], [17, 4], [30, 31, 32, 33, 34, 35]]
     return pad_prompts(rows, (8,), pad_id)
@@ -70,10 +70,10 @@ def parity(report: dict, max_new_tokens: int = 12) -> None:
     import jax
     import numpy as np
 
-    from grpo_core.config import RolloutConfig
+    from grpo_core.config.train import RolloutConfig
     from grpo_core.engines.sglang import SglangEngine
-    from grpo_core.learner import score_completions
-    from grpo_core.sampler import SamplerOptions, generate, step_key
+    from grpo_core.rl.learner import score_completions
+    from grpo_core.rl.sampler import SamplerOptions, generate, step_key
 
     cfg = policy_config()
     graphdef, params_a = peaked_policy(cfg, 0)
@@ -135,7 +135,7 @@ def parity(report: dict, max_new_tokens: int = 12) -> None:
         ref_l = jax.device_get(generate(lgd, lparams, ptok, pval, step_key(0, 0), greedy, g).tokens)
         from flax import nnx
 
-        from grpo_core import lora
+        from grpo_core.nn import lora
 
         merged = nnx.state(lora.merge(nnx.merge(lgd, lparams)), nnx.Param)
         got_l = theirs(merged)
@@ -149,7 +149,7 @@ def lora_policy(graphdef, params):
     import jax
     from flax import nnx
 
-    from grpo_core import lora
+    from grpo_core.nn import lora
 
     model = lora.apply(nnx.merge(graphdef, params), lora.LoraConfig(rank=4, alpha=8.0))
     adapters = nnx.state(model, nnx.LoRAParam)
@@ -162,8 +162,8 @@ def train(report: dict, steps: int) -> None:
     """A few GRPO steps of the synthetic task with the sglang engine (head_dim 128 policy)."""
     import copy
 
-    from grpo_core.recipes import SYNTHETIC_DEFAULT, build_synthetic
-    from grpo_core.trainer import GRPOTrainer
+    from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+    from grpo_core.rl.trainer import GRPOTrainer
 
     cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
     cfg["model"].update(num_attention_heads=2, num_key_value_heads=1, head_dim=128)

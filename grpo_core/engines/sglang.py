@@ -154,7 +154,7 @@ def sampling_params(opts, rows: int, seeds: np.ndarray | None) -> list[dict[str,
 
 def write_model_folder(model_config, dtype: str) -> str:
     """A folder holding only config.json: enough for sglang-jax to build the model with dummy weights."""
-    from grpo_core.hf import hf_config
+    from grpo_core.nn.hf import hf_config
 
     folder = tempfile.mkdtemp(prefix="grpo-sglang-model-")
     cfg = dict(hf_config(model_config), torch_dtype=dtype, dtype=dtype)

@@ -1,0 +1,132 @@
+"""Dataset shapes people bring, turned into rows of one kind: a prompt (text or chat messages)
+and, for math data, a `ground_truth` column the built-in math rewards compare with.
+
+    plain  the prompt column (or data.template) as it is
+    gsm8k  `question`, and `answer` = a worked solution ending in '#### 42' (openai/gsm8k):
+           ground_truth '42'; the solution stays in `answer`
+    verl   verl's RL parquet: `prompt` = a list of {role, content} messages, the reference in
+           `ground_truth` or `reward_model.ground_truth`; data_source, extra_info, ... stay columns
+    auto   gsm8k or verl when the first row looks like one, else plain
+
+Helpers here raise ValueError with what is wrong in the row; grpo_core.data.prepare adds the file and
+the row number. Messages (a list of {role, content}) go through the tokenizer's chat template
+in every format. Prepared rows all carry the same columns (same_columns).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from typing import Any
+
+
+class DataFormat(enum.Enum):
+    AUTO = "auto"
+    PLAIN = "plain"
+    GSM8K = "gsm8k"
+    VERL = "verl"
+
+
+def is_messages(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+
+
+def _verl_truth(row: dict[str, Any]) -> tuple[bool, Any]:
+    """(found, value): a top-level `ground_truth`, else `reward_model.ground_truth` (a Parquet
+    file whose rows mix both has a top-level column that is null where a row lacks it)."""
+    rm = row.get("reward_model")
+    nested = isinstance(rm, dict) and "ground_truth" in rm
+    if "ground_truth" in row and (row["ground_truth"] is not None or not nested):
+        return True, row["ground_truth"]
+    if nested:
+        return True, rm["ground_truth"]
+    return False, None
+
+
+def detect(row: dict[str, Any], prompt_column: str) -> DataFormat:
+    """What `auto` resolves to, from the first row (after data.rename)."""
+    if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
+        return DataFormat.GSM8K
+    if is_messages(row.get(prompt_column)) and _verl_truth(row)[0]:
+        return DataFormat.VERL
+    return DataFormat.PLAIN
+
+
+_SPACES = re.compile(r"\s+")
+
+
+def gsm8k_truth(answer: Any) -> str:
+    """'... so 1,200 in all.\\n#### 1,200' -> '1200': the text after the last '####', without
+    thousands separators or spaces."""
+    if not isinstance(answer, str) or "####" not in answer:
+        raise ValueError(f"answer has no '#### <number>' (data.format=gsm8k): {_short(answer)}")
+    truth = _SPACES.sub("", answer.rsplit("####", 1)[1]).replace(",", "")
+    if not truth:
+        raise ValueError(f"answer has nothing after its last '####' (data.format=gsm8k): {_short(answer)}")
+    return truth
+
+
+def apply_format(fmt: DataFormat, row: dict[str, Any], prompt_column: str) -> tuple[dict[str, Any], str]:
+    """(the row with ground_truth added, the column the prompt comes from)."""
+    if fmt is DataFormat.GSM8K:
+        column = prompt_column if prompt_column in row else "question"
+        if column not in row:
+            raise ValueError(f"has no column 'question' (data.format=gsm8k); columns: {sorted(row)}")
+        if "answer" not in row:
+            raise ValueError(f"has no column 'answer' (data.format=gsm8k); columns: {sorted(row)}")
+        return dict(row, ground_truth=gsm8k_truth(row["answer"])), column
+    if fmt is DataFormat.VERL:
+        found, truth = _verl_truth(row)
+        if not found:
+            raise ValueError("has no 'ground_truth' column nor reward_model.ground_truth (data.format=verl); "
+                             f"columns: {sorted(row)}")
+        if isinstance(truth, (int, float)) and not isinstance(truth, bool):
+            truth = str(truth)  # one type per column; the math rewards read text
+        return dict(row, ground_truth=truth), prompt_column
+    return row, prompt_column
+
+
+def chat_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, Any]]:
+    """A prompt as chat messages: text becomes one user message; the system prompt goes first
+    unless the messages bring their own."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not is_messages(messages):
+        raise ValueError("a chat prompt must be text or a non-empty list of {role, content} messages, got "
+                         f"{_short(prompt)}")
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def same_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Give every row every column (None where a row lacks one: rewards receive one list per
+    column, and a row without a ground_truth is one the math rewards skip) and drop the columns
+    JSON cannot store. Returns the dropped names."""
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    bad: set[str] = set()
+    for r in rows:
+        try:
+            json.dumps(r)
+        except (TypeError, ValueError):
+            bad.update(k for k, v in r.items() if not _storable(v))
+    for r in rows:
+        for k in names:
+            r.setdefault(k, None)
+        for k in bad:
+            del r[k]
+    return sorted(bad)
+
+
+def _storable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _short(v: Any, n: int = 80) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."

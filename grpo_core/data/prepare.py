@@ -1,0 +1,385 @@
+"""Dataset preparation: read prompts from the built-in synthetic task, a JSONL/Parquet/CSV file
+(local or gs://) or a Hugging Face dataset; rename columns; read the dataset's shape (GSM8K,
+verl, plain: grpo_core.data.formats) into a prompt and a ground_truth; apply a template or the
+tokenizer's chat template; tokenize and drop prompts over the length limit; split train/eval;
+write them to `data/{hash}/` of the run root with the completion marker last.
+
+Runs inside the Prefect process, so it imports neither JAX nor Prefect (and `datasets` only
+when a hub source needs it: it is slow to import).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import posixpath
+from typing import Any
+
+import numpy as np
+
+from grpo_core.config.train import ConfigError, _check, _Config
+from grpo_core.data.formats import DataFormat, apply_format, chat_messages, detect, is_messages, same_columns
+from grpo_core.store.root import RunRoot, config_hash
+
+log = logging.getLogger(__name__)
+
+FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
+
+
+class DataError(ValueError):
+    """Bad data a user provided. The message names the file or dataset, the column or the row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Config):
+    """Where the prompts come from and how they become token ids."""
+
+    source: str = "synthetic"  # "synthetic", a .jsonl/.json/.parquet/.csv path or URL, or a HF dataset id/folder
+    subset: str | None = None  # HF config name
+    split: str = "train"
+    eval_split: str | None = None  # eval rows from this split instead of a held-out fraction
+    format: DataFormat = DataFormat.AUTO  # auto, plain, gsm8k, verl: see grpo_core.data.formats
+    prompt_column: str = "prompt"
+    rename: dict | None = None  # source column -> the name rewards see; applied first
+    template: str | None = None  # str.format over the row's columns, e.g. "Q: {question}\nA:"
+    chat: bool = False  # through the tokenizer's chat template
+    system_prompt: str | None = None
+    max_prompt_tokens: int = 256  # longer prompts are dropped (and counted)
+    max_rows: int | None = None
+    eval_fraction: float = 0.1
+    eval_rows: int = 128  # cap on the eval set
+    seed: int = 0  # shuffles before the split, and the order prompts are drawn in
+    synthetic: dict | None = None  # ReverseTask fields: alphabet, min_len, max_len, seed
+    synthetic_rows: int = 4096
+
+    _enums = {"format": DataFormat}
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        _check(isinstance(self.source, str) and bool(self.source), f"data.source must be set, got {self.source!r}")
+        _check(self.max_prompt_tokens >= 1, f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        _check(self.max_rows is None or self.max_rows >= 2, f"data.max_rows must be >= 2 or null, got {self.max_rows}")
+        _check(0 <= self.eval_fraction <= 0.9, f"data.eval_fraction must be in [0, 0.9], got {self.eval_fraction}")
+        _check(self.eval_rows >= 1, f"data.eval_rows must be >= 1, got {self.eval_rows}")
+        _check(self.synthetic_rows >= 1, f"data.synthetic_rows must be >= 1, got {self.synthetic_rows}")
+        _check(self.rename is None or (isinstance(self.rename, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.rename.items())),
+            f"data.rename must map column names to names, got {self.rename!r}")
+        _check(self.synthetic is None or isinstance(self.synthetic, dict),
+               f"data.synthetic must be a mapping of task fields, got {self.synthetic!r}")
+        if self.is_file:
+            _check(self.eval_split is None, f"data.eval_split applies to Hugging Face datasets; {self.source} is "
+                                            "one file: use data.eval_fraction")
+        if self.source == "synthetic":
+            _check(self.format in (DataFormat.AUTO, DataFormat.PLAIN),
+                   f"data.format={self.format.value} applies to a dataset; the synthetic task has its own rows")
+            self.task()  # validate now
+        if self.template is not None:
+            _check_template(self.template)
+
+    @property
+    def is_file(self) -> bool:
+        return self.source.lower().endswith(FILE_FORMATS)
+
+    def task(self):
+        from grpo_core.data.synthetic import ReverseTask
+
+        try:
+            return ReverseTask(**(self.synthetic or {}))
+        except TypeError as exc:
+            raise ConfigError(f"data.synthetic: {exc}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"data.synthetic: {exc}") from None
+
+
+def _check_template(template: str) -> None:
+    """Only plain {column} placeholders: positional '{}' and '{a.b}' / '{a[0]}' are not columns."""
+    import string
+
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise ConfigError(f"data.template {template!r} is not a valid format string: {exc}") from None
+    bad = [n for n in names if not n or not n.isidentifier()]
+    _check(not bad, f"data.template {template!r}: placeholders must be column names like {{question}}, got "
+                    f"{', '.join(repr('{' + n + '}') for n in bad)}")
+
+
+# Fields added after runs existed, left out of the hash at their default so that those runs
+# keep their data hash (and so their training hash and checkpoints).
+_HASH_OMITS_DEFAULT = {"format": DataFormat.AUTO.value}
+
+
+def data_hash(cfg: DataConfig, tokenizer_id: str) -> str:
+    fields = {k: v for k, v in cfg.to_dict().items() if _HASH_OMITS_DEFAULT.get(k, object()) != v}
+    return config_hash({"data": fields, "tokenizer": tokenizer_id})
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def _read_file(url: str) -> list[dict[str, Any]]:
+    import fsspec
+    import pandas as pd
+
+    try:
+        with fsspec.open(url, "rb") as f:
+            raw = f.read()
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read data file {url}: {exc}") from None
+    name = url.lower()
+    if name.endswith((".jsonl", ".json")):
+        text = raw.decode("utf-8", errors="replace")
+        if name.endswith(".json") and text.lstrip().startswith("["):
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{url} is not valid JSON: {exc}") from None
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise DataError(f"{url} must hold a JSON array of objects (one per row)")
+            return rows
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{url} line {i} is not valid JSON: {exc.msg}") from None
+                if not isinstance(rows[-1], dict):
+                    raise DataError(f"{url} line {i} is not a JSON object")
+        return rows
+    try:
+        frame = pd.read_parquet(io.BytesIO(raw)) if name.endswith(".parquet") else pd.read_csv(io.BytesIO(raw), dtype=str, keep_default_na=False)
+    except Exception as exc:  # noqa: BLE001 - pandas/pyarrow raise many types for a bad file
+        raise DataError(f"cannot read data file {url}: {type(exc).__name__}: {exc}") from None
+    return frame.to_dict("records")
+
+
+def _read_hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    """A Hugging Face dataset id (or a local dataset folder) through `datasets`."""
+    import datasets
+
+    where = f"dataset {cfg.source!r}" + (f" subset {cfg.subset!r}" if cfg.subset else "")
+    try:
+        if _is_saved_dataset(cfg.source):
+            ds = datasets.load_from_disk(cfg.source)
+            if not isinstance(ds, datasets.DatasetDict) and (split != "train" or cfg.eval_split):
+                missing = split if split != "train" else cfg.eval_split
+                raise DataError(f"{where} is a single saved Dataset without splits, so split {missing!r} does not "
+                                "exist; leave data.split=train and data.eval_split empty (a fraction is held out)")
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DataError(f"{where} has no split {split!r}; splits: {sorted(ds)}")
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(cfg.source, cfg.subset, split=split)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets raises ValueError, FileNotFoundError, its own types
+        raise DataError(f"cannot load {where} split {split!r}: {type(exc).__name__}: {exc}") from None
+    return ds.to_list()
+
+
+def _is_saved_dataset(source: str) -> bool:
+    import os
+
+    return os.path.isdir(source) and any(
+        os.path.exists(os.path.join(source, n)) for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+# -- shaping -------------------------------------------------------------------------------
+
+
+def _jsonable(v: Any) -> Any:
+    import datetime
+    import math
+
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # NaN is not JSON; a missing value is
+    if isinstance(v, (datetime.date, datetime.datetime)) or type(v).__name__ == "Timestamp":
+        return v.isoformat()
+    if isinstance(v, np.ndarray):
+        return [_jsonable(x) for x in v.tolist()]
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def _prompt_text(cfg: DataConfig, row: dict[str, Any], column: str, i: int, where: str, tokenizer) -> str:
+    """The prompt as text: data.template over the row, or the prompt column; chat messages (and
+    any prompt with data.chat) through the tokenizer's chat template."""
+    if cfg.template is not None:
+        try:
+            prompt = cfg.template.format(**row)
+        except KeyError as exc:
+            raise DataError(f"{where} row {i}: data.template uses column {exc.args[0]!r}, which the row lacks; "
+                            f"columns: {sorted(row)}") from None
+        except (IndexError, AttributeError, ValueError, TypeError) as exc:
+            raise DataError(f"{where} row {i}: data.template cannot be filled: {exc}") from None
+    else:
+        prompt = row[column]
+    if not cfg.chat and not is_messages(prompt):
+        if not isinstance(prompt, str):
+            raise DataError(f"{where} row {i}: column {column!r} must be text, got {type(prompt).__name__} "
+                            "(or a list of {role, content} chat messages)")
+        return prompt
+    try:
+        messages = chat_messages(prompt, cfg.system_prompt)
+    except ValueError as exc:
+        raise DataError(f"{where} row {i}: column {column!r}: {exc}") from None
+    why = "data.chat=true" if cfg.chat else f"row {i}: column {column!r} holds chat messages"
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if apply is None:
+        raise DataError(f"{where} {why}, but the tokenizer has no usable chat template ({type(tokenizer).__name__} "
+                        "has none); use a Hugging Face tokenizer with one, or text prompts and a data.template")
+    try:
+        return apply(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects the messages
+        raise DataError(f"{where} {why}, but the tokenizer has no usable chat template ({type(exc).__name__}: "
+                        f"{exc}); use text prompts and a data.template") from None
+
+
+def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, where: str, tokenizer) -> dict:
+    """One row: rename, read its format, render and tokenize the prompt. {"prompt", "prompt_ids",
+    **the other columns}; the column the prompt came from is replaced by "prompt"."""
+    row = {(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in raw.items()}
+    try:
+        row, column = apply_format(fmt, row, cfg.prompt_column)
+    except ValueError as exc:
+        hint = " (or set data.format=plain)" if cfg.format is DataFormat.AUTO else ""
+        raise DataError(f"{where} row {i} {exc}{hint}" if str(exc).startswith("has ") else
+                        f"{where} row {i}: {exc}{hint}") from None
+    if cfg.template is None and column not in row:
+        raise DataError(f"{where} row {i} has no column {column!r} (data.prompt_column); columns: {sorted(row)}")
+    prompt = _prompt_text(cfg, row, column, i, where, tokenizer)
+    try:
+        ids = [int(t) for t in tokenizer.encode(prompt)]
+    except ValueError as exc:
+        raise DataError(f"{where} row {i}: the tokenizer cannot encode the prompt: {exc}") from None
+    columns = {k: v for k, v in row.items() if k != column}
+    return {**columns, "prompt": prompt, "prompt_ids": ids}
+
+
+def _shape(cfg: DataConfig, rows: list[dict[str, Any]], where: str, tokenizer,
+           fmt: DataFormat | None = None) -> tuple[list[dict], dict]:
+    """Every row through _shape_row, then the length filter and one set of columns for all rows.
+    `fmt`: the format to read the rows in (default: data.format, `auto` resolved on row 0)."""
+    if not rows:
+        raise DataError(f"{where} has no rows")
+    if fmt is None:
+        fmt = cfg.format
+        if fmt is DataFormat.AUTO:
+            fmt = detect({(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in rows[0].items()}, cfg.prompt_column)
+    out, lengths, dropped = [], [], 0
+    for i, raw in enumerate(rows):
+        row = _shape_row(cfg, fmt, raw, i, where, tokenizer)
+        lengths.append(len(row["prompt_ids"]))
+        if len(row["prompt_ids"]) > cfg.max_prompt_tokens or not row["prompt_ids"]:
+            dropped += 1
+            continue
+        out.append(row)
+    if not out:
+        raise DataError(f"{where}: every one of {len(rows)} prompts is longer than data.max_prompt_tokens="
+                        f"{cfg.max_prompt_tokens} (lengths {min(lengths)}..{max(lengths)} tokens)")
+    unstorable = same_columns(out)
+    if unstorable:
+        log.warning("%s: column(s) %s hold values JSON cannot store (bytes, images, ...); left out", where, unstorable)
+    kept = [len(r["prompt_ids"]) for r in out]
+    return out, {"format": fmt.value, "dropped_too_long": dropped, "dropped_columns": unstorable,
+                 "prompt_tokens": {"min": min(kept), "mean": round(float(np.mean(kept)), 2), "max": max(kept)}}
+
+
+def _load_rows(cfg: DataConfig) -> tuple[list[dict], list[dict] | None, str]:
+    """(train rows, eval rows or None to hold out a fraction, a name for messages)."""
+    if cfg.source == "synthetic":
+        task = cfg.task()
+        return task.sample(0, 0, cfg.synthetic_rows), task.eval_rows(cfg.eval_rows), "synthetic task"
+    if cfg.is_file:
+        return _read_file(cfg.source), None, cfg.source
+    import os
+
+    if "://" in cfg.source or os.path.isfile(cfg.source):
+        raise DataError(f"data.source {cfg.source}: unsupported file type; use .jsonl, .json, .parquet or .csv "
+                        "(or a Hugging Face dataset id or folder)")
+    train = _read_hub(cfg, cfg.split)
+    return train, (_read_hub(cfg, cfg.eval_split) if cfg.eval_split else None), f"dataset {cfg.source!r}"
+
+
+def _split(cfg: DataConfig, rows: list[dict], where: str) -> tuple[list[dict], list[dict]]:
+    rng = np.random.default_rng(cfg.seed)
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    if cfg.max_rows:
+        rows = rows[:cfg.max_rows]
+    if len(rows) < 2:
+        raise DataError(f"{where}: {len(rows)} usable row(s); a train and an eval split need at least 2")
+    n_eval = min(cfg.eval_rows, max(1, round(len(rows) * cfg.eval_fraction)), len(rows) - 1)
+    return rows[n_eval:], rows[:n_eval]
+
+
+def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str) -> dict[str, Any]:
+    """Write data/{hash}/train.jsonl, eval.jsonl, manifest.json, then the marker. A finished
+    stage (its marker present) is read back, not redone."""
+    h = data_hash(cfg, tokenizer_id)
+    stage = f"data/{h}"
+    if root.is_done(stage):
+        return dict(root.done_info(stage), cached=True)
+    raw_train, raw_eval, where = _load_rows(cfg)
+    train, stats = _shape(cfg, raw_train, where, tokenizer)
+    if raw_eval is None:
+        train, evals = _split(cfg, train, where)
+        eval_stats = {"dropped_too_long": 0, "dropped_columns": []}
+    else:  # read in the training split's format, so both splits have the same kind of rows
+        evals, eval_stats = _shape(cfg, raw_eval, f"{where} ({cfg.eval_split or 'eval'} split)", tokenizer,
+                                   DataFormat(stats["format"]))
+        evals = evals[:cfg.eval_rows]
+        if cfg.max_rows:
+            train = train[:cfg.max_rows]
+    for name, rows in (("train", train), ("eval", evals)):
+        root.write_bytes(posixpath.join(stage, f"{name}.jsonl"),
+                         "".join(json.dumps(r) + "\n" for r in rows).encode())
+    manifest = {"source": cfg.source, "subset": cfg.subset, "split": cfg.split, "eval_split": cfg.eval_split,
+                "format": stats["format"], "hash": h, "uri": root.uri(stage), "train_rows": len(train),
+                "eval_rows": len(evals), "dropped_too_long": stats["dropped_too_long"] + eval_stats["dropped_too_long"],
+                "dropped_columns": sorted(set(stats["dropped_columns"]) | set(eval_stats["dropped_columns"])),
+                "prompt_tokens": stats["prompt_tokens"], "columns": sorted(train[0]), "tokenizer": tokenizer_id}
+    root.write_json(posixpath.join(stage, "manifest.json"), manifest)
+    root.mark_done(stage, manifest)  # last: the marker means every output above is complete
+    return dict(manifest, cached=False)
+
+
+def load_prepared(root: RunRoot, h: str) -> tuple[list[dict], list[dict]]:
+    stage = f"data/{h}"
+    if not root.is_done(stage):
+        raise DataError(f"{root.uri(stage)} is not complete (no marker): run the prepare-dataset stage first")
+    read = lambda name: [json.loads(x) for x in root.read_bytes(f"{stage}/{name}.jsonl").decode().splitlines()]
+    return read("train"), read("eval")
+
+
+class DatasetPrompts:
+    """Prompts for step s: a pure function of (seed, step, round), so a resumed run sees the
+    same ones. Round 0 walks an endless stream of epoch-wise shuffles; refill rounds of dynamic
+    sampling draw at random."""
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int = 0):
+        if not rows:
+            raise ValueError("DatasetPrompts needs at least one row")
+        self.rows, self.seed = rows, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))}
+        return self._perms[epoch]
+
+    def sample(self, step: int, round_: int, n: int) -> list[dict[str, Any]]:
+        if round_ > 0:
+            idx = np.random.default_rng([self.seed, step, round_]).integers(0, len(self.rows), n)
+            return [self.rows[i] for i in idx]
+        m = len(self.rows)
+        return [self.rows[self._perm(pos // m)[pos % m]] for pos in range(step * n, step * n + n)]

@@ -1,0 +1,19 @@
+"""The tokenizer a run uses, from its config: the data stage tokenizes prompts with it, the
+workers decode completions with it."""
+
+from __future__ import annotations
+
+from grpo_core.config.run import RunConfig
+
+
+def make_tokenizer(cfg: RunConfig):
+    """The tokenizer named by model.tokenizer: 'char' (the built-in character tokenizer), 'auto'
+    (AutoTokenizer of model.path, with its generation config's stop ids) or another HF id/folder."""
+    from grpo_core.data.synthetic import CharTokenizer
+
+    if cfg.tokenizer_source is None:
+        return CharTokenizer()
+    from grpo_core.store.sources import load_tokenizer
+
+    rev = cfg.model.get("revision") if cfg.tokenizer_source == cfg.model_path else None
+    return load_tokenizer(cfg.tokenizer_source, rev)

@@ -1,0 +1,332 @@
+"""Launchers: how a stage's worker process starts, on this machine or on every host of a slice.
+
+    pipeline:
+      launcher: {kind: local}                                     # one process here (default)
+      launcher: {kind: multiprocess, num_processes: 2}            # N processes on 127.0.0.1, CPU devices
+      launcher: {kind: ray, address: auto, num_processes: 4,      # one Ray task per host of a cluster
+                 resources_per_host: {TPU: 4}}
+      launcher: {kind: tpu-vm, tpu_name: my-v4-16, zone: us-central2-b, project: my-proj}
+
+Every launcher runs the same `python -m <module> <args>` in every process and tells each one who
+it is (grpo_core.launch.cluster reads it): `multiprocess` and `ray` through GRPO_COORDINATOR /
+GRPO_NUM_PROCESSES / GRPO_PROCESS_ID; `tpu-vm` through GRPO_DISTRIBUTED=auto, since JAX reads
+the coordinator (worker 0) from the TPU VM's metadata. Process 0 prints the events.
+
+`start` returns local `subprocess.Popen`s that the caller watches (tasks.process): for
+`multiprocess`, the N workers themselves; for `ray`, a driver (`python -m grpo_core.launch.launchers ray
+...`) that submits one task per host, relays process 0's output and exits with the first
+failure; for `tpu-vm`, `gcloud compute tpus tpu-vm ssh --worker=all`, whose remote processes
+`Launched.stop` ends by the pid files they wrote. Stopping the local processes stops the set:
+a Ray job's tasks die with their driver (and each task's worker dies with its task).
+
+This module runs in the Prefect process: it never imports JAX, and Ray only in the driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import enum
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from typing import Any, Sequence
+
+from grpo_core.config.train import ConfigError, _check, _Config, _enum
+from grpo_core.launch.cluster import (ENV_COORDINATOR, ENV_DISTRIBUTED, ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT,
+                                   ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+
+class LauncherKind(enum.Enum):
+    LOCAL = "local"  # one process on this machine
+    MULTIPROCESS = "multiprocess"  # N processes on 127.0.0.1 with CPU devices: multi-host code on one machine
+    RAY = "ray"  # one Ray task per host of a cluster (as Levanter and EasyDeL launch TPU pods)
+    TPU_VM = "tpu-vm"  # gcloud compute tpus tpu-vm ssh --worker=all
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherConfig(_Config):
+    """The `pipeline.launcher` section. Changes no result, so it is in no stage hash."""
+
+    kind: LauncherKind = LauncherKind.LOCAL
+    num_processes: int = 2  # multiprocess: processes here; ray: hosts, one task each
+    devices_per_process: int = 1  # multiprocess: CPU devices of each process
+    coordinator_port: int = 0  # multiprocess: 0 = a free port; ray: 0 = 8476 on host 0
+    address: str = "auto"  # ray: the cluster, as ray.init takes it ("auto", "ray://head:10001", "local")
+    resources_per_host: dict | None = None  # ray: each task's resources, e.g. {TPU: 4}; null: {CPU: 1}
+    placement_strategy: str = "STRICT_SPREAD"  # ray: one task per node; SPREAD or PACK to share nodes (tests)
+    tpu_name: str | None = None  # tpu-vm
+    zone: str | None = None  # tpu-vm
+    project: str | None = None  # tpu-vm; null: gcloud's configured project
+    workdir: str = "~/grpo-pipeline"  # tpu-vm: the project checkout on every host
+    python: str = ".venv/bin/python"  # tpu-vm: its interpreter, relative to workdir (or absolute)
+    init_timeout_s: int = 300  # every process must join within this
+    heartbeat_timeout_s: int = 100  # a process silent this long fails the others
+
+    _enums = {"kind": LauncherKind}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LauncherConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        _check(not unknown, f"pipeline.launcher: unknown field(s) {unknown}; known: {names}")
+        return cls(**data)
+
+    def __post_init__(self) -> None:
+        f = "pipeline.launcher"
+        object.__setattr__(self, "kind", _enum(LauncherKind, self.kind, f"{f}.kind"))
+        self._normalize()
+        _check(self.num_processes >= 1, f"{f}.num_processes must be >= 1, got {self.num_processes}")
+        _check(self.devices_per_process >= 1, f"{f}.devices_per_process must be >= 1, got {self.devices_per_process}")
+        _check(0 <= self.coordinator_port < 65536, f"{f}.coordinator_port must be in [0, 65535], got {self.coordinator_port}")
+        _check(self.init_timeout_s >= 1 and self.heartbeat_timeout_s >= 1,
+               f"{f}.init_timeout_s and {f}.heartbeat_timeout_s must be >= 1, got "
+               f"{self.init_timeout_s}, {self.heartbeat_timeout_s}")
+        _check(self.resources_per_host is None or (isinstance(self.resources_per_host, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in self.resources_per_host.items())),
+            f"{f}.resources_per_host must be a mapping of resource names to amounts like {{TPU: 4}}, "
+            f"got {self.resources_per_host!r}")
+        _check(self.placement_strategy in ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
+               f"{f}.placement_strategy must be STRICT_SPREAD, SPREAD, PACK or STRICT_PACK, got {self.placement_strategy!r}")
+        if self.kind is LauncherKind.TPU_VM:
+            for name in ("tpu_name", "zone"):
+                _check(bool(getattr(self, name)), f"{f}.{name} is required with {f}.kind=tpu-vm")
+
+    @property
+    def distributed(self) -> bool:
+        return self.kind is not LauncherKind.LOCAL
+
+    def single(self) -> "LauncherConfig":
+        """For a stage that one process does alone (evaluation, export): here, unless the devices
+        are a slice whose hosts must all take part."""
+        return self if self.kind in (LauncherKind.RAY, LauncherKind.TPU_VM) else LauncherConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    """One local process to start: its command line and the variables added to its environment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclasses.dataclass
+class Launched:
+    """A started stage. procs[0] prints the events; stop() ends every process of the set."""
+
+    cfg: LauncherConfig
+    specs: list[ProcessSpec]
+    procs: list[subprocess.Popen]
+    stop_argv: list[str] | None = None  # tpu-vm: the remote kill
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every local process group, then SIGKILL what is left; remote processes by
+        their pid files (tpu-vm)."""
+        if self.stop_argv:
+            try:
+                subprocess.run(self.stop_argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self.procs if p.poll() is None]
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            for p in alive:
+                try:
+                    p.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timeouts(cfg: LauncherConfig) -> dict[str, str]:
+    return {ENV_INIT_TIMEOUT: str(cfg.init_timeout_s), ENV_HEARTBEAT_TIMEOUT: str(cfg.heartbeat_timeout_s)}
+
+
+def _xla_flags(existing: str, devices: int) -> str:
+    flags = [f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
+def plan(cfg: LauncherConfig, module_args: Sequence[str], env: dict[str, str] | None = None,
+         python: str | None = None, token: str | None = None) -> tuple[list[ProcessSpec], list[str] | None]:
+    """The local processes `start` would start for `python -m <module_args>`, and the remote
+    stop command (tpu-vm). Pure: the unit tests check it. `env`: extra variables for the worker."""
+    env, python = dict(env or {}), python or sys.executable
+    module_args = list(module_args)
+    if cfg.kind is LauncherKind.LOCAL:
+        return [ProcessSpec("worker", [python, "-m", *module_args], env)], None
+    if cfg.kind is LauncherKind.MULTIPROCESS:
+        port = cfg.coordinator_port or free_port()
+        base = dict(env, JAX_PLATFORMS="cpu", **_timeouts(cfg),
+                    XLA_FLAGS=_xla_flags(env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), cfg.devices_per_process))
+        n = cfg.num_processes
+        return [ProcessSpec(f"process {i}", [python, "-m", *module_args],
+                            dict(base, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(n),
+                                          ENV_PROCESS_ID: str(i)}))
+                for i in range(n)], None
+    if cfg.kind is LauncherKind.RAY:
+        argv = [python, "-m", "grpo_core.launch.launchers", "ray", "--address", cfg.address, "--hosts", str(cfg.num_processes),
+                "--port", str(cfg.coordinator_port or 8476), "--strategy", cfg.placement_strategy,
+                "--resources", json.dumps(cfg.resources_per_host or {"CPU": 1}, sort_keys=True),
+                "--env", json.dumps(dict(env, **_timeouts(cfg)), sort_keys=True), "--", *module_args]
+        return [ProcessSpec("ray driver", argv, {})], None
+    token = token or uuid.uuid4().hex[:12]
+    pidfile = f"/tmp/grpo-worker-{token}.pid"
+    remote_env = dict(env, **{ENV_DISTRIBUTED: "auto"}, **_timeouts(cfg))
+    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(remote_env.items()))
+    remote = (f"cd {cfg.workdir} && echo $$ > {pidfile} && exec env {assigns} "
+              f"{cfg.python} -m {' '.join(shlex.quote(a) for a in module_args)}")
+    ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", cfg.tpu_name, f"--zone={cfg.zone}"]
+    if cfg.project:
+        ssh.append(f"--project={cfg.project}")
+    ssh.append("--worker=all")
+    stop = [*ssh, f"--command=kill -TERM $(cat {pidfile} 2>/dev/null) 2>/dev/null; rm -f {pidfile}; true"]
+    return [ProcessSpec("tpu-vm ssh", [*ssh, f"--command={remote}"], {})], stop
+
+
+def start(cfg: LauncherConfig | None, module_args: Sequence[str], env: dict[str, str] | None = None,
+          python: str | None = None) -> Launched:
+    """Start the stage's processes, each in its own process group (so stop() reaches their
+    children too), stdout and stderr piped."""
+    cfg = cfg or LauncherConfig()
+    specs, stop_argv = plan(cfg, module_args, env, python)
+    procs: list[subprocess.Popen] = []
+    launched = Launched(cfg, specs, procs, stop_argv)
+    try:
+        for spec in specs:
+            procs.append(subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                          env={**os.environ, **spec.env}))
+    except OSError as exc:
+        launched.stop()
+        raise ConfigError(f"pipeline.launcher kind {cfg.kind.value}: cannot start {spec.argv[0]!r}: {exc}") from None
+    return launched
+
+
+# -- the Ray driver --------------------------------------------------------------------------------
+
+
+def _die_with_parent():
+    """A preexec_fn that makes the worker get SIGKILL when the Ray task that started it dies
+    (Linux; None elsewhere). libc is loaded here, in the parent: the child only calls prctl."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _host_task(index: int, count: int, coordinator: str, module_args: list[str], env: dict[str, str], lines=None):
+    """One host's share (a Ray task): run the worker as process `index` of `count`; process 0's
+    stdout lines go to `lines` (a ray.util.queue.Queue). Returns (exit code, stderr tail)."""
+    import threading
+
+    full = {**os.environ, **env, ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(count), ENV_PROCESS_ID: str(index)}
+    proc = subprocess.Popen([sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=full, preexec_fn=_die_with_parent())
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    t = threading.Thread(target=lambda: [tail.append(x.rstrip("\n")) for x in proc.stderr], daemon=True)
+    t.start()
+    for line in proc.stdout:
+        if lines is not None:
+            lines.put(line.rstrip("\n"))
+    code = proc.wait()
+    t.join(timeout=5)
+    return code, "\n".join(tail)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def ray_main(argv: Sequence[str]) -> int:
+    """`python -m grpo_core.launch.launchers ray ... -- grpo_core.stages.worker train ...`: one task per host in a
+    placement group, the coordinator on host 0; relays process 0's stdout; exits with the first
+    failing process's code (its stderr tail on stderr), after cancelling the others."""
+    ap = argparse.ArgumentParser(prog="python -m grpo_core.launch.launchers ray")
+    ap.add_argument("--address", default="auto")
+    ap.add_argument("--hosts", type=int, required=True)
+    ap.add_argument("--port", type=int, default=8476)
+    ap.add_argument("--strategy", default="STRICT_SPREAD")
+    ap.add_argument("--resources", default='{"CPU": 1}')
+    ap.add_argument("--env", default="{}")
+    ap.add_argument("module_args", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    module_args = args.module_args[1:] if args.module_args[:1] == ["--"] else args.module_args
+    env, resources = json.loads(args.env), json.loads(args.resources)
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.queue import Empty, Queue
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    init_kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if args.address == "local":
+        init_kw["_node_ip_address"] = "127.0.0.1"
+    ray.init(address=args.address, **init_kw)
+    pg = placement_group([dict(resources) for _ in range(args.hosts)], strategy=args.strategy)
+    wait_s = float(env.get(ENV_INIT_TIMEOUT, 300))
+    try:
+        ray.get(pg.ready(), timeout=wait_s)
+    except ray.exceptions.GetTimeoutError:
+        print(f"the Ray cluster at {args.address} found no room for {args.hosts} hosts with {resources} each "
+              f"({args.strategy}) within {wait_s:g} s: {ray.cluster_resources()}", file=sys.stderr, flush=True)
+        return 1
+    on = lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+    res = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    task_kw = lambda i: dict(scheduling_strategy=on(i), num_cpus=resources.get("CPU", 0),
+                             num_gpus=resources.get("GPU", 0), resources=res or None)
+    ip = ray.get(ray.remote(_node_ip).options(**task_kw(0)).remote())
+    coordinator = f"{ip}:{args.port}"
+    lines = Queue()
+    host = ray.remote(max_retries=0)(_host_task)
+    refs = [host.options(**task_kw(i)).remote(i, args.hosts, coordinator, module_args, env, lines if i == 0 else None)
+            for i in range(args.hosts)]
+    index = {r: i for i, r in enumerate(refs)}
+
+    def relay():
+        while True:
+            try:
+                print(lines.get(block=False), flush=True)
+            except Empty:
+                return
+
+    pending, rc = list(refs), 0
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+        relay()
+        for r in done:
+            code, tail = ray.get(r)
+            if code != 0:
+                print(f"process {index[r]} of {args.hosts} exited with code {code}:\n{tail}", file=sys.stderr, flush=True)
+                for other in pending:
+                    ray.cancel(other, force=True)
+                pending, rc = [], code
+                break
+    relay()
+    return rc
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["ray"]:
+        sys.exit("usage: python -m grpo_core.launch.launchers ray --hosts N [...] -- MODULE ARGS...")
+    sys.exit(ray_main(sys.argv[2:]))

@@ -1,0 +1,252 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors (one file or a sharded index)
+of a Qwen2, Qwen3 or Llama model into grpo_core's NNX model, and back (`save_hf_model`).
+
+Names map one to one (HF `model.layers.{i}.self_attn.q_proj.weight` (out, in) becomes row i of
+our stacked `model.layers.self_attn.q_proj.kernel` (L, in, out)). Weights stream: each stacked
+parameter is assembled on the host from its L tensors, put on its device, and dropped before
+the next, so the host never holds a second copy of the whole model. Unknown architectures and
+mismatched shapes fail naming the model type or the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from grpo_core.config.train import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+def model_config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides) -> ModelConfig:
+    """Our ModelConfig from a Hugging Face config.json (transformers 4 or 5 layout)."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps rope_theta and scaling here
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10_000.0))
+    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=True if kind == "qwen2" else bool(hf.get("attention_bias", False)),
+        qk_norm=kind == "qwen3", max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        rope_scaling=scaling or None)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+
+
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2"}
+
+
+class _Tensors:
+    """Every tensor of a checkpoint by name, across shards, as numpy views of the memory-mapped
+    files: nothing is read until a tensor is used, and bfloat16 (what most checkpoints hold, and
+    what safetensors' numpy reader refuses) comes through ml_dtypes."""
+
+    def __init__(self, folder: str):
+        import mmap
+
+        self.where: dict[str, str] = {}
+        self._maps: dict[str, tuple[mmap.mmap, int, dict[str, Any]]] = {}
+        for path in _files(folder):
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                n = int.from_bytes(mm[:8], "little")
+                header = json.loads(mm[8:8 + n])
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path} is not a safetensors file: {exc}") from None
+            header.pop("__metadata__", None)
+            self._maps[path] = (mm, 8 + n, header)
+            for name in header:
+                self.where[name] = path
+
+    def drop_pages(self) -> None:
+        """Take the pages read so far out of this process's RSS; they stay in the page cache.
+        Without this every page read during the load stays mapped until the maps close: a
+        second, file-backed copy of the model at the peak (2.05x instead of 1.15x the weights
+        above the RSS before loading, for qwen3-0.6b in f32: bench/hf_load.py)."""
+        import mmap
+
+        if hasattr(mmap, "MADV_DONTNEED"):  # a file-backed page dropped here re-reads from the cache
+            for mm, _, _ in self._maps.values():
+                mm.madvise(mmap.MADV_DONTNEED)
+
+    def get(self, name: str) -> np.ndarray:
+        import ml_dtypes  # noqa: F401 - registers bfloat16 and float8 with numpy
+
+        if name not in self.where:
+            raise KeyError(name)
+        mm, base, header = self._maps[self.where[name]]
+        info = header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ConfigError(f"parameter {name}: dtype {info['dtype']} is not supported")
+        dtype = np.dtype(getattr(ml_dtypes, _DTYPES[info["dtype"]], None) or _DTYPES[info["dtype"]])
+        begin, end = info["data_offsets"]
+        return np.frombuffer(mm, dtype, count=(end - begin) // dtype.itemsize, offset=base + begin).reshape(info["shape"])
+
+
+def _hf_names(path: tuple[str, ...], layer: int | None) -> str:
+    """Our parameter path (and layer) -> the Hugging Face tensor name."""
+    *mods, leaf = path
+    hf_leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+    if mods[:2] == ["model", "layers"]:
+        return ".".join(["model", "layers", str(layer), *mods[2:], hf_leaf])
+    return ".".join([*mods, hf_leaf])
+
+
+def _host(tensors: _Tensors, name: str, transpose: bool) -> np.ndarray:
+    x = tensors.get(name)
+    return np.ascontiguousarray(x.T) if transpose else x
+
+
+def _stream(tensors: _Tensors, flat: dict[tuple[str, ...], Any], num_layers: int) -> Iterator[tuple[tuple, np.ndarray]]:
+    for path, like in flat.items():
+        transpose = path[-1] == "kernel"
+        if path[:2] == ("model", "layers"):
+            arr = np.empty(like.shape, like.dtype)  # one stacked parameter at a time
+            for i in range(num_layers):
+                arr[i] = _check_shape(_host(tensors, _hf_names(path, i), transpose), like.shape[1:], _hf_names(path, i))
+        else:
+            arr = _check_shape(_host(tensors, _hf_names(path, None), transpose), like.shape, _hf_names(path, None))
+        yield path, arr.astype(like.dtype, copy=False)
+
+
+def _check_shape(x: np.ndarray, want: tuple[int, ...], name: str) -> np.ndarray:
+    if tuple(x.shape) != tuple(want):
+        raise ConfigError(f"parameter {name}: checkpoint has shape {tuple(x.shape)}, the model expects {tuple(want)} "
+                          "(transposed for kernels)")
+    return x
+
+
+def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overrides):
+    """The NNX model of a local Hugging Face folder (config.json + safetensors).
+
+    With a `placement` (grpo_core.runtime.mesh.Placement), each parameter goes straight to its shards on
+    the learner's mesh as it is read: no device ever holds a whole parameter the mesh splits,
+    and on a multi-host slice each process sends only its own devices' shards."""
+    import jax
+    from flax import nnx
+
+    from grpo_core.nn.model import CausalLM
+
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{folder} has no config.json: not a Hugging Face model folder") from None
+    if dtype:
+        overrides.setdefault("dtype", dtype)
+        overrides.setdefault("param_dtype", dtype)
+    cfg = model_config_from_hf(hf, cfg_path, **overrides)
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+    flat = {tuple(str(k.key) for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    tensors = _Tensors(folder)
+    missing = [(p, _hf_names(p, 0 if p[:2] == ("model", "layers") else None)) for p in flat]
+    missing = [n for p, n in missing if n not in tensors.where]
+    if missing:
+        raise ConfigError(f"{folder}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    loaded: dict[tuple, Any] = {}
+    for path, arr in _stream(tensors, flat, cfg.num_hidden_layers):
+        if placement is None:
+            loaded[path] = jax.device_put(arr)  # host copy freed when `arr` goes
+        else:
+            from grpo_core.runtime.mesh import put
+
+            loaded[path] = put(arr, placement.param_sharding(path, arr.shape))
+        tensors.drop_pages()
+    nested: dict[str, Any] = {}
+    for path, v in loaded.items():
+        node = nested
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    nnx.replace_by_pure_dict(state, nested)
+    return nnx.merge(graphdef, state)
+
+
+# -- out -----------------------------------------------------------------------------------
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture that holds exactly these features."""
+    if cfg.qk_norm:
+        return "qwen3"
+    return "qwen2" if cfg.attention_bias else "llama"
+
+
+_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json for `cfg`, readable by transformers 4 and 5."""
+    kind = hf_model_type(cfg)
+    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    out = {
+        "architectures": [_ARCH[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu", "torch_dtype": cfg.param_dtype.value, "dtype": cfg.param_dtype.value,
+    }
+    if kind != "qwen2":
+        out["attention_bias"] = cfg.attention_bias
+    return out
+
+
+def save_hf_model(model, folder: str) -> str:
+    """Write `model` as a Hugging Face folder (config.json + model.safetensors) that transformers
+    loads with the same logits. Layers are unstacked one parameter at a time."""
+    import jax
+    from flax import nnx
+    from safetensors.flax import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    cfg = model.config
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tensors: dict[str, Any] = {}
+    for p, v in jax.tree_util.tree_flatten_with_path(pure)[0]:
+        path = tuple(str(k.key) for k in p)
+        transpose = path[-1] == "kernel"
+        if path[:2] == ("model", "layers"):
+            for i in range(cfg.num_hidden_layers):
+                tensors[_hf_names(path, i)] = v[i].T if transpose else v[i]
+        else:
+            tensors[_hf_names(path, None)] = v.T if transpose else v
+    tensors = {k: jax.numpy.asarray(t) for k, t in tensors.items()}  # contiguous copies
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config(cfg), f, indent=1)
+    return folder

@@ -1,0 +1,149 @@
+"""The GRPO objective as small pure functions: advantages, the clipped surrogate, KL estimators
+and loss aggregation. Each takes only the scalars it needs. Shapes: B completions (rows of
+consecutive groups of G), N completion tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from grpo_core.config.train import AdvantageEstimator, KLEstimator, LossAggregation, RatioLevel, RewardScaling
+
+
+def _nan_mean(x, axis=None, keepdims=False):
+    ok = ~jnp.isnan(x)
+    n = jnp.sum(ok, axis=axis, keepdims=keepdims)
+    return jnp.sum(jnp.where(ok, x, 0.0), axis=axis, keepdims=keepdims) / jnp.maximum(n, 1), n
+
+
+def _nan_std(x, axis=None, keepdims=False):
+    """Unbiased (n - 1) std over the non-NaN entries, as torch.std (and so TRL) computes it."""
+    mean, n = _nan_mean(x, axis=axis, keepdims=True)
+    sq = jnp.where(jnp.isnan(x), 0.0, (x - mean) ** 2)
+    total = jnp.sum(sq, axis=axis, keepdims=keepdims)
+    return jnp.sqrt(total / jnp.maximum(n.reshape(total.shape) - 1, 1))
+
+
+def advantages(rewards: jax.Array, group_size: int, estimator: AdvantageEstimator,
+               scale: RewardScaling, eps: float = 1e-4) -> jax.Array:
+    """(B,) rewards -> (B,) advantages. NaN rewards (excluded rows) get advantage 0 and do not
+    count in their group's statistics.
+
+    grpo:    (r - mean_g) / (std + eps)
+    dr_grpo: r - mean_g
+    rloo:    r - mean of the other members of the group = G/(G-1) * (r - mean_g)
+    The std is the group's (scale=group), the whole batch's (scale=batch) or none.
+    """
+    r = rewards.reshape(-1, group_size)  # (P, G)
+    mean, n = _nan_mean(r, axis=1, keepdims=True)
+    if estimator is AdvantageEstimator.RLOO:
+        centered = (r - mean) * n / jnp.maximum(n - 1, 1)
+    else:
+        centered = r - mean
+    if scale is RewardScaling.GROUP:
+        centered = centered / (_nan_std(r, axis=1, keepdims=True) + eps)
+    elif scale is RewardScaling.BATCH:
+        centered = centered / (_nan_std(rewards) + eps)
+    return jnp.where(jnp.isnan(r), 0.0, centered).reshape(-1)
+
+
+def zero_std_groups(rewards: jax.Array, group_size: int) -> jax.Array:
+    """(B,) -> (P,) True for groups whose (non-excluded) rewards are all equal."""
+    r = rewards.reshape(-1, group_size)
+    hi = jnp.max(jnp.where(jnp.isnan(r), -jnp.inf, r), axis=1)
+    lo = jnp.min(jnp.where(jnp.isnan(r), jnp.inf, r), axis=1)
+    return ~(hi > lo)
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: KLEstimator) -> jax.Array:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta."""
+    x = ref_logp - logp
+    if estimator is KLEstimator.K1:
+        return -x
+    if estimator is KLEstimator.K2:
+        return 0.5 * x * x
+    return jnp.exp(x) - x - 1.0
+
+
+def log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, level: RatioLevel) -> jax.Array:
+    """log(pi_theta / pi_old) per token, (B, N). GSPO's sequence level uses the length-normalised
+    sequence log-ratio for every token of the sequence."""
+    lr = logp - old_logp
+    if level is RatioLevel.TOKEN:
+        return lr
+    seq = jnp.sum(lr * mask, axis=-1, keepdims=True) / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1)
+    return jnp.broadcast_to(seq, lr.shape)
+
+
+def clipped_surrogate(log_r: jax.Array, adv: jax.Array, eps_low: float, eps_high: float,
+                      dual_clip: float | None = None) -> jax.Array:
+    """Per-token policy loss max(-A·rho, -A·clip(rho, 1-eps_low, 1+eps_high)), (B, N).
+
+    adv is (B,) or (B, N). With dual-clip c, the loss of a negative-advantage token is capped
+    at -c·A, so a huge ratio on a bad token cannot blow up the update.
+    """
+    a = adv[:, None] if adv.ndim == 1 else adv
+    rho = jnp.exp(log_r)
+    loss = jnp.maximum(-a * rho, -a * jnp.clip(rho, 1.0 - eps_low, 1.0 + eps_high))
+    if dual_clip is not None:
+        loss = jnp.where(a < 0, jnp.minimum(loss, -dual_clip * a), loss)
+    return loss
+
+
+def clip_counts(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
+    """Tokens whose ratio the clip stopped: (low with A<0, high with A>0). Counts, so that
+    micro-batches add up; clip_fractions divides by the tokens."""
+    a = adv[:, None] if adv.ndim == 1 else adv
+    rho = jnp.exp(log_r)
+    low = jnp.sum(((rho < 1 - eps_low) & (a < 0)) * mask)
+    high = jnp.sum(((rho > 1 + eps_high) & (a > 0)) * mask)
+    return low, high
+
+
+def clip_fractions(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
+    """Fraction of tokens whose ratio the clip stopped: (low with A<0, high with A>0)."""
+    n = jnp.maximum(jnp.sum(mask), 1)
+    low, high = clip_counts(log_r, adv, mask, eps_low, eps_high)
+    return low / n, high / n
+
+
+def token_weights(mask: jax.Array, mode: LossAggregation, num_micro: int, max_len: int) -> jax.Array:
+    """(B, N) weights w so that the aggregated loss of an update batch is sum(w * per_token_loss).
+
+    Expressing every aggregation as fixed weights computed over the whole update batch makes
+    gradient accumulation exact: micro-batch losses are plain sums of their rows' terms.
+    `num_micro` micro-batches split the rows evenly (BNPO normalises within each).
+      token_mean              mask / tokens in the update batch           (DAPO)
+      seq_mean_token_mean     mask / (len_i * B)                          (GRPO)
+      seq_mean_token_sum_norm mask / (max_len * B)                        (Dr. GRPO)
+      bnpo                    mask / (tokens in its micro-batch * num_micro)
+    """
+    mask = mask.astype(jnp.float32)
+    b = mask.shape[0]
+    if mode is LossAggregation.TOKEN_MEAN:
+        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+    if mode is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+        return mask / (jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0) * b)
+    if mode is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        return mask / (max_len * b)
+    micro = mask.reshape(num_micro, b // num_micro, -1)
+    per_micro = jnp.maximum(jnp.sum(micro, axis=(1, 2), keepdims=True), 1.0)
+    return (micro / (per_micro * num_micro)).reshape(mask.shape)
+
+
+def weighted_sum(per_token: jax.Array, weights: jax.Array) -> jax.Array:
+    """A micro-batch's share of the loss: sum(w * per_token), w from token_weights."""
+    return jnp.sum(weights * per_token)
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, mode: LossAggregation, num_micro: int = 1,
+              max_len: int | None = None) -> jax.Array:
+    """The scalar loss of an update batch under an aggregation mode."""
+    return weighted_sum(per_token, token_weights(mask, mode, num_micro, max_len or mask.shape[-1]))
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+    """Entropy of softmax(logits) per position, (..., V) -> (...)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)

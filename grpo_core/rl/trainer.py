@@ -1,0 +1,409 @@
+"""The Python driver: rollout -> rewards -> advantages -> reference -> updates, once per step.
+
+Everything heavy runs in the compiled sampler and learner; this loop only moves small arrays.
+Its host syncs are deliberate and few per step: the sampled tokens (needed to decode text for
+the reward functions) and the step's metrics at the end.
+
+Determinism for resume: step s draws its prompts from `PromptSource.sample(s, round, n)` and its
+PRNG key from (seed, s, round), so a run restored at step s continues exactly as it would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_core.rl import algo
+
+from grpo_core.nn import lora
+
+from grpo_core.config import memory as mem
+
+from grpo_core.rewards import functions as rw
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.config.train import DType, TrainConfig
+from grpo_core.engines import make_engine
+from grpo_core.rl.learner import Learner, LossParams, TrainState
+from grpo_core.runtime.mesh import Placement
+from grpo_core.nn.model import CausalLM
+from grpo_core.rl.sampler import SamplerOptions, stop_ids, completion_texts, pad_prompts, spec_of, step_key
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+    pad_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class PromptSource(Protocol):
+    def sample(self, step: int, round_: int, n: int) -> list[dict[str, Any]]:
+        """n rows, each {"prompt": str, **columns}; a pure function of (step, round_)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A training metric became NaN/Inf. The message names the step and the metric."""
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's completions on the host, P groups of G rows."""
+
+    rows: list[dict[str, Any]]  # the P prompt rows
+    prompt_tokens: np.ndarray  # (P, Tp) left-padded, one row per group
+    prompt_valid: np.ndarray  # (P, Tp)
+    tokens: np.ndarray  # (B, N)
+    logprobs: np.ndarray  # (B, N)
+    lengths: np.ndarray  # (B,)
+    truncated: np.ndarray  # (B,)
+    completions: list[str]
+    rewards: np.ndarray  # (B,) NaN = excluded
+    per_function: dict[str, np.ndarray]
+
+
+def _repad(x: np.ndarray, width: int, fill) -> np.ndarray:
+    """Left-pad (B, T) to (B, width): prompts of different buckets share one batch."""
+    if x.shape[1] == width:
+        return x
+    out = np.full((x.shape[0], width), fill, x.dtype)
+    out[:, width - x.shape[1]:] = x
+    return out
+
+
+def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad: int) -> Rollout:
+    """Concatenate groups (part index, group index) from several sampling rounds."""
+    width = max(p.prompt_tokens.shape[1] for p in parts)
+    cat = lambda f: np.concatenate([f(parts[p], slice(j * g, (j + 1) * g)) for p, j in idx])
+    one = lambda f: np.concatenate([f(parts[p], slice(j, j + 1)) for p, j in idx])
+    return Rollout(
+        rows=[parts[p].rows[j] for p, j in idx],
+        prompt_tokens=one(lambda r, s: _repad(r.prompt_tokens[s], width, pad)),
+        prompt_valid=one(lambda r, s: _repad(r.prompt_valid[s], width, False)),
+        tokens=cat(lambda r, s: r.tokens[s]), logprobs=cat(lambda r, s: r.logprobs[s]),
+        lengths=cat(lambda r, s: r.lengths[s]), truncated=cat(lambda r, s: r.truncated[s]),
+        completions=[c for p, j in idx for c in parts[p].completions[j * g:(j + 1) * g]],
+        rewards=cat(lambda r, s: r.rewards[s]),
+        per_function={k: np.concatenate([parts[p].per_function[k][j * g:(j + 1) * g] for p, j in idx])
+                      for k in parts[0].per_function},
+    )
+
+
+_advantages = jax.jit(algo.advantages, static_argnums=(1, 2, 3, 4))
+
+
+class GRPOTrainer:
+    """GRPO on one model. `train()` runs steps; `state` is what a checkpoint must hold."""
+
+    def __init__(self, model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, rewards: Sequence[rw.Reward],
+                 prompts: PromptSource, eos_ids: Sequence[int] | None = None, placement: Placement | None = None,
+                 memory_plan: "mem.Plan | None" = None):
+        """`memory_plan` (grpo_core.config.memory.plan) chooses train.remat and grad_accum_steps where the
+        config says auto; without one they are chosen here from this process's devices (the worker
+        passes the plan it made for data.max_prompt_tokens)."""
+        if not rewards:
+            raise ValueError("at least one reward function is needed")
+        self.tokenizer, self.rewards, self.prompts = tokenizer, list(rewards), prompts
+        self.graphdef, params = nnx.split(model)
+        # LoRA: the state trains the adapters; the base weights are a frozen argument of the step.
+        self.frozen, ref_graphdef = None, None
+        if lora.has_adapters(model):
+            self.graphdef, ref_graphdef, self.frozen, params = lora.split(model)
+        if not cfg.memory_resolved:
+            memory_plan = memory_plan or self._plan(model.config, cfg, params)
+            cfg = mem.resolve(cfg, memory_plan)
+            log.info("memory: %s", memory_plan.describe())
+        self.cfg, self.memory_plan = cfg, memory_plan
+        # train.mesh: parameters (and the frozen base) laid out over the learner's devices, all hosts'.
+        self.placement = placement or Placement.from_config(cfg.mesh)  # the one the model was loaded onto, if any
+        params = self.placement.put_params(params)
+        if self.frozen is not None:
+            self.frozen = self.placement.put_params(self.frozen)
+        g = cfg.grpo
+        self.opts = SamplerOptions.from_config(cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer),
+                                               tokenizer.pad_token_id)
+        hp = LossParams.from_train(cfg)
+        total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
+        self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
+        # The reference is the starting policy, frozen (with LoRA: the base weights themselves,
+        # adapters off, no copy). With beta == 0 it is never kept or scored.
+        self.ref_params = None
+        if g.needs_reference:
+            self.ref_params = self.placement.reference_params(params if self.frozen is None else self.frozen,
+                                                              copy=self.frozen is None)
+            self.ref_params = _in_compute_dtype(self.ref_params, model.config.dtype)
+        # old_logp from the learner where the engine's numbers can differ from its own
+        self.rescore = cfg.rollout.learner_logprobs(model.config.dtype)
+        self.state: TrainState = self.learner.init_state(params)
+        self.step = 0  # the next step to run
+        self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
+        self._t = dict.fromkeys(("rollout", "rewards", "reference", "update", "sync", "rescore"), 0.0)  # this step's split
+        # The rollout engine (train.rollout): the built-in sampler reads self.params at each call;
+        # sglang / http engines hold their own copy, sent by _sync_engine after every update.
+        self.engine = make_engine(cfg.rollout, graphdef=self.graphdef, params_fn=lambda: self.params,
+                                  model_config=model.config, opts=self.opts, batch_size=g.batch_size,
+                                  tokenizer=tokenizer, seed=cfg.seed, placement=self.placement)
+
+    def _plan(self, mc, cfg: TrainConfig, params) -> "mem.Plan":
+        """A memory plan from this process's devices, for prompts of up to 64 tokens (the worker
+        plans with data.max_prompt_tokens instead and passes it in)."""
+        facts = mem.device_facts()
+        trainable = None if self.frozen is None else lora.num_params(params)
+        layout = mem.Layout() if facts["backend"] == "cpu" else mem.Layout(*cfg.mesh.sizes(facts["devices"]))
+        return mem.plan(mc, cfg, 64, facts["available"], trainable=trainable, layout=layout, backend=facts["backend"],
+                        runtime_bytes=facts["runtime"])
+
+    @property
+    def params(self):
+        """The policy's parameters (with LoRA: the base and the adapters, one nnx.State)."""
+        if self.frozen is None:
+            return self.state["params"]
+        return nnx.merge_state(self.frozen, self.state["params"])
+
+    def model(self) -> CausalLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    # -- compilation -----------------------------------------------------------------------
+
+    def _precompile(self, ptok: np.ndarray, pval: np.ndarray, key) -> None:
+        """The first time a prompt bucket appears, compile the sampler, the reference scorer and
+        the update step for it concurrently (a cold first step otherwise compiles them one after
+        another). The sampler's compilation is waited for here; the learner's in `_wait_compiled`."""
+        if ptok.shape in self._compiled:
+            return
+        g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
+        b = g_cfg.batch_size
+        batch_spec = {"prompt_tokens": ptok, "prompt_valid": pval,
+                      "targets": jax.ShapeDtypeStruct((b, n), jnp.int32), "mask": jax.ShapeDtypeStruct((b, n), jnp.float32),
+                      "old_logp": jax.ShapeDtypeStruct((b, n), jnp.float32), "ref_logp": jax.ShapeDtypeStruct((b, n), jnp.float32),
+                      "advantages": jax.ShapeDtypeStruct((b,), jnp.float32)}
+        batch_spec = spec_of(batch_spec)
+        sampler_jobs = self.engine.compile_jobs(ptok, pval, key, g_cfg.num_generations)
+        learner_jobs = self.learner.compile_jobs(self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference,
+                                                 self.frozen, self.ref_params)
+        pool = ThreadPoolExecutor(max_workers=len(sampler_jobs) + len(learner_jobs))
+        self._compiled[ptok.shape] = [pool.submit(job) for job in learner_jobs]  # the longest first
+        for f in [pool.submit(job) for job in sampler_jobs]:
+            f.result()
+        pool.shutdown(wait=False)  # its threads finish the learner's jobs, then exit
+
+    def _wait_compiled(self) -> None:
+        """Block until background compilation is done (a call before it would compile again)."""
+        for futures in self._compiled.values():
+            for f in futures:
+                f.result()  # raises what compilation raised
+
+    # -- rollout ---------------------------------------------------------------------------
+
+    def _sample_round(self, step: int, round_: int) -> Rollout:
+        g, p = self.cfg.grpo.num_generations, self.cfg.grpo.prompts_per_step
+        rows = self.prompts.sample(step, round_, p)
+        encoded = [r["prompt_ids"] if "prompt_ids" in r else self.tokenizer.encode(r["prompt"]) for r in rows]
+        ptok, pval = pad_prompts(encoded, self.cfg.sampling.prompt_buckets, self.opts.pad_id)
+        self._precompile(ptok, pval, step_key(self.cfg.seed, step, round_))
+        if self.engine.synced_step != self.step:  # a new trainer or a restored checkpoint
+            self._sync_engine(self.step)
+        out = self.engine.generate(ptok, pval, step_key(self.cfg.seed, step, round_), g)  # host arrays
+        tokens, logprobs, lengths, truncated = out.tokens, out.logprobs, out.lengths, out.truncated
+        texts = completion_texts(self.tokenizer, tokens, lengths, self.opts.eos_ids)
+        rep = lambda xs: [x for x in xs for _ in range(g)]
+        columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k not in ("prompt", "prompt_ids")}
+        t_rew = time.perf_counter()
+        scored = rw.score(self.rewards, rep([r["prompt"] for r in rows]), texts, columns)
+        self._t["rewards"] += time.perf_counter() - t_rew
+        return Rollout(rows, ptok, pval, tokens, logprobs, lengths, truncated,
+                       texts, scored.total, scored.per_function)
+
+    def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """Sample P groups; with dynamic sampling keep only groups whose rewards differ, drawing
+        more rounds (at most max_sampling_rounds) and topping up with zero-variance groups last."""
+        g_cfg = self.cfg.grpo
+        g, p = g_cfg.num_generations, g_cfg.prompts_per_step
+        parts, keep, spare = [], [], []
+        for round_ in range(g_cfg.max_sampling_rounds if g_cfg.dynamic_sampling else 1):
+            part = self._sample_round(step, round_)
+            parts.append(part)
+            zero = np.asarray(algo.zero_std_groups(part.rewards, g))
+            if round_ == 0:
+                first_zero = float(zero.mean())
+            for j in range(p):
+                (spare if g_cfg.dynamic_sampling and zero[j] else keep).append((round_, j))
+            if len(keep) >= p:
+                break
+        chosen = (keep + spare)[:p]
+        info = {"sampling_rounds": float(len(parts)), "frac_reward_zero_std": first_zero,
+                "rollout_tokens": float(sum(int(pt.lengths.sum()) for pt in parts))}
+        return (_select_groups(parts, g, chosen, self.opts.pad_id) if len(parts) > 1 else parts[0]), info
+
+    # -- learning --------------------------------------------------------------------------
+
+    def _batch(self, ro: Rollout) -> dict[str, jax.Array]:
+        g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
+        adv = np.asarray(_advantages(jnp.asarray(ro.rewards, jnp.float32), g_cfg.num_generations, g_cfg.advantage,
+                                     g_cfg.scale_rewards, g_cfg.advantage_eps))  # B floats: the batch goes up whole
+        mask = np.arange(n)[None, :] < ro.lengths[:, None]
+        if g_cfg.mask_truncated_completions:
+            mask &= ~ro.truncated[:, None]
+        mask &= ~np.isnan(ro.rewards)[:, None]  # no reward function applies: no loss
+        b = len(ro.tokens)
+        batch = {  # each prompt once: the learner runs it once per group
+            "prompt_tokens": ro.prompt_tokens, "prompt_valid": ro.prompt_valid,
+            "targets": ro.tokens, "mask": mask.astype(np.float32), "old_logp": ro.logprobs.astype(np.float32),
+        }
+        batch.update(advantages=adv, ref_logp=np.zeros((b, n), np.float32))
+        return self.placement.put_batch(batch)  # rows over the mesh; the same host arrays on every process
+
+    def _update(self, step: int, batch) -> dict[str, jax.Array]:
+        g_cfg = self.cfg.grpo
+        m, g, p = g_cfg.minibatches_per_rollout, g_cfg.num_generations, g_cfg.prompts_per_step
+        per = []
+        for it in range(g_cfg.num_iterations):
+            order = batch
+            if m > 1:  # fresh group order per pass, from (seed, step, pass): reproducible on resume
+                perm = jax.random.permutation(jax.random.fold_in(step_key(self.cfg.seed, step, 1 << 20), it), p)
+                rows = (perm[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
+                order = jax.tree.map(lambda x: x[perm] if x.shape[0] == p else x[rows], batch)
+            for k in range(m):  # contiguous slices keep every group whole
+                mb = jax.tree.map(lambda x: x[k * x.shape[0] // m:(k + 1) * x.shape[0] // m], order) if m > 1 else order
+                self.state, metrics = self.learner.step(self.state, self.placement.put_batch(mb), self.frozen)
+                per.append(metrics)
+        return jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *per) if len(per) > 1 else per[0]
+
+    def train_step(self) -> dict[str, float]:
+        """Run step `self.step` and return its metrics (floats)."""
+        step = self.step
+        self._t = dict.fromkeys(self._t, 0.0)
+        t0 = time.perf_counter()
+        ro, info = self.rollout(step)
+        self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"] - self._t["sync"]
+        batch = self._batch(ro)
+        self._wait_compiled()
+        if self.rescore:
+            t = time.perf_counter()
+            sampler_logp = batch["old_logp"]
+            batch["old_logp"] = self.learner.score_policy(self.params, batch).block_until_ready()  # behaviour = current policy
+            info.update(_logprob_gap(sampler_logp, batch["old_logp"], batch["mask"]))
+            self._t["rescore"] = time.perf_counter() - t
+        if self.ref_params is not None:
+            t = time.perf_counter()
+            batch["ref_logp"] = self.learner.score(self.ref_params, batch).block_until_ready()
+            self._t["reference"] = time.perf_counter() - t
+        t = time.perf_counter()
+        learner_metrics = jax.device_get(self._update(step, batch))  # host sync: the step's end
+        self._t["update"] = time.perf_counter() - t
+        self._sync_engine(step + 1)  # the engine serves the updated policy from the next rollout on
+        metrics = self._metrics(step, ro, info, learner_metrics)
+        metrics["time/step"] = time.perf_counter() - t0
+        self.step += 1
+        return metrics
+
+    def _sync_engine(self, version: int) -> None:
+        """Send the policy after `version` updates to the rollout engine (bounded by
+        train.rollout.sync_timeout_s inside the engine). LoRA adapters are merged first: the
+        engines serve plain models."""
+        t = time.perf_counter()
+        params = None
+        if self.engine.name != "jax":
+            params = self.params if self.frozen is None else nnx.state(lora.merge(self.model()), nnx.Param)
+        self.engine.sync(params, version)
+        self._t["sync"] += time.perf_counter() - t
+
+    def close(self) -> None:
+        """Stop the rollout engine (an in-process engine's threads, or a server this run started)."""
+        self.engine.close()
+
+    def _metrics(self, step, ro: Rollout, info, lm) -> dict[str, float]:
+        r = ro.rewards[~np.isnan(ro.rewards)]
+        out = {"step": float(step), "reward": _mean(r), "reward_std": _std(r)}
+        for name, v in ro.per_function.items():
+            v = v[~np.isnan(v)]
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _mean(v), _std(v)
+        out.update({k: float(v) for k, v in info.items() if k.startswith("logprobs/")})
+        out["frac_reward_zero_std"] = info["frac_reward_zero_std"]
+        out["sampling_rounds"] = info["sampling_rounds"]
+        out["completions/mean_length"] = float(ro.lengths.mean())
+        out["completions/min_length"] = float(ro.lengths.min())
+        out["completions/max_length"] = float(ro.lengths.max())
+        out["completions/clipped_ratio"] = float(ro.truncated.mean())
+        out.update({k: float(v) for k, v in lm.items()})
+        out["rollout_tokens_per_s"] = info["rollout_tokens"] / max(self._t["rollout"], 1e-9)
+        out.update({f"time/{k}": v for k, v in self._t.items()})
+        for k in ("loss", "grad_norm", "kl", "entropy"):
+            if not math.isfinite(out[k]):
+                raise NonFiniteError(f"step {step}: {k} is {out[k]} (learning_rate={out['learning_rate']:.3g}, "
+                                     f"grad_norm={out['grad_norm']:.3g}); lower optimizer.learning_rate or check the rewards")
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save(self, ckpt: Checkpointer, config_hash: str = "") -> None:
+        """Checkpoint after `self.step` steps. The reference policy is not saved: it is the model
+        this trainer was built from, which a resumed run builds again from the same source; with
+        LoRA neither is the base (the state holds the adapters only)."""
+        ckpt.save(self.step, self.state, {"seed": self.cfg.seed, "config_hash": config_hash})
+
+    def restore(self, ckpt: Checkpointer, step: int | None = None, config_hash: str = "") -> bool:
+        """Continue from checkpoint `step` (default: the newest finalised one). False if none."""
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            return False
+        state, meta = ckpt.restore(step, self.state)
+        if meta.get("seed") != self.cfg.seed or meta.get("config_hash", "") != config_hash:
+            raise ValueError(f"checkpoint {step} in {ckpt.directory} was written by another run "
+                             f"(seed {meta.get('seed')}, config {meta.get('config_hash')!r}); this run has seed "
+                             f"{self.cfg.seed}, config {config_hash!r}")
+        self.state, self.step = state, int(meta["step"])
+        return True
+
+    def train(self, num_steps: int | None = None, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        """Run until `num_steps` steps in total have run (default: the config's num_steps)."""
+        end = self.cfg.num_steps if num_steps is None else num_steps
+        history = []
+        while self.step < end:
+            m = self.train_step()
+            history.append(m)
+            if on_step is not None:
+                on_step(m)
+        return history
+
+
+def _in_compute_dtype(params, dtype: DType):
+    """The reference's weights as the matmuls read them: every matrix in the compute dtype (a
+    bfloat16 run with float32 master weights keeps a bfloat16 reference, half the memory and the
+    same numbers), vectors (norm scales, biases) as they are."""
+    if dtype is not DType.BFLOAT16:
+        return params
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 and x.dtype == jnp.float32 else x, params)
+
+
+@jax.jit
+def _gap(a, b, mask):
+    d = jnp.abs(a - b) * mask
+    return jnp.sum(d) / jnp.maximum(jnp.sum(mask), 1.0), jnp.max(d)
+
+
+def _logprob_gap(sampler_logp, learner_logp, mask) -> dict[str, float]:
+    """How far the engine's log-probs are from the learner's on the same tokens (verl's
+    rollout_probs_diff): mean and max |difference| over the completion tokens."""
+    mean, top = _gap(sampler_logp, learner_logp, mask)  # read with the step's metrics: no sync here
+    return {"logprobs/sampler_gap_mean": mean, "logprobs/sampler_gap_max": top}
+
+
+def _mean(x):
+    return float(np.mean(x)) if len(x) else float("nan")
+
+
+def _std(x):
+    return float(np.std(x, ddof=1)) if len(x) > 1 else 0.0

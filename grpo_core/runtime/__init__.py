@@ -1,0 +1,1 @@
+"""Devices: the mesh and the shardings of parameters and batches. Needs JAX."""

@@ -1,0 +1,419 @@
+"""The worker: the process a pipeline task launches and watches for each stage that touches an
+accelerator (DESIGN.md says why these never run inside the Prefect process).
+
+    python -m grpo_core.stages.worker train --root RUN_URL --until-step N
+    python -m grpo_core.stages.worker eval  --root RUN_URL --steps 0,100,200
+    python -m grpo_core.stages.worker export --root RUN_URL [--step N]
+
+The config is the run's `config.json` (written by the pipeline before any stage runs), or
+`--config FILE`. `train` restores the newest finalised checkpoint under `checkpoints/` (only
+one written for the same training hash), trains until N steps are done in total, and every
+`pipeline.checkpoint_every` steps writes the metrics shard of those steps and then a checkpoint
+(outputs first, checkpoint last). `eval` evaluates the starting policy (step 0) or a
+checkpoint and writes `eval/{step}.json`, skipping steps already evaluated with the same config.
+Progress goes to stdout as JSON lines, one object per event:
+
+    {"event": "start" | "resumed", "step": s, "until": N}
+    {"event": "step", "step": s, "reward": ..., ...}          # after each step
+    {"event": "checkpoint", "step": s, "uri": ...}            # durable: safe to be killed now
+    {"event": "done", "step": N, "steps_run": n}
+    {"event": "eval", "step": s, "uri": ..., "cached": bool, "accuracy": ..., ...}
+    {"event": "export", "step": s, "uri": ..., "cached": bool, "files": [...]}
+    {"event": "memory", "describe": ..., "total_bytes": ..., ...}  # grpo_core.config.memory's plan, before training
+    {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage" | "rollout" | "distributed"
+     | "memory", "message": ...}
+
+Exit codes: 0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf), 9
+out of memory — none worth retrying, a retry would fail the same way; anything else (a crash, a kill, 5 for a
+storage error, 7 for a rollout engine that failed or passed a time limit) is worth retrying:
+the next run resumes from the last checkpoint, re-running at most checkpoint_every - 1 steps,
+whose metric rows then replace their earlier copies (storage.RunRoot.read_metrics keeps one
+row per step); 8 for a multi-host setup that failed (a process did not join in time).
+
+Multi-host (grpo_core.launch.cluster): `--distributed`, or GRPO_COORDINATOR / GRPO_NUM_PROCESSES /
+GRPO_PROCESS_ID set by a launcher (grpo_core.launch.launchers), joins jax.distributed before anything
+else. Every process runs the same stage; process 0 alone prints events and writes metrics,
+evaluation results and exports (checkpoints are written by all, as Orbax requires); training
+starts only once every process agrees on the config hash and the first batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+EXIT_CONFIG, EXIT_REWARD, EXIT_STORAGE, EXIT_DIVERGED = 2, 3, 5, 6
+EXIT_ROLLOUT = 7  # the rollout engine failed or passed a time limit (grpo_core.engines.EXIT_TIMEOUT): retryable
+EXIT_DISTRIBUTED = 8  # jax.distributed could not start or the processes disagree: retryable
+EXIT_MEMORY = 9  # out of device or host memory: the same settings fail the same way
+NOT_RETRYABLE = frozenset({EXIT_CONFIG, EXIT_REWARD, EXIT_DIVERGED, EXIT_MEMORY})
+_STEP_KEYS = ("reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "completions/mean_length",
+              "time/step")
+
+
+# What to change when a run does not fit (the task's message for a kill by the kernel says the same).
+OUT_OF_MEMORY_LEVERS = ("lower train.grpo.prompts_per_step or train.sampling.max_new_tokens, set train.remat=full "
+                        "and train.grpo.grad_accum_steps=auto, use LoRA (model.lora) or bfloat16 "
+                        "(model.param_dtype), or shard over more devices (train.mesh); `grpo check` shows the estimate")
+
+_PRIMARY = True  # process 0 of a multi-host run (or the only process): the one that reports and writes
+
+
+def _emit(event: str, **fields: Any) -> None:
+    """One JSON line on stdout, from process 0 only (the launcher streams process 0's); another
+    process's error goes to its stderr, which the launcher keeps for the failure message."""
+    line = json.dumps({"event": event, **fields})
+    if _PRIMARY:
+        print(line, flush=True)
+    elif event == "error":
+        print(line, file=sys.stderr, flush=True)
+
+
+def train(parts, until_step: int) -> int:
+    from grpo_core.config import memory
+    from grpo_core.rl.checkpoint import Checkpointer
+    from grpo_core.config.train import ConfigError
+    from grpo_core.data.prepare import DatasetPrompts
+    from grpo_core.nn.lora import LoraConfig
+    from grpo_core.runtime.mesh import Placement
+    from grpo_core.rl.trainer import GRPOTrainer
+
+    cfg, root = parts.cfg, parts.root
+    if until_step > cfg.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
+        raise ConfigError(f"--until-step {until_step} is past train.num_steps ({cfg.train.num_steps})")
+    every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
+    plan = memory.plan_on(parts.model_config(), cfg.train, cfg.data.max_prompt_tokens,
+                          memory.device_facts(),  # before the model exists: the runtime term is this process alone
+                          LoraConfig.from_value(cfg.model["lora"]) if cfg.model.get("lora") else None)
+    _emit("memory", describe=plan.describe(), **plan.report())
+    placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
+    trainer = GRPOTrainer(parts.create_policy(placement), cfg.train, parts.tokenizer, parts.rewards,
+                          DatasetPrompts(parts.train_rows, seed=cfg.data.seed), placement=placement, memory_plan=plan)
+    with Checkpointer(root.uri("checkpoints")) as ckpt, contextlib.closing(trainer):  # closing: the rollout engine
+        resumed = trainer.restore(ckpt, config_hash=h)
+        start = trainer.step
+        _agree(h, trainer)
+        _emit("resumed" if resumed else "start", step=start, until=until_step)
+        pending: list[dict[str, Any]] = []
+        while trainer.step < until_step:
+            m = trainer.train_step()
+            pending.append(m)
+            _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m}, **memory.peak_bytes())
+            _fault("step", trainer.step, root.url)
+            if trainer.step % every == 0 or trainer.step == until_step:
+                if _PRIMARY:
+                    root.write_metrics(pending)  # outputs first ...
+                trainer.save(ckpt, config_hash=h)  # ... the checkpoint (finalised last) after
+                ckpt.wait()
+                pending = []
+                _emit("checkpoint", step=trainer.step, uri=root.uri("checkpoints", str(trainer.step)))
+                _fault("checkpoint", trainer.step, root.url)
+    _emit("done", step=trainer.step, steps_run=trainer.step - start)
+    return 0
+
+
+def _fault(where: str, step: int, root_url: str) -> None:
+    """Fault injection for the pipeline's tests: GRPO_FAULT="where:step:flagfile[,...]" SIGKILLs
+    this process after that step ('step') or once its checkpoint is durable ('checkpoint'). Each
+    fault fires once: its flag file records that it did, so the retried worker runs through.
+    GRPO_FAULT_RUN limits it to runs whose root URL contains that text, GRPO_FAULT_PROCESS to one
+    process of a multi-host run."""
+    if os.environ.get("GRPO_FAULT_RUN", "") not in root_url:
+        return
+    only = os.environ.get("GRPO_FAULT_PROCESS")
+    if only is not None and int(only) != _process_index():
+        return
+    for spec in filter(None, os.environ.get("GRPO_FAULT", "").split(",")):
+        w, s, flag = spec.split(":", 2)
+        if w == where and int(s) == step and not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _process_index() -> int:
+    if "jax" not in sys.modules:  # a single process that has not started JAX yet
+        return 0
+    import jax
+
+    return jax.process_index()
+
+
+def _agree(config_hash: str, trainer) -> None:
+    """With several processes: stop unless every one has the same config hash and draws the same
+    first batch (a host that read other data, or another config.json, would feed the shared
+    programs other inputs and corrupt them silently)."""
+    import jax
+
+    from grpo_core.launch import cluster as distributed
+
+    if jax.process_count() == 1:
+        return
+    p = trainer.cfg.grpo.prompts_per_step
+    differ = distributed.disagreements({"config hash": config_hash,
+                                        "first batch": distributed.first_batch_digest(trainer.prompts, trainer.step, p)})
+    if differ:
+        raise distributed.DistributedError("processes disagree before training: " + "; ".join(
+            f"{name} of process(es) {procs} differs from process 0's" for name, procs in differ.items()))
+
+
+def _policy_params(parts, ckpt, step: int):
+    """(graphdef, params) of the starting policy (step 0) or of checkpoint `step`."""
+    from flax import nnx
+
+    from grpo_core.config.train import ConfigError
+
+    graphdef, params = nnx.split(parts.create_policy())
+    if step == 0 and 0 not in ckpt.all_steps():
+        return graphdef, params
+    if step not in ckpt.all_steps():
+        raise ConfigError(f"no checkpoint for step {step} under {ckpt.directory}; "
+                          f"finalised checkpoints: {ckpt.all_steps() or 'none'}")
+    state, meta = ckpt.restore(step)  # as saved: plain nested dicts
+    if meta.get("config_hash") != parts.cfg.train_hash:
+        raise ConfigError(f"checkpoint {step} in {ckpt.directory} was trained with another config "
+                          f"({meta.get('config_hash')!r}, this run is {parts.cfg.train_hash!r})")
+    nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
+    return graphdef, params
+
+
+def _unwrap(tree):
+    """Orbax restores an nnx.State without a target as nested dicts whose leaves sit under a
+    'value' key (the Variable's field); replace_by_pure_dict wants the arrays themselves."""
+    if isinstance(tree, dict):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {k: _unwrap(v) for k, v in tree.items()}
+    return tree
+
+
+def evaluate_steps(parts, steps: list[int]) -> int:
+    from grpo_core.rl.checkpoint import Checkpointer
+    from grpo_core.rl.evaluation import evaluate
+
+    cfg, root, h = parts.cfg, parts.root, parts.cfg.eval_hash
+    sampling = cfg.train.sampling.replace(temperature=cfg.eval.temperature)
+    with Checkpointer(root.uri("checkpoints"), max_to_keep=None) as ckpt:
+        for step in steps:
+            rel = f"eval/{step}.json"
+            if root.exists(rel) and root.read_json(rel).get("eval_hash") == h:
+                _emit("eval", cached=True, uri=root.uri(rel), **root.read_json(rel))
+                continue
+            t = time.perf_counter()
+            graphdef, params = _policy_params(parts, ckpt, step)
+            kw = dict(batch_size=cfg.eval.batch_size, seed=cfg.train.seed)
+            greedy = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling, **kw)
+            result = {"step": step, "eval_hash": h, "accuracy": greedy[cfg.eval.accuracy_reward], "greedy": greedy}
+            if cfg.eval.num_samples > 1:
+                sampled = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling,
+                                   num_samples=cfg.eval.num_samples, pass_reward=cfg.eval.accuracy_reward, **kw)
+                result["sampled"] = sampled
+                result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
+            result["examples"] = _examples(parts, graphdef, params, sampling)
+            result["seconds"] = round(time.perf_counter() - t, 3)
+            _emit("eval", cached=False, uri=root.write_json(rel, result) if _PRIMARY else root.uri(rel), **result)
+    return 0
+
+
+def export(parts, step: int | None) -> int:
+    """Write checkpoint `step` (default: the newest; 0 or none yet: the starting policy) as a
+    Hugging Face folder `export/{step}/`: config.json, model.safetensors (LoRA merged),
+    the tokenizer files and generation_config.json; the marker last. A folder already exported
+    from the same training config is not written again."""
+    import tempfile
+
+    from flax import nnx
+
+    from grpo_core.rl.checkpoint import Checkpointer
+    from grpo_core.nn.hf import save_hf_model
+    from grpo_core.rl.sampler import stop_ids
+
+    cfg, root = parts.cfg, parts.root
+    with Checkpointer(root.uri("checkpoints"), max_to_keep=None) as ckpt:
+        if step is None:
+            step = max(ckpt.all_steps(), default=0)
+        stage = f"export/{step}"
+        if root.is_done(stage) and root.done_info(stage).get("train_hash") == cfg.train_hash:
+            _emit("export", cached=True, uri=root.uri(stage), **root.done_info(stage))
+            return 0
+        t = time.perf_counter()
+        graphdef, params = _policy_params(parts, ckpt, step)
+    if not _PRIMARY:  # the files are process 0's to write
+        return 0
+    model = nnx.merge(graphdef, params)
+    if cfg.model.get("lora"):
+        from grpo_core.nn.lora import merge
+
+        model = merge(model)  # W + (alpha / rank) A @ B: a plain model any HF runtime serves
+    with tempfile.TemporaryDirectory(prefix="grpo-export-") as tmp:
+        save_hf_model(model, tmp)
+        parts.tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(_generation_config(parts, stop_ids(parts.tokenizer)), f, indent=1)
+        files = sorted(os.listdir(tmp))
+        for name in files:
+            root.put_file(os.path.join(tmp, name), f"{stage}/{name}")
+    info = {"step": step, "train_hash": cfg.train_hash, "files": files, "source": cfg.model_path or cfg.model.get("preset"),
+            "lora_merged": bool(cfg.model.get("lora")), "seconds": round(time.perf_counter() - t, 3)}
+    root.mark_done(stage, info)  # last: the folder is complete
+    _emit("export", cached=False, uri=root.uri(stage), **info)
+    return 0
+
+
+def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
+    """The source model's generation config (its sampling defaults kept) with our stop and pad ids."""
+    gen: dict[str, Any] = {}
+    folder = getattr(parts.tokenizer, "folder", None)
+    if folder:
+        from grpo_core.store.sources import generation_config
+
+        gen = generation_config(folder)
+    gen.update(eos_token_id=stops[0] if len(stops) == 1 else stops, pad_token_id=int(parts.tokenizer.pad_token_id))
+    bos = getattr(parts.tokenizer, "bos_id", None)
+    if bos is not None:
+        gen["bos_token_id"] = int(bos)
+    gen.pop("transformers_version", None)
+    return gen
+
+
+def _examples(parts, graphdef, params, sampling, n: int = 4) -> list[dict[str, Any]]:
+    """A few greedy completions to read next to the numbers (the demo prints them)."""
+    from grpo_core.rl.evaluation import complete
+
+    rows = parts.eval_rows[:n]
+    [(_, texts)] = list(complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows)))
+    keep = lambda r: {k: v for k, v in r.items() if k != "prompt_ids" and isinstance(v, (str, int, float))}
+    return [dict(keep(r), completion=c) for r, c in zip(rows, texts)]
+
+
+def _load(args):
+    from grpo_core.stages.parts import open_run
+    from grpo_core.config.run import RunConfig
+    from grpo_core.store.root import RunRoot
+
+    root = RunRoot(args.root)
+    raw = json.loads(open(args.config).read()) if args.config else root.read_json("config.json")
+    return open_run(RunConfig.from_dict(raw), root)
+
+
+def _compilation_cache() -> None:
+    """Each epoch and each evaluation is a fresh process that compiles the same programs again;
+    JAX's persistent compilation cache turns those compilations into loads. The default folder
+    is ~/.cache/grpo-pipeline/jax; JAX_COMPILATION_CACHE_DIR chooses another, and
+    GRPO_COMPILATION_CACHE=0 turns it off."""
+    if os.environ.get("GRPO_COMPILATION_CACHE", "1") == "0":
+        return
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(base, "grpo-pipeline", "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grpo_core.stages.worker", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name in ("train", "eval", "export"):
+        p = sub.add_parser(name)
+        p.add_argument("--root", required=True, help="the run's folder or URL (gs://bucket/prefix/run)")
+        p.add_argument("--config", help="JSON run config (default: config.json in the run root)")
+        p.add_argument("--distributed", action="store_true",
+                       help="join a multi-host run (jax.distributed; see grpo_core.launch.cluster for the environment)")
+    sub.choices["train"].add_argument("--until-step", type=int, required=True, help="train until this many steps")
+    sub.choices["eval"].add_argument("--steps", required=True, help="comma-separated steps; 0 = starting policy")
+    sub.choices["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest)")
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    _compilation_cache()
+    rc = _join(args.distributed) or _run(args)
+    print(json.dumps({"event": "exit", "code": rc, "seconds": round(time.perf_counter() - t, 3)}), file=sys.stderr)
+    return rc
+
+
+def _join(requested: bool) -> int:
+    """Join the other processes of a multi-host run, if the launcher started several."""
+    global _PRIMARY
+    from grpo_core.launch import cluster as distributed
+
+    try:
+        cluster = distributed.from_env(requested=requested)
+        distributed.initialize(cluster)
+    except distributed.DistributedError as exc:
+        _emit("error", kind="distributed", message=str(exc))
+        return EXIT_DISTRIBUTED
+    if cluster is not None:
+        _PRIMARY = distributed.is_primary()
+    return 0
+
+
+def _run(args) -> int:
+    from grpo_core.config.train import ConfigError
+    from grpo_core.data.prepare import DataError
+    from grpo_core.launch.cluster import DistributedError
+    from grpo_core.engines import RolloutError, RolloutTimeout
+    from grpo_core.rewards.functions import RewardFunctionError
+    from grpo_core.store.root import StorageError
+    from grpo_core.rl.trainer import NonFiniteError
+
+    try:
+        parts = _load(args)
+        if args.command == "train":
+            if args.until_step < 0:
+                raise ConfigError(f"--until-step must be >= 0, got {args.until_step}")
+            return train(parts, args.until_step)
+        if args.command == "export":
+            return export(parts, args.step)
+        try:
+            steps = sorted({int(s) for s in args.steps.split(",") if s.strip()})
+        except ValueError:
+            raise ConfigError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
+        return evaluate_steps(parts, steps)
+    except StorageError as exc:
+        _emit("error", kind="storage", message=str(exc))
+        return EXIT_STORAGE
+    except FileNotFoundError as exc:  # no config.json, a missing config file or checkpoint
+        _emit("error", kind="config", message=str(exc))
+        return EXIT_CONFIG
+    except (ConfigError, json.JSONDecodeError) as exc:
+        _emit("error", kind="config", message=str(exc))
+        return EXIT_CONFIG
+    except DataError as exc:
+        _emit("error", kind="data", message=str(exc))
+        return EXIT_CONFIG
+    except RewardFunctionError as exc:
+        _emit("error", kind="reward", message=str(exc))
+        return EXIT_REWARD
+    except NonFiniteError as exc:
+        _emit("error", kind="diverged", message=str(exc))
+        return EXIT_DIVERGED
+    except DistributedError as exc:
+        _emit("error", kind="distributed", message=str(exc))
+        return EXIT_DISTRIBUTED
+    except RolloutError as exc:
+        _emit("error", kind="rollout", message=str(exc))
+        if isinstance(exc, RolloutTimeout):  # a thread may still wait inside the engine: exit without joining it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_ROLLOUT)
+        return EXIT_ROLLOUT
+    except Exception as exc:
+        from grpo_core.config import memory
+
+        if not memory.is_out_of_memory(exc):
+            raise
+        peak = memory.peak_bytes()
+        where = (f"device peak {peak['peak_device_bytes'] / 2**30:.2f} GiB" if "peak_device_bytes" in peak
+                 else f"process peak {peak['peak_rss_bytes'] / 2**30:.2f} GiB")
+        _emit("error", kind="memory", message=f"out of memory ({where}): {str(exc).splitlines()[0][:300]}; "
+                                              f"{OUT_OF_MEMORY_LEVERS}")
+        return EXIT_MEMORY
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""What a run root says about its run: where it stands (`status`), its summary.json and its
+reward/accuracy curve. Reads storage only; imports neither JAX nor Prefect."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from grpo_core.store.root import RunRoot
+
+SUMMARY_KEYS = ("status", "steps", "reward_mean_first", "reward_mean_last", "eval_before", "eval_after",
+                "checkpoint_uri", "export_uri")
+
+
+def eval_results(root: RunRoot) -> list[dict[str, Any]]:
+    """eval/{step}.json of every evaluated step, by step."""
+    out = []
+    for name in root.list("eval"):
+        if name.endswith(".json") and name[:-5].isdigit():
+            out.append(root.read_json(f"eval/{name}"))
+    return sorted(out, key=lambda r: r["step"])
+
+
+def _headline(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    keep = {k: v for k, v in result.items() if k == "accuracy" or k.startswith("pass@")}
+    return {"step": result["step"], **keep, "reward_mean": result["greedy"]["reward_mean"]}
+
+
+def window_means(rewards: list[float]) -> tuple[float | None, float | None]:
+    """Mean training reward over the first and the last tenth of the steps (at least one step)."""
+    if not rewards:
+        return None, None
+    w = max(1, len(rewards) // 10)
+    return sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+
+
+def latest_checkpoint(root: RunRoot) -> int | None:
+    """The newest finalised checkpoint step, read from the folder names Orbax finalises
+    (a checkpoint still being written has a temporary name)."""
+    steps = [int(n) for n in root.list("checkpoints") if n.isdigit()]
+    return max(steps) if steps else None
+
+
+def latest_export(root: RunRoot) -> str | None:
+    """The newest complete Hugging Face export, export/{step}/ with its marker."""
+    steps = sorted((int(n) for n in root.list("export") if n.isdigit()), reverse=True)
+    return next((root.uri("export", str(s)) for s in steps if root.is_done(f"export/{s}")), None)
+
+
+def build_summary(root: RunRoot, status: str, **extra: Any) -> dict[str, Any]:
+    metrics = root.read_metrics()
+    first, last = window_means([float(m["reward"]) for m in metrics])
+    evals = eval_results(root)
+    ckpt = latest_checkpoint(root)
+    summary = {
+        "status": status,
+        "steps": int(metrics[-1]["step"]) + 1 if metrics else 0,
+        "reward_mean_first": first,
+        "reward_mean_last": last,
+        "eval_before": _headline(next((e for e in evals if e["step"] == 0), None)),
+        "eval_after": _headline(evals[-1] if evals and evals[-1]["step"] > 0 else None),
+        "checkpoint_uri": root.uri("checkpoints", str(ckpt)) if ckpt is not None else None,
+        "export_uri": latest_export(root),
+        "run_uri": root.url,
+    }
+    summary.update(extra)
+    return summary
+
+
+def plot_curve(root: RunRoot) -> bytes | None:
+    """PNG: training reward per step (and its moving average) above eval accuracy and pass@k."""
+    metrics, evals = root.read_metrics(), eval_results(root)
+    if not metrics and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to bytes
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    steps = [int(m["step"]) for m in metrics]
+    rewards = [float(m["reward"]) for m in metrics]
+    top.plot(steps, rewards, lw=0.6, alpha=0.4, label="reward")
+    w = max(1, len(rewards) // 20)
+    smooth = [sum(rewards[max(0, i - w + 1):i + 1]) / len(rewards[max(0, i - w + 1):i + 1]) for i in range(len(rewards))]
+    top.plot(steps, smooth, lw=1.8, label=f"reward ({w}-step mean)")
+    top.set_ylabel("training reward")
+    top.legend(loc="lower right")
+    top.grid(alpha=0.3)
+    es = [e["step"] for e in evals]
+    bottom.plot(es, [e["accuracy"] for e in evals], "o-", label="greedy accuracy")
+    for k in sorted({k for e in evals for k in e if k.startswith("pass@")}, key=lambda k: int(k[5:])):
+        bottom.plot(es, [e.get(k) for e in evals], "s--", label=k)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("eval")
+    bottom.set_ylim(-0.02, 1.02)
+    bottom.legend(loc="lower right")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(root.url.rsplit("/", 1)[-1])
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def status(root: RunRoot) -> dict[str, Any]:
+    """Where a run stands, from its run root alone."""
+    if not root.exists("config.json"):
+        raise FileNotFoundError(f"{root.url} is not a run: it has no config.json")
+    cfg = root.read_json("config.json")
+    stages = {name: root.done_info(f"stages/{name}") for name in root.list("stages") if root.is_done(f"stages/{name}")}
+    metrics = root.read_metrics()
+    return {
+        "run_uri": root.url,
+        "num_steps": cfg["train"]["num_steps"],
+        "steps_done": int(metrics[-1]["step"]) + 1 if metrics else 0,
+        "latest_checkpoint": latest_checkpoint(root),
+        "export_uri": latest_export(root),
+        "stages_done": sorted(stages),
+        "readiness": root.read_json("readiness.json").get("ready") if root.exists("readiness.json") else None,
+        "eval": [_headline(e) for e in eval_results(root)],
+        "summary": root.read_json("summary.json") if root.exists("summary.json") else None,
+        "last_metrics": {k: metrics[-1][k] for k in ("step", "reward", "kl", "entropy") if k in metrics[-1]}
+        if metrics else None,
+    }
