@@ -102,6 +102,7 @@ def check_command(args) -> int:
     cfg = _config(args)
     if cfg is None:
         return 2
+    from grpo_core.errors import ExitCode
     from tasks.stages import readiness_report
 
     report = readiness_report(cfg)
@@ -114,7 +115,7 @@ def check_command(args) -> int:
             print(f"  {'ok ' if c['ok'] else 'FAIL'} {c['name']:<18} {c['detail']}")
             if not c["ok"] and c.get("fix"):
                 print(f"       fix: {c['fix']}")
-    return 0 if report["ready"] else 4
+    return 0 if report["ready"] else ExitCode.NOT_READY
 
 
 def eval_command(args) -> int:

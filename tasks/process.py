@@ -4,7 +4,7 @@ and enforce a hard time limit.
 Prefect cannot interrupt blocking code in a thread, so a stage's time limit is enforced here:
 each worker runs in its own process group and every group is stopped (SIGTERM, then SIGKILL)
 when the limit passes, or as soon as one process of a multi-host set fails. The worker's exit code says whether a retry can help
-(grpo_core.stages.worker.NOT_RETRYABLE); the task's retry_condition_fn reads it from StageError.
+(grpo_core.errors, the table the worker chose it from); the task's retry_condition_fn reads it from StageError.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Any, Callable
 
 from grpo_core.launch.launchers import LauncherConfig, start
 from grpo_core.config.memory import host_memory_bytes
-from grpo_core.stages.worker import (EXIT_CONFIG, EXIT_DIVERGED, EXIT_MEMORY, EXIT_REWARD, NOT_RETRYABLE,
-                              OUT_OF_MEMORY_LEVERS)
+from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, is_retryable
 
 
 class StageError(RuntimeError):
@@ -30,8 +29,6 @@ class StageError(RuntimeError):
         self.retryable = retryable
 
 
-_KIND_BY_CODE = {EXIT_CONFIG: "config or data error", EXIT_REWARD: "reward function error",
-                 EXIT_DIVERGED: "training diverged", EXIT_MEMORY: "out of memory"}
 GiB = 2**30
 
 
@@ -146,8 +143,8 @@ def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[st
     rc, who = codes[failed], f" ({launched.specs[failed].name} of {len(procs)})" if len(procs) > 1 else ""
     errors = [e for e in events if e.get("event") == "error"]
     detail = errors[-1]["message"] if errors and failed == 0 else _tail(tails[failed])
-    if rc in NOT_RETRYABLE:
-        raise StageError(f"{what} failed{who} ({_KIND_BY_CODE[rc]}): {detail}", retryable=False)
+    if not is_retryable(rc):
+        raise StageError(f"{what} failed{who} ({ExitCode(rc).kind}): {detail}", retryable=False)
     if watch.killed_for_memory(rc):
         plan = next((e for e in reversed(events) if e.get("event") == "memory"), None)
         raise StageError(watch.message(f"{what}{who}", plan), retryable=False)

@@ -91,7 +91,7 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
                               "(GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"})
     request = {"model": cfg.model_config(vocab_size=_vocab_size(cfg)).to_dict(), "train": cfg.train.to_dict(),
                "max_prompt_tokens": cfg.data.max_prompt_tokens, "require_tpu": cfg.pipeline.require_tpu,
-               "rollout_engine": cfg.train.rollout.engine.value, "config_hash": cfg.train_hash, "lora": cfg.model.get("lora"),
+               "rollout_engine": cfg.train.rollout.engine.value, "config_hash": cfg.train_hash, "lora": cfg.model.to_dict().get("lora"),
                "run_root": cfg.run_url}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
@@ -207,7 +207,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     start_step = cfg.epoch_end(epoch - 1) if epoch > 0 else 0
     progress = create_progress_artifact(0.0, key=_key(f"train-{cfg.name}"),
                                         description=f"epoch {epoch}: steps {start_step}..{until}")
-    every = max(1, (until - start_step) // 10)
+    every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
     state: dict[str, Any] = {"last": None, "shown": -1.0, "steps_s": 0.0, "first_step_s": None}
 
     def on_event(e: dict[str, Any]) -> None:

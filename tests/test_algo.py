@@ -1,4 +1,7 @@
-"""Pinned numbers for the GRPO math, each worked by hand in the comments."""
+"""Pinned numbers for the GRPO math, each worked by hand in the comments. These are the
+functions the learner trains with (grpo_core.rl.learner._loss and update); the entropy it reports
+comes from the chunked head, pinned against the plain formula in tests/test_logprobs.py and here
+on a uniform distribution."""
 
 import math
 
@@ -7,6 +10,7 @@ import numpy as np
 import pytest
 
 from grpo_core.rl import algo
+from grpo_core.rl.logprobs import token_logprobs
 from grpo_core.config.train import AdvantageEstimator as Adv, KLEstimator, LossAggregation as Agg, RatioLevel, RewardScaling as Scale
 
 EPS = 1e-4
@@ -59,15 +63,19 @@ MASK = jnp.array([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])
     (Agg.BNPO, 1, 12 / 7),  # one micro-batch: the token mean
 ])
 def test_loss_aggregation(mode, micro, want):
-    assert float(algo.aggregate(LOSS, MASK, mode, num_micro=micro, max_len=3)) == pytest.approx(want, rel=1e-6)
+    # the update's loss: the weights of the whole update batch, summed against the per-token loss
+    got = algo.weighted_sum(LOSS, algo.token_weights(MASK, mode, num_micro=micro, max_len=3))
+    assert float(got) == pytest.approx(want, rel=1e-6)
 
 
 def test_token_weights_make_accumulation_exact():
-    # The sum of per-micro-batch weighted losses equals the whole batch's aggregated loss.
+    # The sum of per-micro-batch weighted losses (what the learner accumulates) equals the whole
+    # batch's aggregated loss.
     for mode in (Agg.TOKEN_MEAN, Agg.SEQ_MEAN_TOKEN_MEAN, Agg.SEQ_MEAN_TOKEN_SUM_NORM):
         w = algo.token_weights(MASK, mode, 2, 3)
-        parts = float(jnp.sum(w[:2] * LOSS[:2]) + jnp.sum(w[2:] * LOSS[2:]))
-        assert parts == pytest.approx(float(algo.aggregate(LOSS, MASK, mode, 1, 3)), rel=1e-6)
+        parts = float(algo.weighted_sum(LOSS[:2], w[:2]) + algo.weighted_sum(LOSS[2:], w[2:]))
+        whole = algo.weighted_sum(LOSS, algo.token_weights(MASK, mode, 1, 3))
+        assert parts == pytest.approx(float(whole), rel=1e-6)
 
 
 @pytest.mark.parametrize("est, want", [
@@ -111,11 +119,37 @@ def test_gspo_sequence_ratio_is_masked_mean():
 
 
 def test_clip_fractions():
+    # ratios (0.5, 1.5, 1.0, 1.5) with advantages (-1, 1, 1, -1) and eps 0.2: token 0 is clipped
+    # low (0.5 < 0.8, A < 0), token 1 high (1.5 > 1.2, A > 0), token 3 is not (A < 0 clips low only).
     log_r = jnp.log(jnp.array([[0.5, 1.5, 1.0, 1.5]]))
     adv = jnp.array([[-1.0, 1.0, 1.0, -1.0]])
-    low, high = algo.clip_fractions(log_r, adv, jnp.ones((1, 4)), 0.2, 0.2)
-    assert (float(low), float(high)) == (0.25, 0.25)
+    zeros = jnp.zeros((1, 4))
+    m = algo.token_means(algo.token_sums(log_r, adv, zeros, zeros, jnp.ones((1, 4)), 0.2, 0.2), jnp.ones((1, 4)))
+    assert (float(m.clip_ratio_low), float(m.clip_ratio_high)) == (0.25, 0.25)
+
+
+def test_token_metrics_sum_over_micro_batches_and_divide_by_the_update_batch():
+    # Two rows, mask (1, 1, 0) and (1, 0, 0): 3 tokens. Per row (B,) advantages, as the learner's.
+    log_r = jnp.log(jnp.array([[0.5, 1.0, 9.0], [1.5, 9.0, 9.0]]))
+    adv = jnp.array([-1.0, 1.0])
+    kl = jnp.array([[0.1, 0.2, 5.0], [0.3, 5.0, 5.0]])
+    ent = jnp.array([[1.0, 2.0, 7.0], [3.0, 7.0, 7.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    whole = algo.token_sums(log_r, adv, kl, ent, mask, 0.2, 0.2)
+    # kl 0.1+0.2+0.3, entropy 1+2+3, ratio 0.5+1+1.5; clipped: row 0 token 0 low, row 1 token 0 high
+    np.testing.assert_allclose(whole, [0.6, 6.0, 1.0, 1.0, 3.0], rtol=1e-6)
+    rows = [algo.token_sums(log_r[i:i + 1], adv[i:i + 1], kl[i:i + 1], ent[i:i + 1], mask[i:i + 1], 0.2, 0.2)
+            for i in range(2)]
+    np.testing.assert_allclose(jnp.add(*[jnp.stack(r) for r in rows]), whole, rtol=1e-6)
+    means = algo.token_means(whole, mask)
+    np.testing.assert_allclose(means, [0.2, 2.0, 1 / 3, 1 / 3, 1.0], rtol=1e-6)
+    assert means._fields == ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "ratio_mean")
 
 
 def test_entropy_of_uniform_is_log_v():
-    assert float(algo.entropy_from_logits(jnp.zeros((7,)))) == pytest.approx(math.log(7), rel=1e-6)
+    # The learner's entropy (grpo_core.rl.logprobs, in vocabulary chunks): zero hidden states give
+    # equal logits over all 7 words, entropy ln 7 and log-prob -ln 7 for any target.
+    h, w = jnp.zeros((1, 2, 4)), jnp.ones((7, 4))
+    logp, ent = token_logprobs(h, w, jnp.array([[0, 6]]), chunk_mib=2 * 7 * 4 / 3 / 2**20, vocab_major=True)
+    np.testing.assert_allclose(ent, math.log(7), rtol=1e-6)
+    np.testing.assert_allclose(logp, -math.log(7), rtol=1e-6)

@@ -9,7 +9,7 @@ from grpo_core.config.train import (ConfigError, GRPOConfig, LossAggregation, Op
     (GRPOConfig, {"epsilon_low": 1.5}, r"grpo.epsilon_low must be in \[0, 1\), got 1.5"),
     (GRPOConfig, {"beta": -0.1}, "grpo.beta must be >= 0, got -0.1"),
     (GRPOConfig, {"dual_clip": 0.5}, "grpo.dual_clip must be > 1"),
-    (GRPOConfig, {"loss_aggregation": "mean"}, "GRPOConfig.loss_aggregation must be one of token_mean, .*; got 'mean'"),
+    (GRPOConfig, {"loss_aggregation": "mean"}, "train.grpo.loss_aggregation must be one of token_mean, .*; got 'mean'"),
     (GRPOConfig, {"advantage": "dr_grpo"}, "dr_grpo does not divide by a std; set grpo.scale_rewards=none"),
     (GRPOConfig, {"prompts_per_step": 3, "grad_accum_steps": 2}, r"grpo.prompts_per_step \(3\) must divide evenly"),
     (SamplingConfig, {"top_p": 0.0}, r"sampling.top_p must be in \(0, 1\], got 0.0"),
@@ -35,7 +35,7 @@ def test_round_trip_and_string_enums():
 
 
 def test_unknown_field_is_named():
-    with pytest.raises(ConfigError, match=r"GRPOConfig: unknown field\(s\) \['num_gens'\]"):
+    with pytest.raises(ConfigError, match=r"train.grpo: unknown field\(s\) \['num_gens'\]"):
         TrainConfig.from_dict({"grpo": {"num_gens": 4}})
 
 
@@ -49,7 +49,7 @@ def test_overrides():
 def test_yaml_strings_are_coerced_or_named():
     cfg = TrainConfig.from_dict({"optimizer": {"learning_rate": "5e-4"}, "grpo": {"dynamic_sampling": "true"}})
     assert cfg.optimizer.learning_rate == 5e-4 and cfg.grpo.dynamic_sampling is True
-    with pytest.raises(ConfigError, match="OptimizerConfig.learning_rate must be float, got 'fast'"):
+    with pytest.raises(ConfigError, match="train.optimizer.learning_rate must be float, got 'fast'"):
         OptimizerConfig(learning_rate="fast")
-    with pytest.raises(ConfigError, match="GRPOConfig.num_generations must be int, got 2.5"):
+    with pytest.raises(ConfigError, match="train.grpo.num_generations must be int, got 2.5"):
         GRPOConfig(num_generations=2.5)

@@ -206,7 +206,7 @@ def test_rows_share_their_columns_and_unstorable_ones_are_dropped(tmp_path):
 
 
 def test_format_in_config_and_hash():
-    with pytest.raises(ConfigError, match="DataConfig.format must be one of auto, plain, gsm8k, verl; got 'gsm'"):
+    with pytest.raises(ConfigError, match="data.format must be one of auto, plain, gsm8k, verl; got 'gsm'"):
         DataConfig(source="x.jsonl", format="gsm")
     with pytest.raises(ConfigError, match="data.format=gsm8k applies to a dataset"):
         DataConfig(format="gsm8k")
@@ -225,7 +225,7 @@ def test_format_in_config_and_hash():
 def test_prepared_gsm8k_and_verl_rows_score_with_math_answer(tmp_path, hf_tok):
     """End to end: prepare both shapes with a Hugging Face tokenizer, then score a right and a
     wrong completion per row with the built-in reward, as the trainer does."""
-    rewards = make_rewards((RewardSpec("math_answer"), RewardSpec("think_format", 0.5)))
+    rewards = make_rewards((RewardSpec(function="math_answer"), RewardSpec(function="think_format", weight=0.5)))
     write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(6))
     pd.DataFrame(verl_rows(6)).to_parquet(tmp_path / "v.parquet")
     for source in ("g.jsonl", "v.parquet"):

@@ -72,6 +72,8 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(server, tmp_path_factory):
     """`grpo serve` with the pipeline scheduled every 30 s on a tiny config."""
+    from tests.faults import HOOK
+
     url, home = server
     root = tmp_path_factory.mktemp("served-runs")
     flags = tmp_path_factory.mktemp("faults")
@@ -79,7 +81,8 @@ def served(server, tmp_path_factory):
            "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            # the "ui-retry" run's worker is killed after step 3 in both of the flow's attempts (the
            # deployment's flow has 1 retry; the run has no task retries): the flow run fails
-           "GRPO_FAULT": f"step:3:{flags}/killed,step:3:{flags}/killed-again", "GRPO_FAULT_RUN": "/ui-retry"}
+           "GRPO_TEST_HOOK": HOOK, "GRPO_FAULT": f"step:3:{flags}/killed,step:3:{flags}/killed-again",
+           "GRPO_FAULT_RUN": "/ui-retry"}
     sets = [f"{k}={json.dumps(v)}" for k, v in _flatten(tiny(root, "nightly")).items()]
     proc = subprocess.Popen([f"{BIN}/grpo", "serve", "--interval", "30", *sum((["--set", s] for s in sets), [])],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

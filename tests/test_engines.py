@@ -121,7 +121,7 @@ def test_rollout_config_validation_and_hash():
         RolloutConfig(engine="http", url="http://10.0.0.2:30000")
     with pytest.raises(ConfigError, match="must name the model folder as \\{model\\}"):
         RolloutConfig(engine="http", server_command=["vllm", "serve"])
-    with pytest.raises(ConfigError, match="RolloutConfig.engine must be one of jax, sglang, http; got 'vllm'"):
+    with pytest.raises(ConfigError, match="train.rollout.engine must be one of jax, sglang, http; got 'vllm'"):
         RolloutConfig(engine="vllm")
     assert RolloutConfig(engine="sglang-jax").engine.value == "sglang"
     assert RolloutConfig(engine="sglang").learner_logprobs()

@@ -13,6 +13,7 @@ from grpo_core.nn import lora
 from grpo_core.config.train import GRPOConfig, OptimizerConfig, RematPolicy
 from grpo_core.rl.learner import Learner, LossParams, completion_logprobs
 from grpo_core.rl.logprobs import num_chunks, token_logprobs
+from grpo_core.rl.types import Batch
 from grpo_core.nn.model import create_model
 from grpo_core.config.presets import get_preset
 
@@ -124,18 +125,18 @@ def learner_inputs(vocab=384, n=12):
     ptok, pval, targets = batch(p=4, g=4, tp=8, n=n, vocab=vocab)
     b, n = targets.shape
     rng = np.random.default_rng(3)
-    data = {"prompt_tokens": ptok, "prompt_valid": pval, "targets": targets, "mask": jnp.ones((b, n), jnp.float32),
-            "old_logp": jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
-            "ref_logp": jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
-            "advantages": jnp.asarray(rng.normal(size=b), jnp.float32)}
+    data = Batch(prompt_tokens=ptok, prompt_valid=pval, targets=targets, mask=jnp.ones((b, n), jnp.float32),
+                 old_logp=jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
+                 ref_logp=jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
+                 advantages=jnp.asarray(rng.normal(size=b), jnp.float32))
     return graphdef, params, data
 
 
 def update(graphdef, params, data, remat, chunk=64, accum=1):
     hp = LossParams.from_config(GRPOConfig(beta=0.04, grad_accum_steps=accum, prompts_per_step=4, num_generations=4),
-                                data["targets"].shape[1], 0.9, remat, chunk)
+                                data.targets.shape[1], 0.9, remat, chunk)
     learner = Learner(graphdef, OptimizerConfig(learning_rate=1e-3, eps=1e-3), hp, 10)
-    state, metrics = learner.step(learner.init_state(jax.tree.map(jnp.copy, params)), data)
+    state, metrics = learner.update(learner.init_state(jax.tree.map(jnp.copy, params)), data)
     return state["params"], metrics
 
 
@@ -143,7 +144,7 @@ def test_every_remat_policy_gives_the_same_update():
     graphdef, params, data = learner_inputs()
     base_p, base_m = update(graphdef, params, data, RematPolicy.NONE)
     for policy in (RematPolicy.DOTS, RematPolicy.FULL):
-        p, m = update(graphdef, params, data, policy, chunk=mib_for(3, data["targets"].size, 384))
+        p, m = update(graphdef, params, data, policy, chunk=mib_for(3, data.targets.size, 384))
         for k in ("loss", "grad_norm", "entropy", "kl"):
             assert float(m[k]) == pytest.approx(float(base_m[k]), rel=1e-5, abs=1e-7), (policy, k)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, atol=1e-6), base_p, p)
@@ -165,11 +166,11 @@ def _avals(jaxpr):
 def test_no_rows_by_tokens_by_vocab_tensor_in_the_update():
     vocab = 5003  # prime: no other dimension has this size
     graphdef, params, data = learner_inputs(vocab=vocab, n=40)
-    tokens = data["targets"].size
+    tokens = data.targets.size
     hp = LossParams.from_config(GRPOConfig(beta=0.04, grad_accum_steps=1, prompts_per_step=4, num_generations=4),
                                 40, 1.0, RematPolicy.NONE, mib_for(8, tokens, vocab))
     learner = Learner(graphdef, OptimizerConfig(), hp, 10)
-    jaxpr = jax.make_jaxpr(learner.step)(learner.init_state(params), data)
+    jaxpr = jax.make_jaxpr(learner.update)(learner.init_state(params), data)
     width = -(-vocab // 8)  # 626 words per chunk
     big = [a.shape for a in _avals(jaxpr.jaxpr) if int(np.prod(getattr(a, "shape", ()))) >= tokens * width]
     assert any(width in s for s in big)  # the chunks exist: the check sees the head's values

@@ -147,7 +147,7 @@ def test_checkpoint_holds_only_adapters_and_resume_is_exact(tmp_path):
 
 def test_lora_config_errors_name_the_field():
     cases = {
-        "model.lora.rank=0": "model.lora.rank must be a positive integer, got 0",
+        "model.lora.rank=0": "model.lora.rank must be >= 1, got 0",
         "model.lora.rank=two": "model.lora.rank must be int, got 'two'",
         "model.lora.alpha=-1": "model.lora.alpha must be > 0, got -1.0",
         "model.lora.target_modules=.*(q_proj": "model.lora.target_modules '.*(q_proj' is not a valid regular expression",
@@ -155,8 +155,8 @@ def test_lora_config_errors_name_the_field():
                                                      "modules q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                                      "down_proj (it is searched in paths like "
                                                      "model.layers.self_attn.q_proj)"),
-        "model.lora.dropout=0.05": "model.lora.dropout must be 0",
-        "model.lora.r=8": "model.lora: unknown field(s) ['r']; known: ['rank', 'alpha', 'target_modules', 'dropout']",
+        "model.lora.dropout=0.05": "model.lora.dropout must be in [0, 0], got 0.05 (Adapter dropout: only 0, since dropout in the update alone would bias GRPO",
+        "model.lora.r=8": "model.lora: unknown field(s) ['r']; known: ['alpha', 'dropout', 'rank', 'target_modules']",
         "model.lora=8": "model.lora must be a mapping",
     }
     for override, msg in cases.items():
@@ -169,7 +169,7 @@ def test_lora_in_the_run_config_form_and_hash():
     plain = RunConfig.from_dict({})
     cli = load_config(None, ["model.lora.rank=8", f"model.lora.target_modules={QV}"])
     yaml_cfg = RunConfig.from_dict({"model": {"lora": {"rank": 8, "alpha": 16, "target_modules": QV}}})
-    assert cli.model["lora"] == {"rank": 8, "alpha": 16.0, "target_modules": QV, "dropout": 0.0}
+    assert cli.model.to_dict()["lora"] == {"rank": 8, "alpha": 16.0, "target_modules": QV, "dropout": 0.0}
     assert cli.train_hash == yaml_cfg.train_hash != plain.train_hash
     assert load_config(None, ["model.lora.rank=16"]).train_hash != cli.train_hash
     assert RunConfig.from_dict({"model": {"lora": None}}).train_hash == plain.train_hash  # null: full fine-tuning
@@ -257,7 +257,7 @@ def test_memory_plan_counts_adapters_not_a_second_model():
     assert full.total - adapted.total > 3 * mc.num_params() * 2  # grads + moments + reference
     req = {"model": mc.to_dict(), "train": train.to_dict(), "max_prompt_tokens": 64}
     assert parse_request(dict(req, lora={"rank": 8, "target_modules": QV}))["lora"] == cfg
-    with pytest.raises(ConfigError, match="model.lora.rank must be a positive integer, got 0"):
+    with pytest.raises(ConfigError, match="model.lora.rank must be >= 1, got 0"):
         parse_request(dict(req, lora={"rank": 0}))
 
 
@@ -272,8 +272,10 @@ def test_pipeline_with_lora_resumes_and_exports_merged(tmp_path, monkeypatch):
     from grpo_core.stages.parts import open_run
     from grpo_core.store.root import RunRoot
     from grpo_core.stages.worker import _policy_params
+    from tests.faults import HOOK
     from tests.test_pipeline import NUM_STEPS, run_pipeline, small_config
 
+    monkeypatch.setenv("GRPO_TEST_HOOK", HOOK)
     monkeypatch.setenv("GRPO_FAULT", f"step:5:{tmp_path}/fault")
     cfg = small_config(str(tmp_path), "lora", model={"lora": {"rank": 4, "alpha": 8, "target_modules": QV}},
                        train={"num_steps": NUM_STEPS, "grpo": {"prompts_per_step": 4, "beta": 0.04},

@@ -131,5 +131,5 @@ def test_explosive_answers_are_wrong_quickly_in_a_thread():
 
 def test_built_in_by_name_in_a_config():
     assert {"math_answer", "think_format", "integer_answer"} <= set(builtin_rewards())
-    rewards = make_rewards((RewardSpec("math_answer"), RewardSpec("think_format", 0.1), RewardSpec("integer_answer", 0)))
+    rewards = make_rewards((RewardSpec(function="math_answer"), RewardSpec(function="think_format", weight=0.1), RewardSpec(function="integer_answer", weight=0)))
     assert [(r.name, r.weight) for r in rewards] == [("math_answer", 1.0), ("think_format", 0.1), ("integer_answer", 0)]

@@ -14,6 +14,7 @@ from flax import nnx
 from grpo_core.config import memory
 from grpo_core.config.train import GRPOConfig, OptimizerConfig, RematPolicy, SamplingConfig, TrainConfig
 from grpo_core.rl.learner import Learner, LossParams
+from grpo_core.rl.types import Batch
 from grpo_core.nn.model import create_model
 from grpo_core.config.presets import get_preset
 
@@ -34,11 +35,11 @@ def compiled_step_bytes(mc, train: TrainConfig, prompt_len: int, remat: RematPol
     learner = Learner(graphdef, OptimizerConfig(), hp, 10)
     sd = jax.ShapeDtypeStruct
     p, b, n = g.prompts_per_step, g.batch_size, train.sampling.max_new_tokens
-    batch = {"prompt_tokens": sd((p, prompt_len), jnp.int32), "prompt_valid": sd((p, prompt_len), bool),
-             "targets": sd((b, n), jnp.int32), **{k: sd((b, n), jnp.float32) for k in ("mask", "old_logp", "ref_logp")},
-             "advantages": sd((b,), jnp.float32)}
+    batch = Batch(prompt_tokens=sd((p, prompt_len), jnp.int32), prompt_valid=sd((p, prompt_len), bool),
+                  targets=sd((b, n), jnp.int32), **{k: sd((b, n), jnp.float32) for k in ("mask", "old_logp", "ref_logp")},
+                  advantages=sd((b,), jnp.float32))
     state = {"params": params, "opt_state": jax.eval_shape(learner.tx.init, params), "step": sd((), jnp.int32)}
-    ma = learner.step.lower(state, batch, None).compile().memory_analysis()
+    ma = learner.update.lower(state, batch, None).compile().memory_analysis()
     return ma.argument_size_in_bytes + ma.temp_size_in_bytes
 
 

@@ -78,9 +78,9 @@ def test_presets_have_real_dimensions():
 
 @pytest.mark.parametrize("bad, msg", [
     ({"num_key_value_heads": 3}, r"multiple of model.num_key_value_heads \(3\)"),
-    ({"hidden_size": 0}, "model.hidden_size must be a positive integer, got 0"),
+    ({"hidden_size": 0}, "model.hidden_size must be >= 1, got 0"),
     ({"head_dim": 15}, "head_dim must be even"),
-    ({"dtype": "float8"}, "ModelConfig.dtype must be one of float32, bfloat16; got 'float8'"),
+    ({"dtype": "float8"}, "model.dtype must be one of float32, bfloat16; got 'float8'"),
 ])
 def test_model_config_errors(bad, msg):
     with pytest.raises(ConfigError, match=msg):

@@ -55,7 +55,9 @@ def test_two_processes_train_checkpoint_are_killed_and_resume(tmp_path):
     # which would otherwise wait in a collective until its heartbeat timeout.
     killed = make_run(str(tmp_path), "killed")
     seen = []
-    env = {"GRPO_FAULT": f"step:3:{tmp_path / 'fault-fired'}", "GRPO_FAULT_PROCESS": "1"}
+    from tests.faults import HOOK
+
+    env = {"GRPO_TEST_HOOK": HOOK, "GRPO_FAULT": f"step:3:{tmp_path / 'fault-fired'}", "GRPO_FAULT_PROCESS": "1"}
     with pytest.raises(StageError, match=r"training \(process 1 of 2\) was killed by signal 9") as err:
         _train(killed, 6, on_event=seen.append, env=env)
     assert err.value.retryable

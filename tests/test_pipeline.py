@@ -117,6 +117,9 @@ def test_killed_worker_resumes_to_the_same_parameters(baseline, tmp_path, monkey
     # Killed after step 5 (mid epoch 1, its last checkpoint at 4) and right after epoch 0's
     # final checkpoint (3), before the stage marker: the retry must train 0 steps there, and
     # epoch 1 must still train its 3.
+    from tests.faults import HOOK
+
+    monkeypatch.setenv("GRPO_TEST_HOOK", HOOK)
     monkeypatch.setenv("GRPO_FAULT", f"checkpoint:3:{tmp_path}/f1,step:5:{tmp_path}/f2")
     s = run_pipeline(small_config(str(tmp_path), "killed"))
     assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2")  # both faults fired

@@ -127,7 +127,7 @@ def test_reward_loading_errors_name_the_field_and_the_problem(tmp_path, spec, me
     (tmp_path / "raises.py").write_text("x = 1\ny = undefined_name\ndef f(prompts, completions, **kw):\n    return []\n")
     (tmp_path / "imports.py").write_text("import no_such_dependency_xyz\n")
     with pytest.raises(ConfigError) as err:
-        make_rewards((RewardSpec(spec.format(p=tmp_path)),))
+        make_rewards((RewardSpec(function=spec.format(p=tmp_path)),))
     assert message.format(p=tmp_path) in str(err.value)
 
 

@@ -45,13 +45,13 @@ def test_user_data_drops_the_synthetic_defaults():
 
 @pytest.mark.parametrize("data, message", [
     ({"trian": {}}, "unknown config section(s) ['trian']"),
-    ({"train": {"num_stepz": 3}}, "train: TrainConfig: unknown field(s) ['num_stepz']"),
+    ({"train": {"num_stepz": 3}}, "train: unknown field(s) ['num_stepz']"),
     ({"train": {"grpo": {"num_generations": 1}}}, "grpo.num_generations must be >= 2, got 1"),
     ({"pipeline": {"epochs": 0}}, "pipeline.epochs must be >= 1, got 0"),
     ({"pipeline": {"train_timeout_s": -1}}, "pipeline.train_timeout_s must be > 0, got -1.0"),
     ({"eval": {"num_samples": 0}}, "eval.num_samples must be >= 1, got 0"),
     ({"rewards": []}, "rewards must be a non-empty list"),
-    ({"rewards": [{"fn": "x"}]}, "rewards[0]: RewardSpec: unknown field(s) ['fn']"),
+    ({"rewards": [{"fn": "x"}]}, "rewards[0]: unknown field(s) ['fn']"),
     ({"model": {"preset": "huge"}}, "model.preset must be one of"),
     ({"model": {"hidden_sise": 3}}, "hidden_sise"),
     ({"run_name": "a/b"}, "run_name must be a single folder name, got 'a/b'"),

@@ -147,7 +147,7 @@ def test_hub_id_resolves_through_snapshot_download_offline(qwen, tmp_path):
 def test_run_config_with_model_path(qwen):
     folder, _, _ = qwen
     cfg = RunConfig.from_dict({"model": {"path": str(folder), "dtype": "bfloat16"}})
-    assert "preset" not in cfg.model and cfg.model["tokenizer"] == "auto"
+    assert cfg.model.preset is None and cfg.model.tokenizer == "auto"
     mc = cfg.model_config()
     assert mc.num_hidden_layers == 2 and mc.qk_norm and mc.head_dim == 16 and mc.dtype.value == "bfloat16"
     assert cfg.tokenizer_id == f"hf:{folder}" and cfg.name.startswith("tiny-qwen3-")

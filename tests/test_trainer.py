@@ -57,7 +57,7 @@ def test_same_seed_same_run_and_keys_differ_per_step():
         assert ha[1][k] == hb[1][k], k
     ro0, _ = a.rollout(5)
     ro1, _ = a.rollout(6)
-    assert not np.array_equal(ro0.tokens, ro1.tokens)
+    assert not np.array_equal(ro0.completions.tokens, ro1.completions.tokens)
 
 
 def test_nan_is_reported_with_step_and_metric():
@@ -78,7 +78,7 @@ def test_dynamic_sampling_drops_zero_variance_groups():
     starts_a = [r["prompt"].startswith("a") for r in ro.rows]
     assert info["sampling_rounds"] >= 2 or not any(starts_a)
     # zero-variance groups only fill up what the rounds could not
-    assert sum(zero) <= sum(starts_a) and ro.tokens.shape[0] == tr.cfg.grpo.batch_size
+    assert sum(zero) <= sum(starts_a) and ro.completions.tokens.shape[0] == tr.cfg.grpo.batch_size
     if info["sampling_rounds"] < 4:
         assert not any(zero)
     assert ro.prompt_tokens.shape[0] == len(ro.rows) == tr.cfg.grpo.prompts_per_step
@@ -104,7 +104,7 @@ def test_gradient_accumulation_matches_one_big_batch(agg):
         # lr * sign(g), which turns last-bit differences of near-zero gradients into lr-sized ones).
         learner = Learner(tr.graphdef, OptimizerConfig(learning_rate=1e-3, eps=1e-3), hp, 10)
         state = learner.init_state(jax.tree.map(jnp.copy, tr.params))
-        state, m = learner.step(state, batch)
+        state, m = learner.update(state, batch)
         out.append((state["params"], m))
     (p1, m1), (p4, m4) = out
     assert float(m1["loss"]) == pytest.approx(float(m4["loss"]), rel=1e-4, abs=1e-6)
@@ -119,8 +119,8 @@ def test_second_iteration_is_off_policy():
     hp = LossParams.from_config(GRPOConfig(grad_accum_steps=1), 6, 1.0)
     learner = Learner(tr.graphdef, OptimizerConfig(learning_rate=1e-2), hp, 10)
     state = learner.init_state(jax.tree.map(jnp.copy, tr.params))
-    state, m1 = learner.step(state, batch)
-    state, m2 = learner.step(state, batch)
+    state, m1 = learner.update(state, batch)
+    state, m2 = learner.update(state, batch)
     assert float(m1["ratio_mean"]) == pytest.approx(1.0, abs=1e-4)  # on-policy: rollout == policy
     assert abs(float(m2["ratio_mean"]) - 1.0) > 1e-3
 

@@ -1,1 +1,8 @@
-"""The run's typed configuration and what resolves it (presets, the memory plan). JAX-free: the Prefect process imports it."""
+"""The run's typed configuration and what resolves it. JAX-free: the Prefect process imports it.
+
+- `fields`: how a section is declared (`field(default, doc=..., ge=...)`), read and checked
+- `model`: the `model` section (ModelSection, LoraConfig) and the architecture (ModelConfig)
+- `train`: the `train` section (GRPO objective, sampling, optimizer, rollout engine, mesh)
+- `run`: the whole run config (RunConfig: data, rewards, eval, pipeline; stage hashes)
+- `presets`: named architectures; `memory`: the memory plan that resolves `auto` settings
+"""

@@ -23,7 +23,10 @@ import os
 import pathlib
 from typing import Any
 
-from grpo_core.config.train import _SUBCONFIGS, ConfigError, ModelConfig, TrainConfig, _check, _Config, apply_overrides
+from grpo_core.config.fields import Section, apply_overrides, check, field, section
+from grpo_core.config.model import PATH_OVERRIDES, ModelConfig, ModelSection
+from grpo_core.config.train import TrainConfig
+from grpo_core.errors import ConfigError
 from grpo_core.data.prepare import DataConfig, data_hash
 from grpo_core.launch.launchers import LauncherConfig
 from grpo_core.store.root import config_hash
@@ -49,28 +52,31 @@ DEFAULT: dict[str, Any] = {
 }
 
 
-# Keys of the model section that are not ModelConfig fields: where the weights and tokenizer
-# come from, the init seed, and the LoRA adapters (grpo_core.nn.lora).
-MODEL_KEYS = ("preset", "seed", "tokenizer", "path", "revision", "lora")
-PATH_OVERRIDES = ("dtype", "param_dtype")  # the ModelConfig fields a checkpoint's config.json leaves open
+# The fields of the run config that are not in a section.
+RUN_DOCS = {
+    "run_name": "Folder of this run under storage.root. Empty: named by the preset and the config hash, so the same "
+                "config resumes its own run",
+    "storage.root": "Where runs live: a local folder, gs://bucket/prefix or memory://...",
+    "rewards": "Reward functions: a built-in name (char_match, exact_match, math_answer, think_format, integer_answer) "
+               "or path/to/file.py:function or module:function, with their weights (0: reported, not optimised)",
+}
 
 
-@dataclasses.dataclass(frozen=True)
-class RewardSpec(_Config):
+@section(path="rewards[]")
+class RewardSpec(Section):
     """A reward function: a built-in name (see grpo_core.rewards.registry.builtin_rewards) or `file.py:fn` /
     `module:fn`, and its weight in the total (0: reported, not optimised)."""
 
-    function: str
-    weight: float = 1.0
+    function: str = field(doc="built-in name, path/to/file.py:function or module:function", min_length=1)
+    weight: float = field(1.0, doc="weight in the total reward (0: reported, not optimised)")
 
-    def __post_init__(self) -> None:
-        self._normalize()
-        _check(isinstance(self.function, str) and bool(self.function),
-               f"rewards[].function must be a name or 'file.py:function', got {self.function!r}")
+    def validate(self) -> None:
+        check(isinstance(self.function, str) and bool(self.function),
+              f"rewards[].function must be a name or 'file.py:function', got {self.function!r}")
 
 
 def _reward_specs(value: Any, field: str) -> tuple[RewardSpec, ...]:
-    _check(isinstance(value, (list, tuple)) and len(value) > 0,
+    check(isinstance(value, (list, tuple)) and len(value) > 0,
            f"{field} must be a non-empty list of {{function, weight}}, got {value!r}")
     out = []
     for i, item in enumerate(value):
@@ -79,78 +85,64 @@ def _reward_specs(value: Any, field: str) -> tuple[RewardSpec, ...]:
             continue
         if isinstance(item, str):
             item = {"function": item}
-        _check(isinstance(item, dict), f"{field}[{i}] must be a mapping like {{function: exact_match}}, got {item!r}")
-        try:
-            out.append(RewardSpec.from_dict(item))
-        except ConfigError as exc:
-            raise ConfigError(f"{field}[{i}]: {exc}") from None
+        check(isinstance(item, dict), f"{field}[{i}] must be a mapping like {{function: exact_match}}, got {item!r}")
+        out.append(RewardSpec.from_dict(item, f"{field}[{i}]"))
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True)
-class EvalConfig(_Config):
+@section(path="eval")
+class EvalConfig(Section):
     """Evaluation of the starting policy and of each epoch's checkpoint on the eval split."""
 
-    rewards: tuple = ()  # RewardSpecs; empty: the training rewards (the default when the config sets rewards)
+    # RewardSpecs; empty: the training rewards (the default when the config sets rewards)
+    rewards: tuple = field((), doc='Rewards evaluation reports; empty: the training rewards')
     # The eval reward whose greedy mean is "accuracy"; unset with your own rewards: the first
     # with a weight above 0.
-    accuracy_reward: str = "exact_match"
-    num_samples: int = 4  # sampled completions per prompt for pass@k (1: greedy only)
-    temperature: float = 1.0  # for the pass@k samples
-    batch_size: int = 64
+    accuracy_reward: str = field("exact_match", doc="The eval reward whose greedy mean is 'accuracy' and which decides pass@k")
+    # sampled completions per prompt for pass@k (1: greedy only)
+    num_samples: int = field(4, doc='Samples per prompt for pass@k (1: greedy only)', ge=1)
+    # for the pass@k samples
+    temperature: float = field(1.0, doc='Temperature of the pass@k samples', gt=0)
+    batch_size: int = field(64, doc='Prompts per evaluation batch', ge=1)
 
-    def __post_init__(self) -> None:
-        self._normalize()
+    def validate(self) -> None:
         object.__setattr__(self, "rewards", _reward_specs(self.rewards, "eval.rewards") if self.rewards else ())
-        _check(self.num_samples >= 1, f"eval.num_samples must be >= 1, got {self.num_samples}")
-        _check(self.temperature > 0, f"eval.temperature must be > 0, got {self.temperature}")
-        _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(super().to_dict(), rewards=[r.to_dict() for r in self.rewards])
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig(_Config):
+@section(path="pipeline")
+class PipelineConfig(Section):
     """How the stages run. Nothing here changes a result, so none of it is in a stage hash."""
 
-    epochs: int = 4  # training stages; train.num_steps is split evenly across them
-    checkpoint_every: int = 50  # steps between checkpoints (and metric shards)
-    require_tpu: bool = False  # readiness fails unless the worker sees a TPU
-    retries: int = 2  # task retries of crashes, preemption and storage errors
-    retry_delay_s: float = 2.0
-    flow_retries: int = 1
-    train_timeout_s: float = 3600.0  # hard limit per training-epoch attempt: the worker is killed
-    eval_timeout_s: float = 1800.0
-    check_timeout_s: float = 600.0
-    export: bool = True  # write the final policy as a Hugging Face folder, export/{step}/
-    export_timeout_s: float = 1800.0
+    # training stages; train.num_steps is split evenly across them
+    epochs: int = field(4, doc='Training stages; train.num_steps is split evenly across them', ge=1)
+    # steps between checkpoints (and metric shards)
+    checkpoint_every: int = field(50, doc='Steps between checkpoints', ge=1)
+    # readiness fails unless the worker sees a TPU
+    require_tpu: bool = field(False, doc='Fail readiness unless the worker sees a TPU')
+    # task retries of crashes, preemption and storage errors
+    retries: int = field(2, doc='Task retries of crashes, preemption and storage errors', ge=0)
+    retry_delay_s: float = field(2.0, doc='Seconds between task retries', ge=0)
+    flow_retries: int = field(1, doc='Retries of the whole flow run', ge=0)
+    # hard limit per training-epoch attempt: the worker is killed
+    train_timeout_s: float = field(3600.0, doc='Hard limit per training-epoch attempt, seconds', gt=0)
+    eval_timeout_s: float = field(1800.0, doc='Hard limit per evaluation attempt, seconds', gt=0)
+    check_timeout_s: float = field(600.0, doc='Hard limit for the device checks, seconds', gt=0)
+    # write the final policy as a Hugging Face folder, export/{step}/
+    export: bool = field(True, doc='Write the final policy as a Hugging Face folder (safetensors, config, tokenizer) under export/{step}/')
+    export_timeout_s: float = field(1800.0, doc='Hard limit for the export, seconds', gt=0)
     # The interpreter of training workers; null: this one, or the sglang-jax environment
     # (GRPO_SGLANG_PYTHON, else .venv-sglang/bin/python) when train.rollout.engine is sglang.
-    worker_python: str | None = None
+    worker_python: str | None = field(None, doc="Interpreter of the training workers; empty: this one, or .venv-sglang's with train.rollout.engine=sglang")
     # How workers start: here (local), as N processes on this machine (multiprocess), on every
     # host of a Ray cluster (ray) or of a TPU VM slice (tpu-vm); see grpo_core.launch.launchers.
-    launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
-
-    def __post_init__(self) -> None:
-        self._normalize()
-        _check(self.epochs >= 1, f"pipeline.epochs must be >= 1, got {self.epochs}")
-        _check(self.checkpoint_every >= 1, f"pipeline.checkpoint_every must be >= 1, got {self.checkpoint_every}")
-        _check(self.retries >= 0 and self.flow_retries >= 0,
-               f"pipeline.retries and pipeline.flow_retries must be >= 0, got {self.retries}, {self.flow_retries}")
-        _check(self.retry_delay_s >= 0, f"pipeline.retry_delay_s must be >= 0, got {self.retry_delay_s}")
-        for name in ("train_timeout_s", "eval_timeout_s", "check_timeout_s", "export_timeout_s"):
-            _check(getattr(self, name) > 0, f"pipeline.{name} must be > 0, got {getattr(self, name)}")
-
-
-_SUBCONFIGS[("PipelineConfig", "launcher")] = LauncherConfig
+    launcher: LauncherConfig = field(factory=LauncherConfig, doc='How workers start: one process here, N processes on this machine, a Ray cluster or a TPU VM slice')
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     run_name: str | None
     storage_root: str
-    model: dict[str, Any]  # preset, seed, tokenizer, and ModelConfig field overrides
+    model: ModelSection
     data: DataConfig
     rewards: tuple[RewardSpec, ...]
     train: TrainConfig
@@ -161,10 +153,10 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
-        _check(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
+        check(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
         data = {k: v for k, v in data.items() if k != "hashes"}  # derived; config.json records them
         unknown = sorted(set(data) - set(cls.SECTIONS))
-        _check(not unknown, f"unknown config section(s) {unknown}; known: {list(cls.SECTIONS)}")
+        check(not unknown, f"unknown config section(s) {unknown}; known: {list(cls.SECTIONS)}")
         base = copy.deepcopy(DEFAULT)
         if isinstance(data.get("data"), dict) and data["data"].get("source", "synthetic") != "synthetic":
             base["data"] = {}  # the synthetic defaults (prompt length, task) do not apply to a user's data
@@ -174,12 +166,12 @@ class RunConfig:
             base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("rewards", "accuracy_reward")}
         d = _merge(base, data)
         storage = d["storage"]
-        _check(isinstance(storage, dict) and set(storage) <= {"root"},
+        check(isinstance(storage, dict) and set(storage) <= {"root"},
                f"storage must be a mapping with 'root', got {storage!r}")
         root = storage.get("root")
-        _check(isinstance(root, str) and bool(root), f"storage.root must be a folder or URL, got {root!r}")
+        check(isinstance(root, str) and bool(root), f"storage.root must be a folder or URL, got {root!r}")
         name = d["run_name"]
-        _check(name is None or (isinstance(name, str) and name.strip("/") and "/" not in name.strip("/")),
+        check(name is None or (isinstance(name, str) and name.strip("/") and "/" not in name.strip("/")),
                f"run_name must be a single folder name, got {name!r}")
         cfg = cls(run_name=name, storage_root=root, model=_model_section(d["model"]),
                   data=_section(DataConfig, d["data"], "data"), rewards=_reward_specs(d["rewards"], "rewards"),
@@ -190,13 +182,13 @@ class RunConfig:
             first = next((r for r in specs if r.weight > 0), specs[0])
             cfg = dataclasses.replace(cfg, eval=cfg.eval.replace(accuracy_reward=first.function.rsplit(":", 1)[-1]))
         names = [r.function.rsplit(":", 1)[-1] for r in cfg.eval_rewards]
-        _check(cfg.eval.accuracy_reward in names, f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of "
+        check(cfg.eval.accuracy_reward in names, f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of "
                                                   f"the eval rewards {names}")
         cfg.model_config()  # validate the model section now, not in a worker
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_name": self.run_name, "storage": {"root": self.storage_root}, "model": dict(self.model),
+        return {"run_name": self.run_name, "storage": {"root": self.storage_root}, "model": self.model.to_dict(),
                 "data": self.data.to_dict(), "rewards": [r.to_dict() for r in self.rewards],
                 "train": self.train.to_dict(), "eval": self.eval.to_dict(), "pipeline": self.pipeline.to_dict()}
 
@@ -205,41 +197,41 @@ class RunConfig:
     @property
     def model_path(self) -> str | None:
         """A Hugging Face id, folder or gs:// folder to start from (grpo_core.store.sources); None: a preset."""
-        return self.model.get("path")
+        return self.model.path
 
     @property
     def tokenizer_id(self) -> str:
         """'char', or where an HF tokenizer comes from ('hf:' + its path[@revision]): part of the data hash."""
-        tok = str(self.model.get("tokenizer", "char"))
+        tok = self.model.tokenizer
         if tok == "char":
             return tok
         where = self.model_path if tok == "auto" else tok
-        rev = self.model.get("revision")
+        rev = self.model.revision
         return f"hf:{where}" + (f"@{rev}" if rev else "")
 
     @property
     def tokenizer_source(self) -> str | None:
         """Where AutoTokenizer loads from: the model's own folder ('auto') or another id/folder."""
-        tok = str(self.model.get("tokenizer", "char"))
+        tok = self.model.tokenizer
         return None if tok == "char" else (self.model_path if tok == "auto" else tok)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         from grpo_core.config.presets import get_preset
 
-        fields = {k: v for k, v in self.model.items() if k not in MODEL_KEYS}
+        fields = dict(self.model.overrides)
         if self.model_path:
             from grpo_core.nn.hf import model_config_from_hf
             from grpo_core.store.sources import read_config
 
             fixed = sorted(set(fields) - set(PATH_OVERRIDES))
-            _check(not fixed, f"model.{', model.'.join(fixed)}: set by the checkpoint at model.path "
+            check(not fixed, f"model.{', model.'.join(fixed)}: set by the checkpoint at model.path "
                               f"{self.model_path!r}; only {', '.join(PATH_OVERRIDES)} may be overridden")
-            return model_config_from_hf(read_config(self.model_path, self.model.get("revision")),
+            return model_config_from_hf(read_config(self.model_path, self.model.revision),
                                         f"{self.model_path}/config.json", **fields)
         if vocab_size is not None:
             fields.setdefault("vocab_size", vocab_size)
         try:
-            return get_preset(self.model.get("preset", "tiny"), **fields)
+            return get_preset(self.model.preset or "tiny", **fields)
         except TypeError as exc:  # dataclasses.replace on an unknown field
             known = sorted(f.name for f in dataclasses.fields(ModelConfig))
             raise ConfigError(f"model: {exc}; ModelConfig fields are {known}") from None
@@ -250,12 +242,12 @@ class RunConfig:
 
     @property
     def train_hash(self) -> str:
-        return config_hash({"model": self.model, "data": self.data_hash,
+        return config_hash({"model": self.model.to_dict(), "data": self.data_hash,
                             "rewards": [r.to_dict() for r in self.rewards], "train": self.train.hash_fields()})
 
     @property
     def eval_hash(self) -> str:
-        return config_hash({"eval": self.eval.to_dict(), "data": self.data_hash, "model": self.model,
+        return config_hash({"eval": self.eval.to_dict(), "data": self.data_hash, "model": self.model.to_dict(),
                             "max_new_tokens": self.train.sampling.max_new_tokens})
 
     @property
@@ -267,7 +259,7 @@ class RunConfig:
         """The run's folder: run_name, or the preset and the training hash."""
         if self.run_name:
             return self.run_name.strip("/")
-        base = self.model_path.rstrip("/").rsplit("/", 1)[-1] if self.model_path else self.model.get("preset", "tiny")
+        base = self.model_path.rstrip("/").rsplit("/", 1)[-1] if self.model_path else (self.model.preset or "tiny")
         return f"{''.join(c if c.isalnum() or c in '.-_' else '-' for c in base)}-{self.train_hash[:8]}"
 
     @property
@@ -283,38 +275,21 @@ class RunConfig:
         return (self.train.num_steps * (epoch + 1)) // e
 
 
-def _model_section(value: Any) -> dict[str, Any]:
-    """Normalised so equal models hash equally: empty optional keys dropped, the tokenizer filled
-    in ('char' for a preset, 'auto' = the checkpoint's own for model.path), no preset with a path."""
-    _check(isinstance(value, dict), f"model must be a mapping like {{preset: tiny}}, got {value!r}")
-    out = {k: v for k, v in value.items() if not (k in ("path", "revision", "tokenizer", "lora") and v in (None, ""))}
-    if out.get("lora") is False:
-        del out["lora"]
-    elif "lora" in out:  # every field filled in: equal adapters hash equally
-        from grpo_core.nn.lora import LoraConfig
-
-        out["lora"] = LoraConfig.from_value(out["lora"]).to_dict()
-    _check(isinstance(out.get("seed", 0), int), f"model.seed must be an integer, got {out.get('seed')!r}")
-    if out.get("path") is not None:
-        _check(isinstance(out["path"], str), f"model.path must be a Hugging Face id, folder or URL, got {out['path']!r}")
-        out.pop("preset", None)
-        out.setdefault("tokenizer", "auto")
-    else:
-        _check("revision" not in out, "model.revision applies to a Hugging Face id in model.path, which is not set")
-        _check(out.get("tokenizer", "char") in ("char",) or isinstance(out.get("tokenizer"), str),
-               f"model.tokenizer must be 'char' or a tokenizer id/folder, got {out.get('tokenizer')!r}")
-        out.setdefault("tokenizer", "char")
-        _check(out["tokenizer"] != "auto", "model.tokenizer 'auto' means the tokenizer of model.path, which is not set")
-    return out
+def _model_section(value: Any) -> ModelSection:
+    try:
+        return ModelSection.from_value(value)
+    except ConfigError as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("model") else f"model: {msg}") from None
 
 
 def _section(cls, value: Any, name: str):
-    _check(isinstance(value, dict), f"{name} must be a mapping, got {value!r}")
+    check(isinstance(value, dict), f"{name} must be a mapping, got {value!r}")
     try:
         return cls.from_dict(value)
     except ConfigError as exc:
         msg = str(exc)
-        raise ConfigError(msg if msg.startswith(f"{name}.") else f"{name}: {msg}") from None
+        raise ConfigError(msg if msg.startswith(name) else f"{name}: {msg}") from None
     except TypeError as exc:
         raise ConfigError(f"{name}: {exc}") from None
 
@@ -340,7 +315,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        _check(isinstance(loaded, dict) or loaded is None,
+        check(isinstance(loaded, dict) or loaded is None,
                f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
         data = loaded or {}
     return RunConfig.from_dict(_absolute_paths(apply_overrides(data, overrides or [])))

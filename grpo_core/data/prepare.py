@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.config.train import ConfigError, _check, _Config
+from grpo_core.config.fields import Section, check, field, section
+from grpo_core.errors import ConfigError  # noqa: F401
 from grpo_core.data.formats import DataFormat, apply_format, chat_messages, detect, is_messages, same_columns
 from grpo_core.store.root import RunRoot, config_hash
 
@@ -28,52 +29,53 @@ log = logging.getLogger(__name__)
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 
 
-class DataError(ValueError):
-    """Bad data a user provided. The message names the file or dataset, the column or the row."""
+from grpo_core.errors import DataError
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig(_Config):
+@section(path="data")
+class DataConfig(Section):
     """Where the prompts come from and how they become token ids."""
 
-    source: str = "synthetic"  # "synthetic", a .jsonl/.json/.parquet/.csv path or URL, or a HF dataset id/folder
-    subset: str | None = None  # HF config name
-    split: str = "train"
-    eval_split: str | None = None  # eval rows from this split instead of a held-out fraction
-    format: DataFormat = DataFormat.AUTO  # auto, plain, gsm8k, verl: see grpo_core.data.formats
-    prompt_column: str = "prompt"
-    rename: dict | None = None  # source column -> the name rewards see; applied first
-    template: str | None = None  # str.format over the row's columns, e.g. "Q: {question}\nA:"
-    chat: bool = False  # through the tokenizer's chat template
-    system_prompt: str | None = None
-    max_prompt_tokens: int = 256  # longer prompts are dropped (and counted)
-    max_rows: int | None = None
-    eval_fraction: float = 0.1
-    eval_rows: int = 128  # cap on the eval set
-    seed: int = 0  # shuffles before the split, and the order prompts are drawn in
-    synthetic: dict | None = None  # ReverseTask fields: alphabet, min_len, max_len, seed
-    synthetic_rows: int = 4096
+    # "synthetic", a .jsonl/.json/.parquet/.csv path or URL, or a HF dataset id/folder
+    source: str = field("synthetic", doc="'synthetic', a .jsonl/.json/.parquet/.csv path or gs:// URL, or a Hugging Face dataset id or folder", min_length=1)
+    # HF config name
+    subset: str | None = field(None, doc='Hugging Face dataset config (subset) name')
+    split: str = field("train", doc='Split to train on')
+    # eval rows from this split instead of a held-out fraction
+    eval_split: str | None = field(None, doc='Split to evaluate on; empty: hold out data.eval_fraction of the training rows')
+    # auto, plain, gsm8k, verl: see grpo_core.data.formats
+    format: DataFormat = field(DataFormat.AUTO, doc="How rows are read: gsm8k (question, answer ending in '#### 42'), verl (prompt messages, reward_model.ground_truth), plain, or auto (detect gsm8k/verl from the first row)")
+    prompt_column: str = field("prompt", doc='Column holding the prompt')
+    # source column -> the name rewards see; applied first
+    rename: dict | None = field(None, doc='Column renames applied first: {source column: name the rewards see}')
+    # str.format over the row's columns, e.g. "Q: {question}\nA:"
+    template: str | None = field(None, doc="Prompt template over the row's columns, e.g. 'Q: {question}\\nA:'")
+    # through the tokenizer's chat template
+    chat: bool = field(False, doc="Render prompts with the tokenizer's chat template")
+    system_prompt: str | None = field(None, doc='System message for chat prompts')
+    # longer prompts are dropped (and counted)
+    max_prompt_tokens: int = field(256, doc='Prompts longer than this are dropped (and counted)', ge=1)
+    max_rows: int | None = field(None, doc='Use at most this many rows', ge=2)
+    eval_fraction: float = field(0.1, doc='Fraction of rows held out for evaluation', ge=0, le=0.9)
+    # cap on the eval set
+    eval_rows: int = field(128, doc='At most this many evaluation rows', ge=1)
+    # shuffles before the split, and the order prompts are drawn in
+    seed: int = field(0, doc='Shuffle seed for the split and the prompt order', ge=0)
+    # ReverseTask fields: alphabet, min_len, max_len, seed
+    synthetic: dict | None = field(None, doc='The synthetic task: alphabet, min_len, max_len, seed')
+    synthetic_rows: int = field(4096, doc='Training rows generated for the synthetic task', ge=1)
 
-    _enums = {"format": DataFormat}
-
-    def __post_init__(self) -> None:
-        self._normalize()
-        _check(isinstance(self.source, str) and bool(self.source), f"data.source must be set, got {self.source!r}")
-        _check(self.max_prompt_tokens >= 1, f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        _check(self.max_rows is None or self.max_rows >= 2, f"data.max_rows must be >= 2 or null, got {self.max_rows}")
-        _check(0 <= self.eval_fraction <= 0.9, f"data.eval_fraction must be in [0, 0.9], got {self.eval_fraction}")
-        _check(self.eval_rows >= 1, f"data.eval_rows must be >= 1, got {self.eval_rows}")
-        _check(self.synthetic_rows >= 1, f"data.synthetic_rows must be >= 1, got {self.synthetic_rows}")
-        _check(self.rename is None or (isinstance(self.rename, dict) and all(
+    def validate(self) -> None:
+        check(self.rename is None or (isinstance(self.rename, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.rename.items())),
             f"data.rename must map column names to names, got {self.rename!r}")
-        _check(self.synthetic is None or isinstance(self.synthetic, dict),
+        check(self.synthetic is None or isinstance(self.synthetic, dict),
                f"data.synthetic must be a mapping of task fields, got {self.synthetic!r}")
         if self.is_file:
-            _check(self.eval_split is None, f"data.eval_split applies to Hugging Face datasets; {self.source} is "
+            check(self.eval_split is None, f"data.eval_split applies to Hugging Face datasets; {self.source} is "
                                             "one file: use data.eval_fraction")
         if self.source == "synthetic":
-            _check(self.format in (DataFormat.AUTO, DataFormat.PLAIN),
+            check(self.format in (DataFormat.AUTO, DataFormat.PLAIN),
                    f"data.format={self.format.value} applies to a dataset; the synthetic task has its own rows")
             self.task()  # validate now
         if self.template is not None:
@@ -103,7 +105,7 @@ def _check_template(template: str) -> None:
     except ValueError as exc:
         raise ConfigError(f"data.template {template!r} is not a valid format string: {exc}") from None
     bad = [n for n in names if not n or not n.isidentifier()]
-    _check(not bad, f"data.template {template!r}: placeholders must be column names like {{question}}, got "
+    check(not bad, f"data.template {template!r}: placeholders must be column names like {{question}}, got "
                     f"{', '.join(repr('{' + n + '}') for n in bad)}")
 
 

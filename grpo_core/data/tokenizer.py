@@ -15,5 +15,5 @@ def make_tokenizer(cfg: RunConfig):
         return CharTokenizer()
     from grpo_core.store.sources import load_tokenizer
 
-    rev = cfg.model.get("revision") if cfg.tokenizer_source == cfg.model_path else None
+    rev = cfg.model.revision if cfg.tokenizer_source == cfg.model_path else None
     return load_tokenizer(cfg.tokenizer_source, rev)

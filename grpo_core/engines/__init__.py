@@ -1,7 +1,7 @@
 """Rollout engines: what draws each step's completions, behind one interface.
 
     engine = make_engine(cfg.rollout, graphdef=..., params_fn=..., model_config=..., opts=..., ...)
-    gen = engine.generate(prompt_tokens, prompt_valid, key, num_samples)  # numpy `Generation`
+    out = engine.generate(prompt_tokens, prompt_valid, key, num_samples)  # numpy `Completions`
     engine.sync(params, step)  # after each optimizer step: the engine serves the new policy
     engine.close()
 
@@ -27,7 +27,6 @@ interrupted, end the process with that message: see `watchdog`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -36,34 +35,19 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from grpo_core.errors import ExitCode, RolloutError, RolloutTimeout
+from grpo_core.rl.types import Completions  # the rows every engine returns, as the built-in sampler does
+
 log = logging.getLogger(__name__)
-EXIT_TIMEOUT = 7  # the worker's exit code when an engine wait could not be interrupted
-
-
-class RolloutError(RuntimeError):
-    """A rollout engine failed; the message names the engine and what it was doing."""
-
-
-class RolloutTimeout(RolloutError):
-    """An engine wait passed its time limit; the message names what was waited for."""
-
-
-@dataclasses.dataclass
-class Generation:
-    """One rollout on the host: B = P * G rows, rows i*G .. i*G+G-1 following prompt i."""
-
-    tokens: np.ndarray  # (B, N) int32, pad after the end
-    logprobs: np.ndarray  # (B, N) float32, 0 after the end
-    lengths: np.ndarray  # (B,) int32, tokens up to and including the stop token
-    truncated: np.ndarray  # (B,) bool, no stop token within N
 
 
 class RolloutEngine(Protocol):
     name: str
     synced_step: int | None  # the training step whose weights it serves (None: not yet synced)
 
-    def generate(self, prompt_tokens: np.ndarray, prompt_valid: np.ndarray, key, num_samples: int) -> Generation:
-        """prompt_tokens/valid: (P, Tp) left-padded; key: the step's PRNG key."""
+    def generate(self, prompt_tokens: np.ndarray, prompt_valid: np.ndarray, key, num_samples: int) -> Completions:
+        """prompt_tokens/valid: (P, Tp) left-padded; key: the step's PRNG key. -> B = P * G rows
+        on the host (numpy), rows i*G .. i*G+G-1 following prompt i."""
 
     def sync(self, params, step: int) -> float:
         """Serve `params` (the plain policy's nnx.State after `step` steps); returns seconds spent."""
@@ -75,7 +59,7 @@ class RolloutEngine(Protocol):
 
 
 def finish_rows(rows: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], n: int, eos_ids: Sequence[int],
-                pad_id: int, who: str) -> Generation:
+                pad_id: int, who: str) -> Completions:
     """Pad per-row completions from an external engine to the sampler's layout: each row ends
     at its first stop token (kept, as the sampler keeps it) and is truncated without one."""
     b = len(rows)
@@ -96,7 +80,7 @@ def finish_rows(rows: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float
         tokens[i, :end], lps[i, :end] = ids[:end], lp[:end]
         lengths[i] = end
         truncated[i] = int(ids[end - 1]) not in stops
-    return Generation(tokens, lps, lengths, truncated)
+    return Completions(tokens=tokens, logprobs=lps, lengths=lengths, truncated=truncated)
 
 
 def row_seeds(key, rows: int) -> np.ndarray:
@@ -139,7 +123,7 @@ class watchdog:
     """`with watchdog(seconds, what):` for waits that must run in the main thread and cannot be
     interrupted (sglang-jax's engine start installs signal handlers, so it cannot move to a
     helper thread). If the block outlives its limit, the message goes to stderr and the process
-    ends with EXIT_TIMEOUT: the worker's task reports it and may retry."""
+    ends with ExitCode.ROLLOUT, the worker's code for a failed engine: its task reports it and may retry."""
 
     def __init__(self, timeout_s: float, what: str):
         self.timeout_s, self.what = timeout_s, what
@@ -150,7 +134,7 @@ class watchdog:
             msg = f"waited {self.timeout_s:g} s for {self.what}; gave up and ended the process"
             log.error(msg)
             print(msg, file=sys.stderr, flush=True)
-            os._exit(EXIT_TIMEOUT)
+            os._exit(ExitCode.ROLLOUT)
 
     def __enter__(self):
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()

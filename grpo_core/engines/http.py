@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -37,9 +36,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from grpo_core.engines import (Generation, RolloutError, RolloutTimeout, finish_rows, prompt_lists, row_seeds,
+from grpo_core.engines import (Completions, RolloutError, RolloutTimeout, finish_rows, prompt_lists, row_seeds,
                                sglang_python, wait_for)
-from grpo_core.engines.sglang import sampling_params
+from grpo_core.engines.sglang import sampling_params, sglang_jax_args
+from grpo_core.launch.processes import free_port, stop_process_groups
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,6 @@ def request_json(method: str, url: str, body: dict | None, timeout_s: float, ret
             last = f"not JSON: {exc}"
     cls = RolloutTimeout if last.startswith("no answer") else RolloutError
     raise cls(f"{method} {url} ({what}): {last} (after {retries + 1} attempts)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OwnedServer:
@@ -130,48 +124,26 @@ class OwnedServer:
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the server's process group, then SIGKILL whatever is left of it."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline:
-                proc.poll()
-                try:
-                    os.killpg(proc.pid, 0)  # anyone left in the group?
-                except ProcessLookupError:
-                    proc.wait()
-                    return
-                time.sleep(0.1)
-        proc.wait(timeout=grace_s)
+        if proc is not None:
+            stop_process_groups([proc], grace_s, whole_group=True)
 
 
 def sglang_jax_command(cfg, device: str, dtype: str, batch_size: int, max_new_tokens: int, seed: int) -> list[str]:
-    """sglang-jax's launch_server for this policy, with {model} and {port} left to fill in."""
+    """sglang-jax's launch_server for this policy, with {model}, {host} and {port} left to fill in:
+    the arguments the in-process engine starts with (grpo_core.engines.sglang.sglang_jax_args) as
+    `--flag value` (a true switch as `--flag`, a false one left out), then cfg.server_args."""
     python = sglang_python()
     if python is None:
         raise RolloutError("train.rollout.server=sglang-jax needs the sglang-jax environment: run `make sglang-env` "
                            "(builds .venv-sglang) or set GRPO_SGLANG_PYTHON to its python")
-    cmd = [python, "-m", "sgl_jax.launch_server", "--model-path", "{model}", "--host", "{host}", "--port", "{port}",
-           "--device", device, "--grammar-backend", "none", "--disable-radix-cache", "--skip-server-warmup",
-           "--random-seed", str(seed), "--log-level", "warning", "--dtype", dtype,
-           "--max-running-requests", str(cfg.max_running_requests or batch_size)]
-    if device == "cpu" or cfg.attention_backend:
-        cmd += ["--attention-backend", cfg.attention_backend or "native"]
-    if device == "cpu" or cfg.max_total_tokens:
-        cmd += ["--max-total-tokens", str(cfg.max_total_tokens or max(8192, batch_size * (max_new_tokens + 512)))]
-    for name in ("context_length", "mem_fraction_static"):
-        if getattr(cfg, name) is not None:
-            cmd += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
-    if cfg.disable_precompile:
-        cmd.append("--disable-precompile")
-    if cfg.deterministic:
-        cmd.append("--enable-deterministic-sampling")
-    if not cfg.overlap_schedule:
-        cmd.append("--disable-overlap-schedule")
+    args = sglang_jax_args(cfg, "{model}", device=device, dtype=dtype, batch_size=batch_size,
+                           max_new_tokens=max_new_tokens, seed=seed, host="{host}", port="{port}")
+    cmd = [python, "-m", "sgl_jax.launch_server"]
+    for name, value in args.items():
+        if isinstance(value, bool):
+            cmd += [f"--{name.replace('_', '-')}"] if value else []
+        else:
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
     return cmd + list(cfg.server_args)
 
 
@@ -265,7 +237,7 @@ class HttpEngine:
                 raise RolloutError(f"{self.base_url}/v1/models lists no model ({listed!r}): set train.rollout.model_name")
         return self._model_name
 
-    def generate(self, prompt_tokens, prompt_valid, key, num_samples: int) -> Generation:
+    def generate(self, prompt_tokens, prompt_valid, key, num_samples: int) -> Completions:
         if self.base_url is None or self.served_step is None:
             raise RolloutError("the rollout server serves no policy yet: sync() before generating")
         ids = prompt_lists(prompt_tokens, prompt_valid, num_samples)

@@ -10,9 +10,9 @@ completions come back whole to every process.
 
 from __future__ import annotations
 
-from grpo_core.engines import Generation
 from grpo_core.runtime.mesh import to_host
 from grpo_core.rl.sampler import SamplerOptions, compile_jobs, generate
+from grpo_core.rl.types import Completions
 
 
 class JaxEngine:
@@ -33,10 +33,9 @@ class JaxEngine:
         params, ptok, pval, mesh = self._inputs(prompt_tokens, prompt_valid)
         return compile_jobs(self.graphdef, params, ptok, pval, key, self.opts, num_samples, mesh)
 
-    def generate(self, prompt_tokens, prompt_valid, key, num_samples: int) -> Generation:
+    def generate(self, prompt_tokens, prompt_valid, key, num_samples: int) -> Completions:
         params, ptok, pval, mesh = self._inputs(prompt_tokens, prompt_valid)
-        c = generate(self.graphdef, params, ptok, pval, key, self.opts, num_samples, mesh)
-        return Generation(*to_host((c.tokens, c.logprobs, c.lengths, c.truncated)))  # host sync
+        return to_host(generate(self.graphdef, params, ptok, pval, key, self.opts, num_samples, mesh))  # host sync
 
     def sync(self, params, step: int) -> float:
         self.synced_step = step  # the sampler reads params_fn() at each call: nothing to copy

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.engines import (Generation, RolloutError, RolloutTimeout, finish_rows, prompt_lists, row_seeds,
+from grpo_core.engines import (Completions, RolloutError, RolloutTimeout, finish_rows, prompt_lists, row_seeds,
                                wait_for, watchdog)
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,33 @@ def sampling_params(opts, rows: int, seeds: np.ndarray | None) -> list[dict[str,
     return [dict(sp, sampling_seed=int(s)) for s in seeds[:rows]]
 
 
+def sglang_jax_args(cfg, model_path: str, *, device: str, dtype: str, batch_size: int, max_new_tokens: int,
+                    seed: int, **own: Any) -> dict[str, Any]:
+    """The arguments sglang-jax starts with for this policy, as its ServerArgs field names, in the
+    order the server's command line lists them: one set for the in-process engine (keyword
+    arguments of Engine) and the server the http engine starts (grpo_core.engines.http
+    .sglang_jax_command turns them into `--flag value`). `own`: what only one of them passes
+    (the engine's dummy weights, the server's host and port), placed after model_path.
+
+    Radix cache off (a cached prefix would hold KV of older weights); on CPU the native attention
+    backend and a bounded KV cache (sglang would size it by host RAM); a switch is always present,
+    True or False; an optional setting only when set."""
+    args: dict[str, Any] = dict(
+        model_path=model_path, **own, device=device, grammar_backend="none", disable_radix_cache=True,
+        skip_server_warmup=True, random_seed=int(seed), log_level="warning", dtype=dtype,
+        max_running_requests=cfg.max_running_requests or batch_size)
+    if device == "cpu" or cfg.attention_backend:
+        args["attention_backend"] = cfg.attention_backend or "native"
+    if device == "cpu" or cfg.max_total_tokens:
+        args["max_total_tokens"] = cfg.max_total_tokens or max(8192, batch_size * (max_new_tokens + 512))
+    for name in ("context_length", "mem_fraction_static"):
+        if getattr(cfg, name) is not None:
+            args[name] = getattr(cfg, name)
+    args.update(disable_precompile=cfg.disable_precompile, enable_deterministic_sampling=cfg.deterministic,
+                disable_overlap_schedule=not cfg.overlap_schedule)
+    return args
+
+
 def write_model_folder(model_config, dtype: str) -> str:
     """A folder holding only config.json: enough for sglang-jax to build the model with dummy weights."""
     from grpo_core.nn.hf import hf_config
@@ -184,21 +211,9 @@ class SglangEngine:
         backend = jax.default_backend()
         dtype = cfg.dtype or model_config.dtype.value
         self._folder = write_model_folder(model_config, dtype)
-        kw: dict[str, Any] = dict(
-            model_path=self._folder, load_format="dummy", skip_tokenizer_init=True, grammar_backend="none",
-            disable_radix_cache=True, enable_single_process=True, dtype=dtype, random_seed=int(seed),
-            skip_server_warmup=True, log_level="warning", disable_precompile=cfg.disable_precompile,
-            enable_deterministic_sampling=cfg.deterministic,
-            disable_overlap_schedule=not cfg.overlap_schedule,
-            max_running_requests=cfg.max_running_requests or batch_size,
-            device="cpu" if backend == "cpu" else "tpu")
-        if cfg.attention_backend or backend == "cpu":
-            kw["attention_backend"] = cfg.attention_backend or "native"
-        if cfg.max_total_tokens or backend == "cpu":  # on CPU sglang would size the KV cache by host RAM
-            kw["max_total_tokens"] = cfg.max_total_tokens or max(8192, batch_size * (opts.max_new_tokens + 512))
-        for name in ("mem_fraction_static", "context_length"):
-            if getattr(cfg, name) is not None:
-                kw[name] = getattr(cfg, name)
+        kw = sglang_jax_args(cfg, self._folder, device="cpu" if backend == "cpu" else "tpu", dtype=dtype,
+                             batch_size=batch_size, max_new_tokens=opts.max_new_tokens, seed=seed,
+                             load_format="dummy", skip_tokenizer_init=True, enable_single_process=True)
         t = time.perf_counter()
         with watchdog(cfg.start_timeout_s, f"the sglang-jax engine to start on {backend} (train.rollout.start_timeout_s)"):
             try:
@@ -263,7 +278,7 @@ class SglangEngine:
         except Exception as exc:  # noqa: BLE001 - only memory is at stake
             log.warning("could not release sglang-jax's previous weights: %s", exc)
 
-    def generate(self, prompt_tokens, prompt_valid, key, num_samples: int) -> Generation:
+    def generate(self, prompt_tokens, prompt_valid, key, num_samples: int) -> Completions:
         if self.synced_step is None:
             raise RolloutError("the sglang-jax engine holds dummy weights: sync() the policy before generating")
         ids = prompt_lists(prompt_tokens, prompt_valid, num_samples)

@@ -37,8 +37,7 @@ ENV_DISTRIBUTED = "GRPO_DISTRIBUTED"
 ENV_INIT_TIMEOUT, ENV_HEARTBEAT_TIMEOUT = "GRPO_INIT_TIMEOUT_S", "GRPO_HEARTBEAT_TIMEOUT_S"
 
 
-class DistributedError(RuntimeError):
-    """The distributed setup is wrong or broke; the message names the variable or the process."""
+from grpo_core.errors import DistributedError
 
 
 @dataclasses.dataclass(frozen=True)

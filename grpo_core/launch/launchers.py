@@ -32,15 +32,16 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import uuid
 from typing import Any, Sequence
 
-from grpo_core.config.train import ConfigError, _check, _Config, _enum
+from grpo_core.config.fields import Section, check, field, section
+from grpo_core.errors import ConfigError  # noqa: F401
 from grpo_core.launch.cluster import (ENV_COORDINATOR, ENV_DISTRIBUTED, ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT,
                                    ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+from grpo_core.launch.processes import free_port, stop_process_groups
 
 
 class LauncherKind(enum.Enum):
@@ -50,53 +51,49 @@ class LauncherKind(enum.Enum):
     TPU_VM = "tpu-vm"  # gcloud compute tpus tpu-vm ssh --worker=all
 
 
-@dataclasses.dataclass(frozen=True)
-class LauncherConfig(_Config):
+@section(path="pipeline.launcher")
+class LauncherConfig(Section):
     """The `pipeline.launcher` section. Changes no result, so it is in no stage hash."""
 
-    kind: LauncherKind = LauncherKind.LOCAL
-    num_processes: int = 2  # multiprocess: processes here; ray: hosts, one task each
-    devices_per_process: int = 1  # multiprocess: CPU devices of each process
-    coordinator_port: int = 0  # multiprocess: 0 = a free port; ray: 0 = 8476 on host 0
-    address: str = "auto"  # ray: the cluster, as ray.init takes it ("auto", "ray://head:10001", "local")
-    resources_per_host: dict | None = None  # ray: each task's resources, e.g. {TPU: 4}; null: {CPU: 1}
-    placement_strategy: str = "STRICT_SPREAD"  # ray: one task per node; SPREAD or PACK to share nodes (tests)
-    tpu_name: str | None = None  # tpu-vm
-    zone: str | None = None  # tpu-vm
-    project: str | None = None  # tpu-vm; null: gcloud's configured project
-    workdir: str = "~/grpo-pipeline"  # tpu-vm: the project checkout on every host
-    python: str = ".venv/bin/python"  # tpu-vm: its interpreter, relative to workdir (or absolute)
-    init_timeout_s: int = 300  # every process must join within this
-    heartbeat_timeout_s: int = 100  # a process silent this long fails the others
+    kind: LauncherKind = field(LauncherKind.LOCAL, doc='local (one process), multiprocess (N processes on 127.0.0.1 with CPU devices: multi-host code on one machine), ray (one task per host), tpu-vm (gcloud ssh --worker=all)')
+    # multiprocess: processes here; ray: hosts, one task each
+    num_processes: int = field(2, doc='multiprocess: processes on this machine; ray: hosts, one task each', ge=1)
+    # multiprocess: CPU devices of each process
+    devices_per_process: int = field(1, doc='multiprocess: CPU devices of each process', ge=1)
+    # multiprocess: 0 = a free port; ray: 0 = 8476 on host 0
+    coordinator_port: int = field(0, doc='Port of the jax.distributed coordinator (process 0); 0: a free port (multiprocess) or 8476 (ray)', ge=0, le=65535)
+    # ray: the cluster, as ray.init takes it ("auto", "ray://head:10001", "local")
+    address: str = field("auto", doc='ray: the cluster address as ray.init takes it (auto, ray://head:10001)')
+    # ray: each task's resources, e.g. {TPU: 4}; null: {CPU: 1}
+    resources_per_host: dict | None = field(None, doc="ray: each host task's resources, e.g. {TPU: 4}; empty: {CPU: 1}")
+    # ray: one task per node; SPREAD or PACK to share nodes (tests)
+    placement_strategy: str = field("STRICT_SPREAD", doc='ray: STRICT_SPREAD puts one task on each node')
+    # tpu-vm
+    tpu_name: str | None = field(None, doc='tpu-vm: the TPU VM (slice) name')
+    # tpu-vm
+    zone: str | None = field(None, doc='tpu-vm: its zone')
+    # tpu-vm; null: gcloud's configured project
+    project: str | None = field(None, doc="tpu-vm: its project; empty: gcloud's configured one")
+    # tpu-vm: the project checkout on every host
+    workdir: str = field("~/grpo-pipeline", doc='tpu-vm: the project checkout on every host')
+    # tpu-vm: its interpreter, relative to workdir (or absolute)
+    python: str = field(".venv/bin/python", doc='tpu-vm: the interpreter on every host, relative to workdir')
+    # every process must join within this
+    init_timeout_s: int = field(300, doc='Seconds every process has to join the run', ge=1)
+    # a process silent this long fails the others
+    heartbeat_timeout_s: int = field(100, doc='Seconds a silent process is tolerated before the others fail', ge=1)
 
-    _enums = {"kind": LauncherKind}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LauncherConfig":
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        _check(not unknown, f"pipeline.launcher: unknown field(s) {unknown}; known: {names}")
-        return cls(**data)
-
-    def __post_init__(self) -> None:
-        f = "pipeline.launcher"
-        object.__setattr__(self, "kind", _enum(LauncherKind, self.kind, f"{f}.kind"))
-        self._normalize()
-        _check(self.num_processes >= 1, f"{f}.num_processes must be >= 1, got {self.num_processes}")
-        _check(self.devices_per_process >= 1, f"{f}.devices_per_process must be >= 1, got {self.devices_per_process}")
-        _check(0 <= self.coordinator_port < 65536, f"{f}.coordinator_port must be in [0, 65535], got {self.coordinator_port}")
-        _check(self.init_timeout_s >= 1 and self.heartbeat_timeout_s >= 1,
-               f"{f}.init_timeout_s and {f}.heartbeat_timeout_s must be >= 1, got "
-               f"{self.init_timeout_s}, {self.heartbeat_timeout_s}")
-        _check(self.resources_per_host is None or (isinstance(self.resources_per_host, dict) and all(
+    def validate(self) -> None:
+        f = self.section_path
+        check(self.resources_per_host is None or (isinstance(self.resources_per_host, dict) and all(
             isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in self.resources_per_host.items())),
             f"{f}.resources_per_host must be a mapping of resource names to amounts like {{TPU: 4}}, "
             f"got {self.resources_per_host!r}")
-        _check(self.placement_strategy in ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
+        check(self.placement_strategy in ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
                f"{f}.placement_strategy must be STRICT_SPREAD, SPREAD, PACK or STRICT_PACK, got {self.placement_strategy!r}")
         if self.kind is LauncherKind.TPU_VM:
             for name in ("tpu_name", "zone"):
-                _check(bool(getattr(self, name)), f"{f}.{name} is required with {f}.kind=tpu-vm")
+                check(bool(getattr(self, name)), f"{f}.{name} is required with {f}.kind=tpu-vm")
 
     @property
     def distributed(self) -> bool:
@@ -112,19 +109,19 @@ class LauncherConfig(_Config):
 class ProcessSpec:
     """One local process to start: its command line and the variables added to its environment."""
 
-    name: str
-    argv: list[str]
-    env: dict[str, str]
+    name: str = field()
+    argv: list[str] = field()
+    env: dict[str, str] = field()
 
 
 @dataclasses.dataclass
 class Launched:
     """A started stage. procs[0] prints the events; stop() ends every process of the set."""
 
-    cfg: LauncherConfig
-    specs: list[ProcessSpec]
-    procs: list[subprocess.Popen]
-    stop_argv: list[str] | None = None  # tpu-vm: the remote kill
+    cfg: LauncherConfig = field()
+    specs: list[ProcessSpec] = field()
+    procs: list[subprocess.Popen] = field()
+    stop_argv: list[str] | None = field(None, doc='tpu-vm: the remote kill')
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every local process group, then SIGKILL what is left; remote processes by
@@ -134,24 +131,7 @@ class Launched:
                 subprocess.run(self.stop_argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [p for p in self.procs if p.poll() is None]
-            for p in alive:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-            for p in alive:
-                try:
-                    p.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        stop_process_groups(self.procs, grace_s)
 
 
 def _timeouts(cfg: LauncherConfig) -> dict[str, str]:

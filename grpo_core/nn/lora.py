@@ -24,75 +24,11 @@ imported inside the functions that need them, never at import time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
-import typing
 import zlib
 from typing import Any, NamedTuple
 
-from grpo_core.config.train import ConfigError, _check, _coerce, _Config
-
-# The linears of a decoder layer (grpo_core.nn.model), as `re.search` sees them.
-LAYER_LINEARS = tuple(f"model.layers.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                                     "mlp.down_proj"))
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig(_Config):
-    """The `model.lora` section: rank, alpha (the update is scaled by alpha / rank) and the
-    regex of target modules. dropout exists so that a PEFT-style config gets a clear answer."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    target_modules: str = ".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*"
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):  # coerced here, not by _normalize: errors say model.lora.*
-            object.__setattr__(self, f.name, _coerce(hints[f.name], getattr(self, f.name), f"model.lora.{f.name}"))
-        _check(self.rank >= 1, f"model.lora.rank must be a positive integer, got {self.rank}")
-        _check(self.alpha > 0 and math.isfinite(self.alpha), f"model.lora.alpha must be > 0, got {self.alpha}")
-        # GRPO's ratio compares the policy with the log-probs it sampled with (no dropout); dropout
-        # in the update alone would bias every ratio and the clipping with it.
-        _check(self.dropout == 0, f"model.lora.dropout must be 0 (dropout in the update alone would bias GRPO's "
-                                  f"importance ratios), got {self.dropout}")
-        _check(isinstance(self.target_modules, str) and bool(self.target_modules),
-               f"model.lora.target_modules must be a regular expression like '.*(q_proj|v_proj).*', "
-               f"got {self.target_modules!r}")
-        self.select(LAYER_LINEARS)
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def select(self, paths) -> list[str]:
-        """The paths target_modules finds, or ConfigError listing those it could have found."""
-        try:
-            pattern = re.compile(self.target_modules)
-        except re.error as exc:
-            raise ConfigError(f"model.lora.target_modules {self.target_modules!r} is not a valid regular "
-                              f"expression: {exc}") from None
-        chosen = [p for p in paths if pattern.search(p)]
-        _check(bool(chosen), f"model.lora.target_modules {self.target_modules!r} matches none of the modules "
-                             f"{', '.join(p.rsplit('.', 1)[-1] for p in paths)} (it is searched in paths like {paths[0]})")
-        return chosen
-
-    @classmethod
-    def from_value(cls, value: Any) -> "LoraConfig":
-        """From the run config's `model.lora`: a mapping, or true for the defaults."""
-        if isinstance(value, LoraConfig):
-            return value
-        if value is True:
-            value = {}
-        _check(isinstance(value, dict), f"model.lora must be a mapping like {{rank: 8, alpha: 16, target_modules: "
-                                        f"'.*(q_proj|v_proj).*'}}, got {value!r}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(names))
-        _check(not unknown, f"model.lora: unknown field(s) {unknown}; known: {names}")
-        return cls(**value)
+from grpo_core.config.model import LAYER_LINEARS, LoraConfig  # noqa: F401  (the section is JAX-free config)
 
 
 def num_adapter_params(mc, cfg: LoraConfig) -> int:

@@ -21,8 +21,7 @@ import numpy as np
 RewardFn = Callable[..., Sequence[float | None]]
 
 
-class RewardFunctionError(RuntimeError):
-    """A user's reward function misbehaved. The message names the function and the row."""
+from grpo_core.errors import RewardFunctionError
 
 
 @dataclasses.dataclass(frozen=True)

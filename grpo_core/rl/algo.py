@@ -1,9 +1,16 @@
-"""The GRPO objective as small pure functions: advantages, the clipped surrogate, KL estimators
-and loss aggregation. Each takes only the scalars it needs. Shapes: B completions (rows of
-consecutive groups of G), N completion tokens.
+"""The GRPO objective as small pure functions: advantages, the clipped surrogate, KL estimators,
+loss aggregation and the per-token metrics. Each takes only the scalars it needs. Shapes: B
+completions (rows of consecutive groups of G), N completion tokens.
+
+These are the functions the learner (grpo_core.rl.learner) trains with, and the ones
+tests/test_algo.py pins by hand: no second copy of a formula exists for the tests alone. The
+entropy is the exception: the learner gets it from the chunked head (grpo_core.rl.logprobs),
+which never holds the full logits; the plain formula over all logits is the tests' reference.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +100,7 @@ def clipped_surrogate(log_r: jax.Array, adv: jax.Array, eps_low: float, eps_high
 
 def clip_counts(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
     """Tokens whose ratio the clip stopped: (low with A<0, high with A>0). Counts, so that
-    micro-batches add up; clip_fractions divides by the tokens."""
+    micro-batches add up; token_means divides them by the update batch's tokens."""
     a = adv[:, None] if adv.ndim == 1 else adv
     rho = jnp.exp(log_r)
     low = jnp.sum(((rho < 1 - eps_low) & (a < 0)) * mask)
@@ -101,11 +108,30 @@ def clip_counts(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Arr
     return low, high
 
 
-def clip_fractions(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
-    """Fraction of tokens whose ratio the clip stopped: (low with A<0, high with A>0)."""
-    n = jnp.maximum(jnp.sum(mask), 1)
+class TokenSums(NamedTuple):
+    """The per-token metrics of some rows, as sums over their masked tokens: micro-batches add
+    up, and token_means turns the update batch's total into the reported means."""
+
+    kl: jax.Array
+    entropy: jax.Array
+    clip_ratio_low: jax.Array  # tokens with A < 0 whose ratio the clip held at 1 - eps_low
+    clip_ratio_high: jax.Array  # tokens with A > 0 whose ratio the clip held at 1 + eps_high
+    ratio_mean: jax.Array  # pi_theta / pi_old
+
+
+def token_sums(log_r, adv, kl, entropy, mask, eps_low, eps_high) -> TokenSums:
+    """The metric sums of rows: log_r (B, N) as log_ratio gives it, adv (B,) or (B, N), kl and
+    entropy (B, N) per token, mask (B, N)."""
     low, high = clip_counts(log_r, adv, mask, eps_low, eps_high)
-    return low / n, high / n
+    return TokenSums(kl=jnp.sum(kl * mask), entropy=jnp.sum(entropy * mask), clip_ratio_low=low,
+                     clip_ratio_high=high, ratio_mean=jnp.sum(jnp.exp(log_r) * mask))
+
+
+def token_means(sums: TokenSums, mask: jax.Array) -> TokenSums:
+    """The sums over an update batch divided by its tokens (the means the trainer reports; the
+    clip entries become the fractions of tokens clipped)."""
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    return jax.tree.map(lambda v: v / n, sums)
 
 
 def token_weights(mask: jax.Array, mode: LossAggregation, num_micro: int, max_len: int) -> jax.Array:
@@ -133,17 +159,6 @@ def token_weights(mask: jax.Array, mode: LossAggregation, num_micro: int, max_le
 
 
 def weighted_sum(per_token: jax.Array, weights: jax.Array) -> jax.Array:
-    """A micro-batch's share of the loss: sum(w * per_token), w from token_weights."""
+    """The loss of some rows: sum(w * per_token), w their rows of token_weights. Over the
+    whole update batch it is the aggregated loss; over a micro-batch, that micro-batch's share."""
     return jnp.sum(weights * per_token)
-
-
-def aggregate(per_token: jax.Array, mask: jax.Array, mode: LossAggregation, num_micro: int = 1,
-              max_len: int | None = None) -> jax.Array:
-    """The scalar loss of an update batch under an aggregation mode."""
-    return weighted_sum(per_token, token_weights(mask, mode, num_micro, max_len or mask.shape[-1]))
-
-
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """Entropy of softmax(logits) per position, (..., V) -> (...)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)

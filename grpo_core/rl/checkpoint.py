@@ -43,6 +43,10 @@ class Checkpointer:
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 
+    # Which steps count as finished is Orbax's rule here, the manager's that restores and prunes
+    # them (its step-name format; no temporary name; on gs:// also its commit_success.txt).
+    # grpo_core.store.report.latest_checkpoint reads the folder names without JAX for status
+    # and summaries: a second rule on purpose, see its docstring.
     def latest_step(self) -> int | None:
         """The newest finalised checkpoint, or None."""
         self._mngr.reload()

@@ -1,16 +1,18 @@
-"""The jitted half of training: log-probs of completions, the GRPO loss and one update step
-`(state, batch) -> (state, metrics)` with donated state and gradient accumulation inside.
+"""The jitted half of training: log-probs of completions, the GRPO loss and one update
+`(state, batch) -> (state, metrics)` (Learner.update) with donated state and gradient
+accumulation inside. The loss and its metrics are grpo_core.rl.algo's functions, the ones its
+tests pin.
 
-A training batch holds each prompt once (P rows, left-padded to Tp) and its G completions
-(B = P*G rows of N tokens). The model runs the prompt once per group and the completions
-against it (CausalLM.hidden_states_grouped): with short prompts and G = 8 that is a quarter
-less compute than scoring B full rows.
+A training batch (grpo_core.rl.types.Batch) holds each prompt once (P rows, left-padded to Tp)
+and its G completions (B = P*G rows of N tokens). The model runs the prompt once per group and
+the completions against it (CausalLM.hidden_states_grouped): with short prompts and G = 8 that
+is a quarter less compute than scoring B full rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +26,7 @@ from grpo_core.config.train import (DType, GRPOConfig, KLEstimator, LossAggregat
 from grpo_core.rl.logprobs import DEFAULT_CHUNK_MIB, token_logprobs
 from grpo_core.nn.model import CausalLM
 from grpo_core.rl.sampler import spec_of
-
-# A training batch (all device arrays; P prompts, B = P*G completions):
-#   prompt_tokens (P, Tp) int32, prompt_valid (P, Tp) bool, targets (B, N) int32, mask (B, N) f32,
-#   advantages (B,) f32, old_logp (B, N) f32, ref_logp (B, N) f32 (zeros when beta == 0)
-Batch = dict[str, jax.Array]
-TrainState = dict[str, Any]  # {"params": nnx.State, "opt_state": optax state, "step": int32}
+from grpo_core.rl.types import Batch, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,42 +92,36 @@ def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.Grad
 
 
 def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
-    """Sum of weighted per-token losses of one micro-batch, and its metric sums. With LoRA
-    `params` are the adapters and `frozen` the base weights, which get no gradient."""
+    """Sum of weighted per-token losses of one micro-batch, and its metric sums (algo.TokenSums).
+    With LoRA `params` are the adapters and `frozen` the base weights, which get no gradient."""
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
-    logp, ent = completion_logprobs(model, micro["prompt_tokens"], micro["prompt_valid"], micro["targets"], hp.temperature,
+    logp, ent = completion_logprobs(model, micro.prompt_tokens, micro.prompt_valid, micro.targets, hp.temperature,
                                     remat=hp.remat, chunk_mib=hp.chunk_mib, head_grad=frozen is None)
-    mask = micro["mask"]
-    log_r = algo.log_ratio(logp, micro["old_logp"], mask, hp.ratio_level)
-    per_token = algo.clipped_surrogate(log_r, micro["advantages"], hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
-    kl = algo.kl_penalty(logp, micro["ref_logp"], hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)
+    log_r = algo.log_ratio(logp, micro.old_logp, micro.mask, hp.ratio_level)
+    per_token = algo.clipped_surrogate(log_r, micro.advantages, hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
+    kl = algo.kl_penalty(logp, micro.ref_logp, hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)
     loss = algo.weighted_sum(per_token + hp.beta * kl, weights)
-    low, high = algo.clip_counts(log_r, micro["advantages"], mask, hp.epsilon_low, hp.epsilon_high)
-    sums = {  # token sums; divided by the update batch's token count after accumulation
-        "kl": jnp.sum(kl * mask),
-        "entropy": jnp.sum(ent * mask),
-        "clip_ratio_low": low,
-        "clip_ratio_high": high,
-        "ratio_mean": jnp.sum(jnp.exp(log_r) * mask),
-    }
+    # token sums; divided by the update batch's token count after accumulation
+    sums = algo.token_sums(log_r, micro.advantages, kl, ent, micro.mask, hp.epsilon_low, hp.epsilon_high)
     return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
-def train_step(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedule, hp: LossParams):
+def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedule, hp: LossParams):
     """One optimizer update over `batch`, split into hp.grad_accum_steps micro-batches of whole
     groups (prompt arrays split P/A ways, completion arrays B/A ways: rows stay with their prompt).
     `frozen`: the base weights under LoRA (state["params"] then holds the adapters), else None."""
     a = hp.grad_accum_steps
-    weights = algo.token_weights(batch["mask"], hp.aggregation, a, hp.max_new_tokens)
-    micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), dict(batch, weights=weights))
+    weights = algo.token_weights(batch.mask, hp.aggregation, a, hp.max_new_tokens)
+    micro = jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), (batch, weights))
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
 
     def accumulate(carry, mb):
         grads, loss, sums = carry
-        (l, s), g = grad_fn(state["params"], graphdef, mb, mb["weights"], hp, frozen)
+        mb_batch, mb_weights = mb
+        (l, s), g = grad_fn(state["params"], graphdef, mb_batch, mb_weights, hp, frozen)
         return (jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, sums, s)), None
 
-    zero_sums = {k: jnp.float32(0) for k in ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "ratio_mean")}
+    zero_sums = algo.TokenSums(**{k: jnp.float32(0) for k in algo.TokenSums._fields})
     init = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.float32(0), zero_sums)
     if a == 1:  # no loop: lets XLA fuse the whole step
         (grads, loss, sums), _ = accumulate(init, jax.tree.map(lambda x: x[0], micro))
@@ -138,23 +129,27 @@ def train_step(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, sc
         (grads, loss, sums), _ = jax.lax.scan(accumulate, init, micro)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    n_tok = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
-    metrics = {k: v / n_tok for k, v in sums.items()}
+    metrics = algo.token_means(sums, batch.mask)._asdict()
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state["step"]))
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+    return TrainState(params=params, opt_state=opt_state, step=state["step"] + 1), metrics
 
 
 def score_completions(graphdef, params, batch: Batch, temperature: float, chunk_mib: int = DEFAULT_CHUNK_MIB):
     """Log-probs of the completions under `params` (the reference policy, or the old policy).
-    Forward only: every layer's activations die with it, so no rematerialisation applies."""
+    Forward only: every layer's activations die with it, so no rematerialisation applies.
+    Reads the batch's prompt_tokens, prompt_valid and targets; a mapping of those three is taken
+    too (grpo_core.engines.selftest scores sampled tokens without a whole Batch)."""
     model = nnx.merge(graphdef, params)
-    logp, _ = completion_logprobs(model, batch["prompt_tokens"], batch["prompt_valid"], batch["targets"],
-                                  temperature, chunk_mib=chunk_mib)
+    if isinstance(batch, Mapping):
+        ptok, pval, targets = batch["prompt_tokens"], batch["prompt_valid"], batch["targets"]
+    else:
+        ptok, pval, targets = batch.prompt_tokens, batch.prompt_valid, batch.targets
+    logp, _ = completion_logprobs(model, ptok, pval, targets, temperature, chunk_mib=chunk_mib)
     return logp
 
 
 class Learner:
-    """Holds the compiled step and scoring functions for one model graph and config."""
+    """Holds the compiled update and scoring functions for one model graph and config."""
 
     def __init__(self, graphdef, opt_cfg: OptimizerConfig, hp: LossParams, total_updates: int, ref_graphdef=None,
                  placement=None):
@@ -163,15 +158,17 @@ class Learner:
         meshes; the state lives on the learner's, the reference on its own."""
         self.graphdef, self.hp, self.placement = graphdef, hp, placement
         self.tx, self.schedule = make_optimizer(opt_cfg, total_updates)
-        self.state_sharding = None  # set by init_state; read when the step is traced
+        self.state_sharding = None  # set by init_state; read when the update is traced
 
-        def step(state, batch, frozen=None):
-            new, metrics = train_step(state, batch, frozen, graphdef=graphdef, tx=self.tx, schedule=self.schedule, hp=hp)
+        def update_on_mesh(state: TrainState, batch: Batch, frozen=None):
+            new, metrics = update(state, batch, frozen, graphdef=graphdef, tx=self.tx, schedule=self.schedule, hp=hp)
             if self.state_sharding is not None:  # the new state where the old one was: donation reuses its buffers
                 new = jax.lax.with_sharding_constraint(new, self.state_sharding)
             return new, metrics
 
-        self.step = jax.jit(step, donate_argnums=(0,))  # never the frozen base: it lives on
+        # (state, batch, frozen=None) -> (state, metrics): one optimizer update. The state is
+        # donated; never the frozen base: it lives on.
+        self.update = jax.jit(update_on_mesh, donate_argnums=(0,))
         ref = graphdef if ref_graphdef is None else ref_graphdef
         score = lambda graph: jax.jit(lambda params, batch: score_completions(graph, params, batch, hp.temperature,
                                                                               hp.chunk_mib))
@@ -190,9 +187,9 @@ class Learner:
             return self._score(params, batch)
         return self.placement.put_batch(self._score(params, self.placement.put_batch(batch, mesh)))
 
-    def compile_jobs(self, state: TrainState, batch_spec: dict, minibatches: int, with_reference: bool,
+    def compile_jobs(self, state: TrainState, batch_spec: Batch, minibatches: int, with_reference: bool,
                      frozen=None, ref_params=None):
-        """Callables that compile the update step (for minibatches of the batch) and the scorer
+        """Callables that compile the update (for minibatches of the batch) and the scorer
         (of `ref_params`, by default parameters shaped like the state's), for the layouts the
         arrays will have, so that the calls find these programs in the cache."""
         def batch_of(shape, dtype, mesh=None):
@@ -201,7 +198,7 @@ class Learner:
 
         state_spec = spec_of(state)
         mb_spec = jax.tree.map(lambda s: batch_of((s.shape[0] // minibatches, *s.shape[1:]), s.dtype), batch_spec)
-        jobs = [lambda: self.step.lower(state_spec, mb_spec, spec_of(frozen)).compile()]
+        jobs = [lambda: self.update.lower(state_spec, mb_spec, spec_of(frozen)).compile()]
         if with_reference:
             ref_spec = state_spec["params"] if ref_params is None else spec_of(ref_params)
             ref_batch = jax.tree.map(lambda s: batch_of(s.shape, s.dtype, self._ref_mesh()), batch_spec)
@@ -212,10 +209,10 @@ class Learner:
         """The train state of `params`: with a placement, the parameters and every optimizer
         moment laid out over the learner's mesh (model.partition_axes), the count replicated."""
         if self.placement is None:
-            return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
+            return TrainState(params=params, opt_state=self.tx.init(params), step=jnp.int32(0))
         pl = self.placement
         params = pl.put_params(params)
-        state = {"params": params, "opt_state": pl.init_opt_state(self.tx, params),
-                 "step": pl.put_replicated(np.int32(0))}
+        state = TrainState(params=params, opt_state=pl.init_opt_state(self.tx, params),
+                           step=pl.put_replicated(np.int32(0)))
         self.state_sharding = jax.tree.map(lambda x: x.sharding, state)
         return state

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 
 from grpo_core.config.train import ConfigError, SamplingConfig
 from grpo_core.nn.model import CausalLM, causal_inputs, constrain_kv_cache, init_kv_cache
+from grpo_core.rl.types import Completions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +46,16 @@ class SamplerOptions:
         return dataclasses.replace(opts, **overrides)
 
 
-@dataclasses.dataclass
-class Completions:
-    """Sampler output; arrays stay on device until the caller reads them."""
+class DecodeState(NamedTuple):
+    """The decode loop's state over B rows, beside the KV cache (prefill makes it, decode runs it)."""
 
-    prompt_tokens: jax.Array  # (B, Tp) left-padded, each prompt repeated G times
-    prompt_valid: jax.Array  # (B, Tp) bool
-    tokens: jax.Array  # (B, N) sampled ids, pad after EOS
-    logprobs: jax.Array  # (B, N) log-prob of each sampled token under softmax(logits / T)
-    lengths: jax.Array  # (B,) tokens up to and including EOS
-    truncated: jax.Array  # (B,) True where no EOS came within N tokens
+    tokens: jax.Array  # (B, N) int32: the ids so far, pad beyond
+    logprobs: jax.Array  # (B, N) float32: their log-probs, 0 beyond
+    done: jax.Array  # (B,) bool: the row has emitted a stop token
+    lengths: jax.Array  # (B,) int32: tokens so far, up to and including the stop token
+    key_valid: jax.Array  # (B, Tp + N) bool: the cache slots attended to
+    next_pos: jax.Array  # (B,) int32: the RoPE position of completion token 0
+    t: jax.Array  # int32: the index of the next token to draw
 
 
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
@@ -130,7 +131,8 @@ def step_key(seed: int, step: int, round_: int = 0) -> jax.Array:
 def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: SamplerOptions, num_samples: int, mesh=None):
     """Run the prompts once, fill the cache, draw every row's first token.
 
-    prompt_tokens/valid: (P, Tp). Returns a loop state for `decode` with B = P * num_samples rows.
+    prompt_tokens/valid: (P, Tp). Returns the cache and a loop state for `decode` with
+    B = P * num_samples rows.
     `mesh`: lay the KV cache out over it (model.KV_CACHE_AXES); decode keeps that layout.
     """
     model: CausalLM = nnx.merge(graphdef, params)
@@ -147,7 +149,7 @@ def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: Sampler
     cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, S, K, D)
     if mesh is not None:
         cache = constrain_kv_cache(cache, mesh)
-    logits, prompt_valid, prompt_tokens = rep(logits), rep(prompt_valid), rep(prompt_tokens)
+    logits, prompt_valid = rep(logits), rep(prompt_valid)
     b = p * num_samples
     first, first_lp = sample_logits(logits, jax.random.fold_in(key, 0), opts)
     tokens = jnp.full((b, opts.max_new_tokens), opts.pad_id, jnp.int32).at[:, 0].set(first)
@@ -156,9 +158,9 @@ def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: Sampler
     lengths = jnp.ones((b,), jnp.int32)
     key_valid = jnp.concatenate([prompt_valid, jnp.zeros((b, opts.max_new_tokens), bool)], axis=1)
     next_pos = jnp.sum(prompt_valid, axis=1).astype(jnp.int32)  # (B,) RoPE position of token 0
-    state = dict(tokens=tokens, logprobs=logprobs, done=done, lengths=lengths, key_valid=key_valid,
-                 next_pos=next_pos, t=jnp.int32(1))
-    return cache, state, prompt_tokens, prompt_valid
+    state = DecodeState(tokens=tokens, logprobs=logprobs, done=done, lengths=lengths, key_valid=key_valid,
+                        next_pos=next_pos, t=jnp.int32(1))
+    return cache, state
 
 
 def _is_eos(ids, eos_ids):
@@ -168,51 +170,53 @@ def _is_eos(ids, eos_ids):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "opts", "prompt_len"), donate_argnums=(2,))
-def decode(graphdef, params, cache, state, key, *, opts: SamplerOptions, prompt_len: int):
-    """Generate tokens 1..N-1 in one compiled loop. The cache (argument 2) is donated."""
+def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOptions, prompt_len: int):
+    """Generate tokens 1..N-1 in one compiled loop. The cache (argument 2) is donated.
+    -> (the cache, the rows' Completions)."""
     model: CausalLM = nnx.merge(graphdef, params)
     n = opts.max_new_tokens
 
     def cond(carry):
         _, s = carry
-        return (s["t"] < n) & ~jnp.all(s["done"])
+        return (s.t < n) & ~jnp.all(s.done)
 
     def body(carry):
         cache, s = carry
-        t = s["t"]
+        t = s.t
         slot = prompt_len + t - 1  # the cache slot of the previous token, fed now
-        prev = jax.lax.dynamic_slice_in_dim(s["tokens"], t - 1, 1, axis=1)  # (B, 1)
-        key_valid = jax.lax.dynamic_update_slice_in_dim(s["key_valid"], jnp.ones((prev.shape[0], 1), bool), slot, 1)
-        pos = (s["next_pos"] + t - 1)[:, None]  # (B, 1)
+        prev = jax.lax.dynamic_slice_in_dim(s.tokens, t - 1, 1, axis=1)  # (B, 1)
+        key_valid = jax.lax.dynamic_update_slice_in_dim(s.key_valid, jnp.ones((prev.shape[0], 1), bool), slot, 1)
+        pos = (s.next_pos + t - 1)[:, None]  # (B, 1)
         h, cache = model.hidden_states(prev, pos, key_valid[:, None, :], cache, slot)
         ids, lp = sample_logits(model.logits(h)[:, 0], jax.random.fold_in(key, t), opts)
-        live = ~s["done"]
+        live = ~s.done
         ids = jnp.where(live, ids, opts.pad_id)
-        s = dict(s, t=t + 1, key_valid=key_valid,
-                 tokens=jax.lax.dynamic_update_slice_in_dim(s["tokens"], ids[:, None], t, 1),
-                 logprobs=jax.lax.dynamic_update_slice_in_dim(s["logprobs"], jnp.where(live, lp, 0.0)[:, None], t, 1),
-                 lengths=s["lengths"] + live.astype(jnp.int32),
-                 done=s["done"] | _is_eos(ids, opts.eos_ids))
+        lp = jnp.where(live, lp, 0.0)
+        s = s._replace(t=t + 1, key_valid=key_valid,
+                       tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, ids[:, None], t, 1),
+                       logprobs=jax.lax.dynamic_update_slice_in_dim(s.logprobs, lp[:, None], t, 1),
+                       lengths=s.lengths + live.astype(jnp.int32),
+                       done=s.done | _is_eos(ids, opts.eos_ids))
         return cache, s
 
     # The cache is returned (and dropped by the caller) so the donated input buffer can alias
     # an output: XLA then updates it in place instead of copying it into the loop.
     cache, s = jax.lax.while_loop(cond, body, (cache, state))
-    return cache, (s["tokens"], s["logprobs"], s["lengths"], ~s["done"])
+    return cache, Completions(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, truncated=~s.done)
 
 
 def generate(model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions,
              num_samples: int = 1, mesh=None) -> Completions:
-    """Sample `num_samples` completions for each left-padded prompt. No host sync inside.
+    """Sample `num_samples` completions for each left-padded prompt: B = P * num_samples rows,
+    rows i*G .. i*G+G-1 following prompt i, as device arrays. No host sync inside.
     `mesh`: the rollout's (grpo_core.runtime.mesh), over which the KV cache is laid out."""
     graphdef = model_or_graphdef
     if isinstance(model_or_graphdef, nnx.Module):
         graphdef, params = nnx.split(model_or_graphdef)
-    cache, state, ptok, pvalid = prefill(graphdef, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_valid),
-                                         key, opts=opts, num_samples=num_samples, mesh=mesh)
-    _, (tokens, logprobs, lengths, truncated) = decode(graphdef, params, cache, state, key, opts=opts,
-                                                  prompt_len=int(prompt_tokens.shape[1]))
-    return Completions(ptok, pvalid, tokens, logprobs, lengths, truncated)
+    cache, state = prefill(graphdef, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_valid), key, opts=opts,
+                           num_samples=num_samples, mesh=mesh)
+    _, out = decode(graphdef, params, cache, state, key, opts=opts, prompt_len=int(prompt_tokens.shape[1]))
+    return out
 
 
 def stop_ids(tokenizer) -> list[int]:
@@ -250,7 +254,7 @@ def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: Sampl
     learner's compilation instead of running one after another."""
     p_spec, t_spec, v_spec, k_spec = spec_of((params, prompt_tokens, prompt_valid, key))
     kw = dict(opts=opts, num_samples=num_samples, mesh=mesh)
-    cache, state, _, _ = jax.eval_shape(lambda p, t, v, k: prefill(graphdef, p, t, v, k, **kw), p_spec, t_spec, v_spec, k_spec)
+    cache, state = jax.eval_shape(lambda p, t, v, k: prefill(graphdef, p, t, v, k, **kw), p_spec, t_spec, v_spec, k_spec)
     compile_decode = lambda cache, state: decode.lower(graphdef, p_spec, cache, state, k_spec, opts=opts,
                                                        prompt_len=int(prompt_tokens.shape[1])).compile()
     if mesh is None:

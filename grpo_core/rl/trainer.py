@@ -32,10 +32,11 @@ from grpo_core.rewards import functions as rw
 from grpo_core.rl.checkpoint import Checkpointer
 from grpo_core.config.train import DType, TrainConfig
 from grpo_core.engines import make_engine
-from grpo_core.rl.learner import Learner, LossParams, TrainState
+from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.runtime.mesh import Placement
 from grpo_core.nn.model import CausalLM
 from grpo_core.rl.sampler import SamplerOptions, stop_ids, completion_texts, pad_prompts, spec_of, step_key
+from grpo_core.rl.types import Batch, Completions, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +55,18 @@ class PromptSource(Protocol):
         """n rows, each {"prompt": str, **columns}; a pure function of (step, round_)."""
 
 
-class NonFiniteError(FloatingPointError):
-    """A training metric became NaN/Inf. The message names the step and the metric."""
+from grpo_core.errors import NonFiniteError
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Rollout:
-    """One step's completions on the host, P groups of G rows."""
+    """One step's completions on the host, P groups of G rows, with their prompts and rewards."""
 
     rows: list[dict[str, Any]]  # the P prompt rows
     prompt_tokens: np.ndarray  # (P, Tp) left-padded, one row per group
     prompt_valid: np.ndarray  # (P, Tp)
-    tokens: np.ndarray  # (B, N)
-    logprobs: np.ndarray  # (B, N)
-    lengths: np.ndarray  # (B,)
-    truncated: np.ndarray  # (B,)
-    completions: list[str]
+    completions: Completions  # the B = P * G rows the engine drew (numpy)
+    texts: list[str]  # the completions decoded, what the reward functions read
     rewards: np.ndarray  # (B,) NaN = excluded
     per_function: dict[str, np.ndarray]
 
@@ -88,13 +85,13 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
     width = max(p.prompt_tokens.shape[1] for p in parts)
     cat = lambda f: np.concatenate([f(parts[p], slice(j * g, (j + 1) * g)) for p, j in idx])
     one = lambda f: np.concatenate([f(parts[p], slice(j, j + 1)) for p, j in idx])
+    groups = lambda *xs: np.concatenate([xs[p][j * g:(j + 1) * g] for p, j in idx])  # one field of every part
     return Rollout(
         rows=[parts[p].rows[j] for p, j in idx],
         prompt_tokens=one(lambda r, s: _repad(r.prompt_tokens[s], width, pad)),
         prompt_valid=one(lambda r, s: _repad(r.prompt_valid[s], width, False)),
-        tokens=cat(lambda r, s: r.tokens[s]), logprobs=cat(lambda r, s: r.logprobs[s]),
-        lengths=cat(lambda r, s: r.lengths[s]), truncated=cat(lambda r, s: r.truncated[s]),
-        completions=[c for p, j in idx for c in parts[p].completions[j * g:(j + 1) * g]],
+        completions=jax.tree.map(groups, *(part.completions for part in parts)),
+        texts=[c for p, j in idx for c in parts[p].texts[j * g:(j + 1) * g]],
         rewards=cat(lambda r, s: r.rewards[s]),
         per_function={k: np.concatenate([parts[p].per_function[k][j * g:(j + 1) * g] for p, j in idx])
                       for k in parts[0].per_function},
@@ -185,11 +182,10 @@ class GRPOTrainer:
             return
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
         b = g_cfg.batch_size
-        batch_spec = {"prompt_tokens": ptok, "prompt_valid": pval,
-                      "targets": jax.ShapeDtypeStruct((b, n), jnp.int32), "mask": jax.ShapeDtypeStruct((b, n), jnp.float32),
-                      "old_logp": jax.ShapeDtypeStruct((b, n), jnp.float32), "ref_logp": jax.ShapeDtypeStruct((b, n), jnp.float32),
-                      "advantages": jax.ShapeDtypeStruct((b,), jnp.float32)}
-        batch_spec = spec_of(batch_spec)
+        per_token = lambda dtype: jax.ShapeDtypeStruct((b, n), dtype)
+        batch_spec = spec_of(Batch(prompt_tokens=ptok, prompt_valid=pval, targets=per_token(jnp.int32),
+                                   mask=per_token(jnp.float32), advantages=jax.ShapeDtypeStruct((b,), jnp.float32),
+                                   old_logp=per_token(jnp.float32), ref_logp=per_token(jnp.float32)))
         sampler_jobs = self.engine.compile_jobs(ptok, pval, key, g_cfg.num_generations)
         learner_jobs = self.learner.compile_jobs(self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference,
                                                  self.frozen, self.ref_params)
@@ -216,15 +212,14 @@ class GRPOTrainer:
         if self.engine.synced_step != self.step:  # a new trainer or a restored checkpoint
             self._sync_engine(self.step)
         out = self.engine.generate(ptok, pval, step_key(self.cfg.seed, step, round_), g)  # host arrays
-        tokens, logprobs, lengths, truncated = out.tokens, out.logprobs, out.lengths, out.truncated
-        texts = completion_texts(self.tokenizer, tokens, lengths, self.opts.eos_ids)
+        texts = completion_texts(self.tokenizer, out.tokens, out.lengths, self.opts.eos_ids)
         rep = lambda xs: [x for x in xs for _ in range(g)]
         columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k not in ("prompt", "prompt_ids")}
         t_rew = time.perf_counter()
         scored = rw.score(self.rewards, rep([r["prompt"] for r in rows]), texts, columns)
         self._t["rewards"] += time.perf_counter() - t_rew
-        return Rollout(rows, ptok, pval, tokens, logprobs, lengths, truncated,
-                       texts, scored.total, scored.per_function)
+        return Rollout(rows=rows, prompt_tokens=ptok, prompt_valid=pval, completions=out, texts=texts,
+                       rewards=scored.total, per_function=scored.per_function)
 
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """Sample P groups; with dynamic sampling keep only groups whose rewards differ, drawing
@@ -244,28 +239,28 @@ class GRPOTrainer:
                 break
         chosen = (keep + spare)[:p]
         info = {"sampling_rounds": float(len(parts)), "frac_reward_zero_std": first_zero,
-                "rollout_tokens": float(sum(int(pt.lengths.sum()) for pt in parts))}
+                "rollout_tokens": float(sum(int(pt.completions.lengths.sum()) for pt in parts))}
         return (_select_groups(parts, g, chosen, self.opts.pad_id) if len(parts) > 1 else parts[0]), info
 
     # -- learning --------------------------------------------------------------------------
 
-    def _batch(self, ro: Rollout) -> dict[str, jax.Array]:
+    def _batch(self, ro: Rollout) -> Batch:
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
+        c = ro.completions
         adv = np.asarray(_advantages(jnp.asarray(ro.rewards, jnp.float32), g_cfg.num_generations, g_cfg.advantage,
                                      g_cfg.scale_rewards, g_cfg.advantage_eps))  # B floats: the batch goes up whole
-        mask = np.arange(n)[None, :] < ro.lengths[:, None]
+        mask = np.arange(n)[None, :] < c.lengths[:, None]
         if g_cfg.mask_truncated_completions:
-            mask &= ~ro.truncated[:, None]
+            mask &= ~c.truncated[:, None]
         mask &= ~np.isnan(ro.rewards)[:, None]  # no reward function applies: no loss
-        b = len(ro.tokens)
-        batch = {  # each prompt once: the learner runs it once per group
-            "prompt_tokens": ro.prompt_tokens, "prompt_valid": ro.prompt_valid,
-            "targets": ro.tokens, "mask": mask.astype(np.float32), "old_logp": ro.logprobs.astype(np.float32),
-        }
-        batch.update(advantages=adv, ref_logp=np.zeros((b, n), np.float32))
+        b = len(c.tokens)
+        batch = Batch(  # each prompt once: the learner runs it once per group
+            prompt_tokens=ro.prompt_tokens, prompt_valid=ro.prompt_valid, targets=c.tokens,
+            mask=mask.astype(np.float32), advantages=adv, old_logp=c.logprobs.astype(np.float32),
+            ref_logp=np.zeros((b, n), np.float32))
         return self.placement.put_batch(batch)  # rows over the mesh; the same host arrays on every process
 
-    def _update(self, step: int, batch) -> dict[str, jax.Array]:
+    def _update(self, step: int, batch: Batch) -> dict[str, jax.Array]:
         g_cfg = self.cfg.grpo
         m, g, p = g_cfg.minibatches_per_rollout, g_cfg.num_generations, g_cfg.prompts_per_step
         per = []
@@ -274,10 +269,10 @@ class GRPOTrainer:
             if m > 1:  # fresh group order per pass, from (seed, step, pass): reproducible on resume
                 perm = jax.random.permutation(jax.random.fold_in(step_key(self.cfg.seed, step, 1 << 20), it), p)
                 rows = (perm[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
-                order = jax.tree.map(lambda x: x[perm] if x.shape[0] == p else x[rows], batch)
+                order = batch.map_rows(lambda x: x[perm], lambda x: x[rows])
             for k in range(m):  # contiguous slices keep every group whole
                 mb = jax.tree.map(lambda x: x[k * x.shape[0] // m:(k + 1) * x.shape[0] // m], order) if m > 1 else order
-                self.state, metrics = self.learner.step(self.state, self.placement.put_batch(mb), self.frozen)
+                self.state, metrics = self.learner.update(self.state, self.placement.put_batch(mb), self.frozen)
                 per.append(metrics)
         return jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *per) if len(per) > 1 else per[0]
 
@@ -292,13 +287,14 @@ class GRPOTrainer:
         self._wait_compiled()
         if self.rescore:
             t = time.perf_counter()
-            sampler_logp = batch["old_logp"]
-            batch["old_logp"] = self.learner.score_policy(self.params, batch).block_until_ready()  # behaviour = current policy
-            info.update(_logprob_gap(sampler_logp, batch["old_logp"], batch["mask"]))
+            sampler_logp = batch.old_logp
+            behaviour = self.learner.score_policy(self.params, batch).block_until_ready()  # the current policy's
+            batch = batch._replace(old_logp=behaviour)
+            info.update(_logprob_gap(sampler_logp, batch.old_logp, batch.mask))
             self._t["rescore"] = time.perf_counter() - t
         if self.ref_params is not None:
             t = time.perf_counter()
-            batch["ref_logp"] = self.learner.score(self.ref_params, batch).block_until_ready()
+            batch = batch._replace(ref_logp=self.learner.score(self.ref_params, batch).block_until_ready())
             self._t["reference"] = time.perf_counter() - t
         t = time.perf_counter()
         learner_metrics = jax.device_get(self._update(step, batch))  # host sync: the step's end
@@ -333,10 +329,11 @@ class GRPOTrainer:
         out.update({k: float(v) for k, v in info.items() if k.startswith("logprobs/")})
         out["frac_reward_zero_std"] = info["frac_reward_zero_std"]
         out["sampling_rounds"] = info["sampling_rounds"]
-        out["completions/mean_length"] = float(ro.lengths.mean())
-        out["completions/min_length"] = float(ro.lengths.min())
-        out["completions/max_length"] = float(ro.lengths.max())
-        out["completions/clipped_ratio"] = float(ro.truncated.mean())
+        lengths = ro.completions.lengths
+        out["completions/mean_length"] = float(lengths.mean())
+        out["completions/min_length"] = float(lengths.min())
+        out["completions/max_length"] = float(lengths.max())
+        out["completions/clipped_ratio"] = float(ro.completions.truncated.mean())
         out.update({k: float(v) for k, v in lm.items()})
         out["rollout_tokens_per_s"] = info["rollout_tokens"] / max(self._t["rollout"], 1e-9)
         out.update({f"time/{k}": v for k, v in self._t.items()})

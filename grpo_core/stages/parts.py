@@ -32,10 +32,10 @@ class RunParts:
         model.seed, with fresh LoRA adapters when model.lora is set; every process builds the same.
         With a `placement`, checkpoint weights are loaded straight onto its mesh."""
         model = self._base_policy(placement)
-        if self.cfg.model.get("lora"):
+        if self.cfg.model.lora is not None:
             from grpo_core.nn import lora
 
-            lora.apply(model, lora.LoraConfig.from_value(self.cfg.model["lora"]), int(self.cfg.model.get("seed", 0)))
+            lora.apply(model, self.cfg.model.lora, self.cfg.model.seed)
         return model
 
     def _base_policy(self, placement=None):
@@ -49,10 +49,10 @@ class RunParts:
             from grpo_core.nn.hf import load_hf_model
             from grpo_core.store.sources import resolve
 
-            overrides = {k: v for k, v in self.cfg.model.items() if k in ("dtype", "param_dtype")}
-            return load_hf_model(resolve(self.cfg.model_path, self.cfg.model.get("revision")), placement=placement,
+            overrides = {k: v for k, v in self.cfg.model.overrides.items() if k in ("dtype", "param_dtype")}
+            return load_hf_model(resolve(self.cfg.model_path, self.cfg.model.revision), placement=placement,
                                  **overrides)
-        return create_model(mc, int(self.cfg.model.get("seed", 0)))
+        return create_model(mc, self.cfg.model.seed)
 
 
 def open_run(cfg: RunConfig, root: RunRoot) -> RunParts:

@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 from grpo_core.config.train import ConfigError, ModelConfig, RolloutEngineKind, TrainConfig
+from grpo_core.errors import ExitCode
 
 log = logging.getLogger(__name__)
-EXIT_NOT_READY, EXIT_BAD_REQUEST = 4, 2
 
 
 RolloutEngine = RolloutEngineKind  # "sglang-jax" is accepted for "sglang"
@@ -330,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(cluster)
         primary = cluster is None or distributed.is_primary()
         report = run_checks(req)
-        code = 0 if report["ready"] else EXIT_NOT_READY
+        code = ExitCode.OK if report["ready"] else ExitCode.NOT_READY
     except (OSError, json.JSONDecodeError, ConfigError, TypeError, distributed.DistributedError) as exc:
-        report, code = {"ready": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}, EXIT_BAD_REQUEST
+        report, code = {"ready": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}, ExitCode.CONFIG
     if primary:  # one report per run, not one per host
         print(json.dumps({"event": "report", "report": report} if args.events else report), flush=True)
     return 0 if args.events else code

@@ -23,12 +23,14 @@ Progress goes to stdout as JSON lines, one object per event:
     {"event": "error", "kind": "config" | "data" | "reward" | "diverged" | "storage" | "rollout" | "distributed"
      | "memory", "message": ...}
 
-Exit codes: 0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf), 9
-out of memory — none worth retrying, a retry would fail the same way; anything else (a crash, a kill, 5 for a
-storage error, 7 for a rollout engine that failed or passed a time limit) is worth retrying:
+Exit codes (grpo_core.errors.ExitCode; grpo_core.errors.FAILURES says which exception gives which):
+0 done; 2 config or data error, 3 reward-function error, 6 diverged (NaN/Inf), 9 out of memory —
+none worth retrying, a retry would fail the same way; anything else (a crash, a kill, 5 for a
+storage error, 7 for a rollout engine that failed or passed a time limit, 8 for a multi-host
+setup that failed: a process did not join in time, or the processes disagree) is worth retrying:
 the next run resumes from the last checkpoint, re-running at most checkpoint_every - 1 steps,
 whose metric rows then replace their earlier copies (storage.RunRoot.read_metrics keeps one
-row per step); 8 for a multi-host setup that failed (a process did not join in time).
+row per step).
 
 Multi-host (grpo_core.launch.cluster): `--distributed`, or GRPO_COORDINATOR / GRPO_NUM_PROCESSES /
 GRPO_PROCESS_ID set by a launcher (grpo_core.launch.launchers), joins jax.distributed before anything
@@ -41,26 +43,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
 import json
 import os
-import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
-EXIT_CONFIG, EXIT_REWARD, EXIT_STORAGE, EXIT_DIVERGED = 2, 3, 5, 6
-EXIT_ROLLOUT = 7  # the rollout engine failed or passed a time limit (grpo_core.engines.EXIT_TIMEOUT): retryable
-EXIT_DISTRIBUTED = 8  # jax.distributed could not start or the processes disagree: retryable
-EXIT_MEMORY = 9  # out of device or host memory: the same settings fail the same way
-NOT_RETRYABLE = frozenset({EXIT_CONFIG, EXIT_REWARD, EXIT_DIVERGED, EXIT_MEMORY})
+from grpo_core.errors import OUT_OF_MEMORY, OUT_OF_MEMORY_LEVERS, ConfigError, ExitCode, RolloutTimeout, classify
+
 _STEP_KEYS = ("reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "completions/mean_length",
               "time/step")
 
-
-# What to change when a run does not fit (the task's message for a kill by the kernel says the same).
-OUT_OF_MEMORY_LEVERS = ("lower train.grpo.prompts_per_step or train.sampling.max_new_tokens, set train.remat=full "
-                        "and train.grpo.grad_accum_steps=auto, use LoRA (model.lora) or bfloat16 "
-                        "(model.param_dtype), or shard over more devices (train.mesh); `grpo check` shows the estimate")
 
 _PRIMARY = True  # process 0 of a multi-host run (or the only process): the one that reports and writes
 
@@ -80,7 +75,6 @@ def train(parts, until_step: int) -> int:
     from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.config.train import ConfigError
     from grpo_core.data.prepare import DatasetPrompts
-    from grpo_core.nn.lora import LoraConfig
     from grpo_core.runtime.mesh import Placement
     from grpo_core.rl.trainer import GRPOTrainer
 
@@ -90,7 +84,7 @@ def train(parts, until_step: int) -> int:
     every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
     plan = memory.plan_on(parts.model_config(), cfg.train, cfg.data.max_prompt_tokens,
                           memory.device_facts(),  # before the model exists: the runtime term is this process alone
-                          LoraConfig.from_value(cfg.model["lora"]) if cfg.model.get("lora") else None)
+                          cfg.model.lora)
     _emit("memory", describe=plan.describe(), **plan.report())
     placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
     trainer = GRPOTrainer(parts.create_policy(placement), cfg.train, parts.tokenizer, parts.rewards,
@@ -105,7 +99,7 @@ def train(parts, until_step: int) -> int:
             m = trainer.train_step()
             pending.append(m)
             _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m}, **memory.peak_bytes())
-            _fault("step", trainer.step, root.url)
+            _test_hook("step", step=trainer.step, root_url=root.url)
             if trainer.step % every == 0 or trainer.step == until_step:
                 if _PRIMARY:
                     root.write_metrics(pending)  # outputs first ...
@@ -113,35 +107,35 @@ def train(parts, until_step: int) -> int:
                 ckpt.wait()
                 pending = []
                 _emit("checkpoint", step=trainer.step, uri=root.uri("checkpoints", str(trainer.step)))
-                _fault("checkpoint", trainer.step, root.url)
+                _test_hook("checkpoint", step=trainer.step, root_url=root.url)
     _emit("done", step=trainer.step, steps_run=trainer.step - start)
     return 0
 
 
-def _fault(where: str, step: int, root_url: str) -> None:
-    """Fault injection for the pipeline's tests: GRPO_FAULT="where:step:flagfile[,...]" SIGKILLs
-    this process after that step ('step') or once its checkpoint is durable ('checkpoint'). Each
-    fault fires once: its flag file records that it did, so the retried worker runs through.
-    GRPO_FAULT_RUN limits it to runs whose root URL contains that text, GRPO_FAULT_PROCESS to one
-    process of a multi-host run."""
-    if os.environ.get("GRPO_FAULT_RUN", "") not in root_url:
-        return
-    only = os.environ.get("GRPO_FAULT_PROCESS")
-    if only is not None and int(only) != _process_index():
-        return
-    for spec in filter(None, os.environ.get("GRPO_FAULT", "").split(",")):
-        w, s, flag = spec.split(":", 2)
-        if w == where and int(s) == step and not os.path.exists(flag):
-            open(flag, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+def _test_hook(point: str, **info: Any) -> None:
+    """Where the tests reach into a running worker: after a step ('step') and once its checkpoint
+    is durable ('checkpoint'), where tests/faults.py kills it to prove that the retry resumes
+    with no step lost or doubled. GRPO_TEST_HOOK="path/to/file.py:function" names a function,
+    called as function(point, **info); unset, nothing runs. It is named by file path because the
+    worker is a separate process whose sys.path need not reach the tests."""
+    hook = _load_test_hook(os.environ.get("GRPO_TEST_HOOK", ""))
+    if hook is not None:
+        hook(point, **info)
 
 
-def _process_index() -> int:
-    if "jax" not in sys.modules:  # a single process that has not started JAX yet
-        return 0
-    import jax
-
-    return jax.process_index()
+@functools.cache
+def _load_test_hook(spec: str) -> Callable[..., None] | None:
+    if not spec:
+        return None
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"GRPO_TEST_HOOK must look like path/to/file.py:function, got {spec!r}")
+    found = importlib.util.spec_from_file_location(f"grpo_test_hook_{os.path.basename(path).removesuffix('.py')}", path)
+    if found is None or found.loader is None:
+        raise ValueError(f"GRPO_TEST_HOOK: cannot load {path!r}")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return getattr(module, name)
 
 
 def _agree(config_hash: str, trainer) -> None:
@@ -246,7 +240,7 @@ def export(parts, step: int | None) -> int:
     if not _PRIMARY:  # the files are process 0's to write
         return 0
     model = nnx.merge(graphdef, params)
-    if cfg.model.get("lora"):
+    if cfg.model.lora is not None:
         from grpo_core.nn.lora import merge
 
         model = merge(model)  # W + (alpha / rank) A @ B: a plain model any HF runtime serves
@@ -258,8 +252,8 @@ def export(parts, step: int | None) -> int:
         files = sorted(os.listdir(tmp))
         for name in files:
             root.put_file(os.path.join(tmp, name), f"{stage}/{name}")
-    info = {"step": step, "train_hash": cfg.train_hash, "files": files, "source": cfg.model_path or cfg.model.get("preset"),
-            "lora_merged": bool(cfg.model.get("lora")), "seconds": round(time.perf_counter() - t, 3)}
+    info = {"step": step, "train_hash": cfg.train_hash, "files": files, "source": cfg.model_path or cfg.model.preset,
+            "lora_merged": cfg.model.lora is not None, "seconds": round(time.perf_counter() - t, 3)}
     root.mark_done(stage, info)  # last: the folder is complete
     _emit("export", cached=False, uri=root.uri(stage), **info)
     return 0
@@ -345,22 +339,15 @@ def _join(requested: bool) -> int:
         cluster = distributed.from_env(requested=requested)
         distributed.initialize(cluster)
     except distributed.DistributedError as exc:
-        _emit("error", kind="distributed", message=str(exc))
-        return EXIT_DISTRIBUTED
+        failure = classify(exc)
+        _emit("error", kind=failure.event, message=str(exc))
+        return failure.code
     if cluster is not None:
         _PRIMARY = distributed.is_primary()
     return 0
 
 
 def _run(args) -> int:
-    from grpo_core.config.train import ConfigError
-    from grpo_core.data.prepare import DataError
-    from grpo_core.launch.cluster import DistributedError
-    from grpo_core.engines import RolloutError, RolloutTimeout
-    from grpo_core.rewards.functions import RewardFunctionError
-    from grpo_core.store.root import StorageError
-    from grpo_core.rl.trainer import NonFiniteError
-
     try:
         parts = _load(args)
         if args.command == "train":
@@ -374,45 +361,30 @@ def _run(args) -> int:
         except ValueError:
             raise ConfigError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
         return evaluate_steps(parts, steps)
-    except StorageError as exc:
-        _emit("error", kind="storage", message=str(exc))
-        return EXIT_STORAGE
-    except FileNotFoundError as exc:  # no config.json, a missing config file or checkpoint
-        _emit("error", kind="config", message=str(exc))
-        return EXIT_CONFIG
-    except (ConfigError, json.JSONDecodeError) as exc:
-        _emit("error", kind="config", message=str(exc))
-        return EXIT_CONFIG
-    except DataError as exc:
-        _emit("error", kind="data", message=str(exc))
-        return EXIT_CONFIG
-    except RewardFunctionError as exc:
-        _emit("error", kind="reward", message=str(exc))
-        return EXIT_REWARD
-    except NonFiniteError as exc:
-        _emit("error", kind="diverged", message=str(exc))
-        return EXIT_DIVERGED
-    except DistributedError as exc:
-        _emit("error", kind="distributed", message=str(exc))
-        return EXIT_DISTRIBUTED
-    except RolloutError as exc:
-        _emit("error", kind="rollout", message=str(exc))
+    except Exception as exc:
+        failure = classify(exc)
+        if failure is None:
+            from grpo_core.config import memory
+
+            if not memory.is_out_of_memory(exc):  # XLA's allocation failures have no class of their own
+                raise  # a bug: the traceback is the report, and a crash is retried
+            failure = OUT_OF_MEMORY
+        _emit("error", kind=failure.event,
+              message=_out_of_memory_message(exc) if failure.code == ExitCode.MEMORY else str(exc))
         if isinstance(exc, RolloutTimeout):  # a thread may still wait inside the engine: exit without joining it
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(EXIT_ROLLOUT)
-        return EXIT_ROLLOUT
-    except Exception as exc:
-        from grpo_core.config import memory
+            os._exit(failure.code)
+        return failure.code
 
-        if not memory.is_out_of_memory(exc):
-            raise
-        peak = memory.peak_bytes()
-        where = (f"device peak {peak['peak_device_bytes'] / 2**30:.2f} GiB" if "peak_device_bytes" in peak
-                 else f"process peak {peak['peak_rss_bytes'] / 2**30:.2f} GiB")
-        _emit("error", kind="memory", message=f"out of memory ({where}): {str(exc).splitlines()[0][:300]}; "
-                                              f"{OUT_OF_MEMORY_LEVERS}")
-        return EXIT_MEMORY
+
+def _out_of_memory_message(exc: BaseException) -> str:
+    from grpo_core.config import memory
+
+    peak = memory.peak_bytes()
+    where = (f"device peak {peak['peak_device_bytes'] / 2**30:.2f} GiB" if "peak_device_bytes" in peak
+             else f"process peak {peak['peak_rss_bytes'] / 2**30:.2f} GiB")
+    return f"out of memory ({where}): {str(exc).splitlines()[0][:300]}; {OUT_OF_MEMORY_LEVERS}"
 
 
 if __name__ == "__main__":

@@ -38,7 +38,14 @@ def window_means(rewards: list[float]) -> tuple[float | None, float | None]:
 
 def latest_checkpoint(root: RunRoot) -> int | None:
     """The newest finalised checkpoint step, read from the folder names Orbax finalises
-    (a checkpoint still being written has a temporary name)."""
+    (a checkpoint still being written has a temporary name).
+
+    A second rule on purpose: grpo_core.rl.checkpoint.Checkpointer (what training resumes from)
+    asks the Orbax manager that also restores and prunes them, which needs JAX and whose test
+    depends on the storage (a renamed temporary folder on local disk; on gs:// the step's own
+    folder plus its commit_success.txt marker); this JAX-free reading of the names serves status
+    and summaries in the Prefect process. The two agree on local folders; on gs:// a save cut off
+    before its marker counts here and not there."""
     steps = [int(n) for n in root.list("checkpoints") if n.isdigit()]
     return max(steps) if steps else None
 

@@ -18,8 +18,7 @@ from typing import Any
 import fsspec
 
 
-class StorageError(RuntimeError):
-    """The storage root cannot be used. The message names the URL."""
+from grpo_core.errors import StorageError
 
 
 def config_hash(fields: dict[str, Any], length: int = 12) -> str:

@@ -1,0 +1,129 @@
+"""The failures a user can act on, and what each means once it leaves the worker process.
+
+A stage's worker and the Prefect task that launched it meet only at an exit code (and the
+worker's last "error" event): the worker turns an exception into a code, the task turns the code
+back into whether a retry can help and what to tell the user. Both halves read the one table
+here, so a new failure cannot be retried on one side and not the other. This module imports
+nothing from grpo_core and no JAX: the Prefect process imports it and must never start JAX.
+
+Out-of-memory is recognised by grpo_core.config.memory.is_out_of_memory (XLA reports it as a
+runtime error whose text says so, not as a class of its own); the worker asks it about
+exceptions this table does not know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+
+
+class ConfigError(ValueError):
+    """A configuration value a user chose is invalid. The message names the field."""
+
+
+class DataError(ValueError):
+    """Bad data a user provided. The message names the file or dataset, the column or the row."""
+
+
+class RewardFunctionError(RuntimeError):
+    """A user's reward function misbehaved. The message names the function and the row."""
+
+
+class StorageError(RuntimeError):
+    """The storage root cannot be used. The message names the URL."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A training metric became NaN/Inf. The message names the step and the metric."""
+
+
+class DistributedError(RuntimeError):
+    """The distributed setup is wrong or broke; the message names the variable or the process."""
+
+
+class RolloutError(RuntimeError):
+    """A rollout engine failed; the message names the engine and what it was doing."""
+
+
+class RolloutTimeout(RolloutError):
+    """An engine wait passed its time limit; the message names what was waited for."""
+
+
+class ExitCode(enum.IntEnum):
+    """A worker's (or the readiness check's) exit code. Anything else, a crash (1) or a signal,
+    is worth a retry: the next run resumes from the last checkpoint."""
+
+    OK = 0
+    CONFIG = 2  # a config or data error (and the readiness check's invalid request)
+    REWARD = 3
+    NOT_READY = 4  # the readiness check ran and a check failed (`grpo check` exits with it too)
+    STORAGE = 5
+    DIVERGED = 6  # NaN/Inf
+    ROLLOUT = 7  # the rollout engine failed or passed a time limit, possibly where a wait could not be interrupted
+    DISTRIBUTED = 8  # jax.distributed could not start, or the processes disagree
+    MEMORY = 9  # out of device or host memory
+
+    @property
+    def kind(self) -> str:
+        """How the task's failure message names it."""
+        return _KINDS[self]
+
+
+_KINDS = {ExitCode.OK: "done", ExitCode.CONFIG: "config or data error", ExitCode.REWARD: "reward function error",
+          ExitCode.NOT_READY: "not ready", ExitCode.STORAGE: "storage error", ExitCode.DIVERGED: "training diverged",
+          ExitCode.ROLLOUT: "rollout engine failed or timed out", ExitCode.DISTRIBUTED: "multi-host setup failed",
+          ExitCode.MEMORY: "out of memory"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What an exception becomes in the worker: its exit code, the `kind` of its error event, and
+    whether running the stage again can help (a config, data or reward error, a divergence or an
+    allocation that does not fit fails the same way every time)."""
+
+    code: ExitCode
+    event: str
+    retryable: bool
+
+
+OUT_OF_MEMORY = Failure(ExitCode.MEMORY, "memory", False)
+_CONFIG = Failure(ExitCode.CONFIG, "config", False)
+
+# Exception type -> Failure. classify() looks an exception's classes up most specific first (as the
+# worker's except clauses did), so a subclass given a row of its own wins over its base's.
+FAILURES: dict[type[BaseException], Failure] = {
+    StorageError: Failure(ExitCode.STORAGE, "storage", True),
+    FileNotFoundError: _CONFIG,  # no config.json, a missing config file or checkpoint
+    ConfigError: _CONFIG,
+    json.JSONDecodeError: _CONFIG,  # a config file that is not JSON
+    DataError: Failure(ExitCode.CONFIG, "data", False),
+    RewardFunctionError: Failure(ExitCode.REWARD, "reward", False),
+    NonFiniteError: Failure(ExitCode.DIVERGED, "diverged", False),
+    DistributedError: Failure(ExitCode.DISTRIBUTED, "distributed", True),
+    RolloutError: Failure(ExitCode.ROLLOUT, "rollout", True),
+    MemoryError: OUT_OF_MEMORY,  # the host's; XLA's device allocation failures: is_out_of_memory
+}
+
+NOT_RETRYABLE = frozenset(f.code for f in FAILURES.values() if not f.retryable)
+
+# What to change when a run does not fit (the worker's error for XLA's allocation failure and the
+# task's message for a kill by the kernel say the same).
+OUT_OF_MEMORY_LEVERS = ("lower train.grpo.prompts_per_step or train.sampling.max_new_tokens, set train.remat=full "
+                        "and train.grpo.grad_accum_steps=auto, use LoRA (model.lora) or bfloat16 "
+                        "(model.param_dtype), or shard over more devices (train.mesh); `grpo check` shows the estimate")
+
+
+def classify(exc: BaseException) -> Failure | None:
+    """The row for `exc`, from its most specific class that has one; None for an exception the
+    table does not know (a bug, or an allocation failure only is_out_of_memory recognises)."""
+    for cls in type(exc).__mro__:
+        if cls in FAILURES:
+            return FAILURES[cls]
+    return None
+
+
+def is_retryable(code: int) -> bool:
+    """Whether a worker that exited with `code` (negative: killed by that signal) may succeed
+    when run again."""
+    return code not in NOT_RETRYABLE
