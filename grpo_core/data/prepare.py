@@ -10,7 +10,6 @@ when a hub source needs it: it is slow to import).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
@@ -20,16 +19,13 @@ from typing import Any
 import numpy as np
 
 from grpo_core.config.fields import Section, check, field, section
-from grpo_core.errors import ConfigError  # noqa: F401
 from grpo_core.data.formats import DataFormat, apply_format, chat_messages, detect, is_messages, same_columns
 from grpo_core.store.root import RunRoot, config_hash
+from grpo_core.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
-
-
-from grpo_core.errors import DataError
 
 
 @section(path="data")

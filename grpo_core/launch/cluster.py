@@ -29,15 +29,13 @@ import json
 import logging
 import os
 from typing import Any, Mapping
+from grpo_core.errors import DistributedError
 
 log = logging.getLogger(__name__)
 
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "GRPO_COORDINATOR", "GRPO_NUM_PROCESSES", "GRPO_PROCESS_ID"
 ENV_DISTRIBUTED = "GRPO_DISTRIBUTED"
 ENV_INIT_TIMEOUT, ENV_HEARTBEAT_TIMEOUT = "GRPO_INIT_TIMEOUT_S", "GRPO_HEARTBEAT_TIMEOUT_S"
-
-
-from grpo_core.errors import DistributedError
 
 
 @dataclasses.dataclass(frozen=True)

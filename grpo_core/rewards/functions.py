@@ -17,11 +17,9 @@ import traceback
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from grpo_core.errors import RewardFunctionError
 
 RewardFn = Callable[..., Sequence[float | None]]
-
-
-from grpo_core.errors import RewardFunctionError
 
 
 @dataclasses.dataclass(frozen=True)

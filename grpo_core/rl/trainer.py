@@ -37,6 +37,7 @@ from grpo_core.runtime.mesh import Placement
 from grpo_core.nn.model import CausalLM
 from grpo_core.rl.sampler import SamplerOptions, stop_ids, completion_texts, pad_prompts, spec_of, step_key
 from grpo_core.rl.types import Batch, Completions, TrainState
+from grpo_core.errors import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,6 @@ class Tokenizer(Protocol):
 class PromptSource(Protocol):
     def sample(self, step: int, round_: int, n: int) -> list[dict[str, Any]]:
         """n rows, each {"prompt": str, **columns}; a pure function of (step, round_)."""
-
-
-from grpo_core.errors import NonFiniteError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
