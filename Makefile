@@ -18,7 +18,7 @@ PYTHON312 ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null | head -n1); \
 	if [ -x "$$p/bin/python3.12" ]; then echo "$$p/bin/python3.12"; else command -v python3.12 2>/dev/null; fi)
 SGL_DEP := $(if $(filter 1,$(SGLANG)),$(SGL_STAMP))
 
-.PHONY: demo test test-fast bench install clean sglang-env
+.PHONY: demo test test-fast lint bench install clean sglang-env
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +44,14 @@ sglang-env: $(SGL_STAMP)
 demo: $(STAMP)
 	$(BIN)/grpo demo
 
-test: $(STAMP) $(SGL_DEP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint $(SGL_DEP)
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP) $(SGL_DEP)  # one after another: each measures this machine, so never two at once

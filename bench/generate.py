@@ -54,7 +54,9 @@ def _timed(call, calls: int) -> dict:
     return {"first_s": first, "median_s": statistics.median(times), "times_s": times}
 
 
-def run_ours(workload: str, folder: str, batches: list[int], new_tokens: int, calls: int, temperature: float) -> list[dict]:
+def run_ours(
+    workload: str, folder: str, batches: list[int], new_tokens: int, calls: int, temperature: float
+) -> list[dict]:
     """Write the workload's model to `folder`, load it back and time grpo_core.rl.sampler.generate."""
     import jax
     import numpy as np
@@ -84,8 +86,9 @@ def run_ours(workload: str, folder: str, batches: list[int], new_tokens: int, ca
     return rows
 
 
-def run_transformers(workload: str, folder: str, batches: list[int], new_tokens: int, calls: int,
-                     temperature: float) -> list[dict]:
+def run_transformers(
+    workload: str, folder: str, batches: list[int], new_tokens: int, calls: int, temperature: float
+) -> list[dict]:
     import torch
     import transformers
 
@@ -93,7 +96,9 @@ def run_transformers(workload: str, folder: str, batches: list[int], new_tokens:
     transformers.utils.logging.disable_progress_bar()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the accelerator ours runs on, where there is one
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(device)
-    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    sample = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    )
     rows = []
     for b in batches:
         ids = torch.from_numpy(prompts(b, model.config.vocab_size)).long().to(device)
@@ -101,21 +106,53 @@ def run_transformers(workload: str, folder: str, batches: list[int], new_tokens:
         def call(i):
             torch.manual_seed(i)
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, **sample).cpu()
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                    **sample,
+                ).cpu()
             assert out.shape == (b, PROMPT_LEN + new_tokens), out.shape
 
-        rows.append(dict(engine="transformers", batch=b, device=device, torch_threads=torch.get_num_threads(), **_timed(call, calls)))
+        rows.append(
+            dict(
+                engine="transformers",
+                batch=b,
+                device=device,
+                torch_threads=torch.get_num_threads(),
+                **_timed(call, calls),
+            )
+        )
     return rows
 
 
 def _child(engine: str, args, folder: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # first call = compile
-    cmd = [sys.executable, "-m", "bench.generate", "--child", engine, "--folder", folder, "--workload", args.workload,
-           "--new-tokens", str(args.new_tokens), "--calls", str(args.calls), "--temperature", str(args.temperature),
-           "--batch", *map(str, args.batch)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.generate",
+        "--child",
+        engine,
+        "--folder",
+        folder,
+        "--workload",
+        args.workload,
+        "--new-tokens",
+        str(args.new_tokens),
+        "--calls",
+        str(args.calls),
+        "--temperature",
+        str(args.temperature),
+        "--batch",
+        *map(str, args.batch),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"bench.generate --child {engine} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -124,18 +161,25 @@ def _child(engine: str, args, folder: str) -> list[dict]:
 def _table(args, params_m: float, rows: list[dict]) -> str:
     threads = next((r["torch_threads"] for r in rows if "torch_threads" in r), "?")
     devices = {r["engine"]: r.get("device", "?") for r in rows}
-    out = [f"workload {args.workload} ({params_m:.1f} M params, f32): {PROMPT_LEN}-token prompts, {args.new_tokens} new "
-           f"tokens per row (EOS ignored), temperature {args.temperature}; median of {args.calls} calls; "
-           f"torch threads {threads}; ours on {devices.get('ours')}, transformers on {devices.get('transformers')}", "",
-           f"{'batch':>5} {'engine':<12} {'first s':>8} {'median s':>8} {'tokens/s':>9}"]
-    out += [f"{r['batch']:>5} {r['engine']:<12} {r['first_s']:>8.2f} {r['median_s']:>8.3f} {r['tokens_per_s']:>9.0f}"
-            for r in rows]
+    out = [
+        f"workload {args.workload} ({params_m:.1f} M params, f32): {PROMPT_LEN}-token prompts, {args.new_tokens} new "
+        f"tokens per row (EOS ignored), temperature {args.temperature}; median of {args.calls} calls; "
+        f"torch threads {threads}; ours on {devices.get('ours')}, transformers on {devices.get('transformers')}",
+        "",
+        f"{'batch':>5} {'engine':<12} {'first s':>8} {'median s':>8} {'tokens/s':>9}",
+    ]
+    out += [
+        f"{r['batch']:>5} {r['engine']:<12} {r['first_s']:>8.2f} {r['median_s']:>8.3f} {r['tokens_per_s']:>9.0f}"
+        for r in rows
+    ]
     out.append("")
     by = {(r["engine"], r["batch"]): r for r in rows}
     for b in args.batch:
         o, t = by[("ours", b)], by[("transformers", b)]
-        out.append(f"batch {b}: ours {o['tokens_per_s']:.0f} tokens/s vs transformers {t['tokens_per_s']:.0f} "
-                   f"({o['tokens_per_s'] / t['tokens_per_s']:.2f}x); first call {o['first_s']:.2f} s vs {t['first_s']:.2f} s")
+        out.append(
+            f"batch {b}: ours {o['tokens_per_s']:.0f} tokens/s vs transformers {t['tokens_per_s']:.0f} "
+            f"({o['tokens_per_s'] / t['tokens_per_s']:.2f}x); first call {o['first_s']:.2f} s vs {t['first_s']:.2f} s"
+        )
     return "\n".join(out)
 
 
@@ -165,8 +209,18 @@ def main(argv=None) -> int:
     print(_table(args, params_m, rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": args.workload, "params_m": params_m, "prompt_len": PROMPT_LEN,
-                       "new_tokens": args.new_tokens, "temperature": args.temperature, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "workload": args.workload,
+                    "params_m": params_m,
+                    "prompt_len": PROMPT_LEN,
+                    "new_tokens": args.new_tokens,
+                    "temperature": args.temperature,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -52,11 +52,13 @@ def matmul_peak_gflops() -> float:
         for _ in range(5):
             t = time.perf_counter()
             f(a).block_until_ready()
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
+            best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
     return best
 
 
-def model_flops(cfg, prompt_lens: list[int], generations: int = GENERATIONS, new_tokens: int = NEW_TOKENS) -> dict[str, float]:
+def model_flops(
+    cfg, prompt_lens: list[int], generations: int = GENERATIONS, new_tokens: int = NEW_TOKENS
+) -> dict[str, float]:
     """Model FLOPs of one step from real (unpadded) lengths; padding shows up as lost utilisation.
 
     Per token, a forward costs 2 * (matmul params + LM head) plus attention 4 * H * D * context
@@ -65,7 +67,7 @@ def model_flops(cfg, prompt_lens: list[int], generations: int = GENERATIONS, new
     positions. Update: 3x the reference forward (forward + backward; recomputation under remat
     is not model FLOPs).
     """
-    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers  # noqa: N806  (L: layers, as in the formula)
     mm = L * (h * cfg.num_attention_heads * d * 2 + 2 * h * cfg.num_key_value_heads * d + 3 * h * cfg.intermediate_size)
     head = cfg.vocab_size * h
     attn = lambda ctx: 4 * L * cfg.num_attention_heads * d * ctx  # QK^T and PV for one query
@@ -75,9 +77,14 @@ def model_flops(cfg, prompt_lens: list[int], generations: int = GENERATIONS, new
 
     g, n = generations, new_tokens
     prefill = forward([c for p in prompt_lens for c in range(1, p + 1)], len(prompt_lens))
-    decode = forward([p + t for p in prompt_lens for _ in range(g) for t in range(1, n)], g * len(prompt_lens) * (n - 1))
-    score = forward([c for p in prompt_lens for c in range(1, p + 1)]
-                    + [p + t for p in prompt_lens for _ in range(g) for t in range(1, n)], g * len(prompt_lens) * n)
+    decode = forward(
+        [p + t for p in prompt_lens for _ in range(g) for t in range(1, n)], g * len(prompt_lens) * (n - 1)
+    )
+    score = forward(
+        [c for p in prompt_lens for c in range(1, p + 1)]
+        + [p + t for p in prompt_lens for _ in range(g) for t in range(1, n)],
+        g * len(prompt_lens) * n,
+    )
     return {"rollout": prefill + decode, "reference": score, "update": 3 * score}
 
 
@@ -101,20 +108,24 @@ def frac_a(prompts, completions, **_):
 def run_workload(name: str, steps: int) -> dict:
     import jax
 
-    from grpo_core.config.train import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
     from grpo_core.config.memory import peak_rss_bytes
-    from grpo_core.nn.model import create_model
     from grpo_core.config.presets import get_preset
-    from grpo_core.rewards.functions import Reward
+    from grpo_core.config.train import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
     from grpo_core.data.synthetic import CharTokenizer
+    from grpo_core.nn.model import create_model
+    from grpo_core.rewards.functions import Reward
     from grpo_core.rl.trainer import GRPOTrainer
 
     w = WORKLOADS[name]
-    mcfg = get_preset(w.get("preset", name), vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32")
+    mcfg = get_preset(
+        w.get("preset", name), vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32"
+    )
     cfg = TrainConfig(
         grpo=GRPOConfig(num_generations=GENERATIONS, prompts_per_step=PROMPTS, beta=0.04, num_iterations=1),
         sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True),
-        optimizer=OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0), num_steps=steps + 1)
+        optimizer=OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0),
+        num_steps=steps + 1,
+    )
     tok = CharTokenizer()
     prompts = RandomPrompts(tok.chars)
     model = create_model(mcfg, 0)
@@ -139,27 +150,68 @@ def run_workload(name: str, steps: int) -> dict:
     flops = model_flops(mcfg, lens[:PROMPTS])  # every step has 8 prompts of 8-10 tokens: use one step's
     total = sum(flops.values())
     return {
-        "workload": name, "params_m": mcfg.num_params() / 1e6, "first_step_s": first, "step_s": med("time/step"),
-        "cpu_s": med("cpu_s"), "rollout_s": med("time/rollout"), "rewards_s": med("time/rewards"),
-        "reference_s": med("time/reference"), "update_s": med("time/update"),
+        "workload": name,
+        "params_m": mcfg.num_params() / 1e6,
+        "first_step_s": first,
+        "step_s": med("time/step"),
+        "cpu_s": med("cpu_s"),
+        "rollout_s": med("time/rollout"),
+        "rewards_s": med("time/rewards"),
+        "reference_s": med("time/reference"),
+        "update_s": med("time/update"),
         "rollout_tokens_per_s": med("rollout_tokens_per_s"),
         "peak_rss_mib": peak_rss_bytes() / 2**20,  # VmHWM: ru_maxrss would carry this process's parent's peak
-        "model_gflop_per_step": total / 1e9, "gflops": None if w.get("lora") else total / med("time/step") / 1e9,
-        "trained_m": trained_m, "opt_state_mib": opt_mib,
-        "steps": [{k: m[k] for k in ("time/step", "cpu_s", "time/rollout", "time/reference", "time/update")} for m in per_step],
+        "model_gflop_per_step": total / 1e9,
+        "gflops": None if w.get("lora") else total / med("time/step") / 1e9,
+        "trained_m": trained_m,
+        "opt_state_mib": opt_mib,
+        "steps": [
+            {k: m[k] for k in ("time/step", "cpu_s", "time/rollout", "time/reference", "time/update")} for m in per_step
+        ],
     }
 
 
 def _table(peak: float, rows: list[dict]) -> str:
-    cols = [("workload", "{:<10}"), ("params_m", "{:>8.2f}"), ("first_step_s", "{:>8.2f}"), ("step_s", "{:>8.3f}"),
-            ("cpu_s", "{:>8.3f}"), ("rollout_s", "{:>8.3f}"), ("rewards_s", "{:>8.4f}"), ("reference_s", "{:>8.3f}"),
-            ("update_s", "{:>8.3f}"), ("rollout_tokens_per_s", "{:>9.0f}"), ("peak_rss_mib", "{:>8.0f}"),
-            ("opt_state_mib", "{:>8.2f}"), ("gflops", "{:>8.1f}"), ("pct_peak", "{:>7.1f}")]
-    heads = ["workload", "params M", "first s", "step s", "CPU s", "rollout", "rewards", "ref", "update",
-             "roll t/s", "peak MiB", "opt MiB", "GFLOP/s", "% peak"]
-    out = [f"f32 matmul peak on this machine: {peak:.1f} GFLOP/s (measured in this run)", "",
-           " ".join(f"{h:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" if i else f"{h:<10}"
-                    for i, (h, (_, fmt)) in enumerate(zip(heads, cols)))]
+    cols = [
+        ("workload", "{:<10}"),
+        ("params_m", "{:>8.2f}"),
+        ("first_step_s", "{:>8.2f}"),
+        ("step_s", "{:>8.3f}"),
+        ("cpu_s", "{:>8.3f}"),
+        ("rollout_s", "{:>8.3f}"),
+        ("rewards_s", "{:>8.4f}"),
+        ("reference_s", "{:>8.3f}"),
+        ("update_s", "{:>8.3f}"),
+        ("rollout_tokens_per_s", "{:>9.0f}"),
+        ("peak_rss_mib", "{:>8.0f}"),
+        ("opt_state_mib", "{:>8.2f}"),
+        ("gflops", "{:>8.1f}"),
+        ("pct_peak", "{:>7.1f}"),
+    ]
+    heads = [
+        "workload",
+        "params M",
+        "first s",
+        "step s",
+        "CPU s",
+        "rollout",
+        "rewards",
+        "ref",
+        "update",
+        "roll t/s",
+        "peak MiB",
+        "opt MiB",
+        "GFLOP/s",
+        "% peak",
+    ]
+    out = [
+        f"f32 matmul peak on this machine: {peak:.1f} GFLOP/s (measured in this run)",
+        "",
+        " ".join(
+            f"{h:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" if i else f"{h:<10}"
+            for i, (h, (_, fmt)) in enumerate(zip(heads, cols))
+        ),
+    ]
     for r in rows:
         r = dict(r, pct_peak=None if r["gflops"] is None else 100 * r["gflops"] / peak)
         out.append(" ".join(f"{'-':>{len(fmt.format(0))}}" if r[k] is None else fmt.format(r[k]) for k, fmt in cols))
@@ -168,13 +220,17 @@ def _table(peak: float, rows: list[dict]) -> str:
     for r in rows:
         if WORKLOADS[r["workload"]].get("lora"):
             base = by.get(WORKLOADS[r["workload"]]["preset"])
-            line = (f"{r['workload']}: median {r['step_s']:.3f} s/step, {r['trained_m']:.2f} M trained parameters, "
-                    f"optimizer state {r['opt_state_mib']:.2f} MiB")
+            line = (
+                f"{r['workload']}: median {r['step_s']:.3f} s/step, {r['trained_m']:.2f} M trained parameters, "
+                f"optimizer state {r['opt_state_mib']:.2f} MiB"
+            )
             if base:
-                line += (f"; full fine-tuning of the same run {base['step_s']:.3f} s/step "
-                         f"({base['step_s'] / r['step_s']:.2f}x the time), {base['opt_state_mib']:.1f} MiB "
-                         f"({base['opt_state_mib'] / r['opt_state_mib']:.0f}x), peak RSS {base['peak_rss_mib']:.0f} "
-                         f"vs {r['peak_rss_mib']:.0f} MiB")
+                line += (
+                    f"; full fine-tuning of the same run {base['step_s']:.3f} s/step "
+                    f"({base['step_s'] / r['step_s']:.2f}x the time), {base['opt_state_mib']:.1f} MiB "
+                    f"({base['opt_state_mib'] / r['opt_state_mib']:.0f}x), peak RSS {base['peak_rss_mib']:.0f} "
+                    f"vs {r['peak_rss_mib']:.0f} MiB"
+                )
             out.append(line)
             continue
         refs = REFERENCE[r["workload"]]
@@ -195,10 +251,14 @@ def main(argv=None) -> int:
         return 0
     peak = matmul_peak_gflops()
     rows = []
-    for name in (WORKLOADS if args.workload == "all" else [args.workload]):
+    for name in WORKLOADS if args.workload == "all" else [args.workload]:
         steps = args.steps or WORKLOADS[name]["steps"]
-        proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--child", "--workload", name, "--steps", str(steps)],
-                              capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.grpo_step", "--child", "--workload", name, "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)
             return proc.returncode

@@ -45,7 +45,7 @@ ALL = ("small", "qwen3-0.6b")
 FORMATS = ("single", "sharded")
 ENGINES = ("ours", "transformers")
 SHARDS = 4
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def model_config(name: str):
@@ -103,10 +103,13 @@ class PeakMemory:
 
     def result(self) -> dict[str, float]:
         b = self.before
-        return {"rss_before_mib": b["VmRSS"], "peak_extra_mib": self.after["VmHWM"] - b["VmRSS"],
-                "anon_peak_extra_mib": max(self.peak["RssAnon"], self.after["RssAnon"]) - b["RssAnon"],
-                "file_peak_extra_mib": max(self.peak["RssFile"], self.after["RssFile"]) - b["RssFile"],
-                "held_extra_mib": self.after["VmRSS"] - b["VmRSS"]}
+        return {
+            "rss_before_mib": b["VmRSS"],
+            "peak_extra_mib": self.after["VmHWM"] - b["VmRSS"],
+            "anon_peak_extra_mib": max(self.peak["RssAnon"], self.after["RssAnon"]) - b["RssAnon"],
+            "file_peak_extra_mib": max(self.peak["RssFile"], self.after["RssFile"]) - b["RssFile"],
+            "held_extra_mib": self.after["VmRSS"] - b["VmRSS"],
+        }
 
 
 # -- child processes -----------------------------------------------------------------------
@@ -218,8 +221,9 @@ def disk_bytes(folder: str) -> int:
 
 def _child(*args: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "bench.hf_load", "--child", *args], capture_output=True, text=True,
-                          cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.hf_load", "--child", *args], capture_output=True, text=True, cwd=root
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"bench.hf_load --child {' '.join(args)} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -241,24 +245,55 @@ def run_workload(name: str, formats: list[str], repeats: int, tmp: str) -> tuple
         weights_mib = disk_bytes(folders[fmt]) / MIB
         for e in ENGINES:
             med = {k: statistics.median(r[k] for r in runs[e]) for k in runs[e][0]}
-            rows.append(dict(workload=name, format=fmt, engine=e, weights_mib=weights_mib, **med,
-                             peak_x=med["peak_extra_mib"] / weights_mib,
-                             anon_x=med["anon_peak_extra_mib"] / weights_mib,
-                             file_x=med["file_peak_extra_mib"] / weights_mib, runs=runs[e]))
+            rows.append(
+                dict(
+                    workload=name,
+                    format=fmt,
+                    engine=e,
+                    weights_mib=weights_mib,
+                    **med,
+                    peak_x=med["peak_extra_mib"] / weights_mib,
+                    anon_x=med["anon_peak_extra_mib"] / weights_mib,
+                    file_x=med["file_peak_extra_mib"] / weights_mib,
+                    runs=runs[e],
+                )
+            )
     return built, rows
 
 
 def _table(built: list[dict], rows: list[dict]) -> str:
-    cols = [("workload", "{:<10}"), ("format", "{:<7}"), ("engine", "{:<12}"), ("load_s", "{:>7.2f}"),
-            ("ready_s", "{:>7.2f}"), ("peak_extra_mib", "{:>9.0f}"), ("peak_x", "{:>9.2f}"),
-            ("anon_x", "{:>6.2f}"), ("file_x", "{:>6.2f}"), ("held_extra_mib", "{:>9.0f}")]
-    heads = ["workload", "format", "engine", "load s", "ready s", "peak+ MiB", "x weights", "anon x", "file x",
-             "held MiB"]
+    cols = [
+        ("workload", "{:<10}"),
+        ("format", "{:<7}"),
+        ("engine", "{:<12}"),
+        ("load_s", "{:>7.2f}"),
+        ("ready_s", "{:>7.2f}"),
+        ("peak_extra_mib", "{:>9.0f}"),
+        ("peak_x", "{:>9.2f}"),
+        ("anon_x", "{:>6.2f}"),
+        ("file_x", "{:>6.2f}"),
+        ("held_extra_mib", "{:>9.0f}"),
+    ]
+    heads = [
+        "workload",
+        "format",
+        "engine",
+        "load s",
+        "ready s",
+        "peak+ MiB",
+        "x weights",
+        "anon x",
+        "file x",
+        "held MiB",
+    ]
     widths = [len(fmt.format(0 if "f" in fmt else "")) for _, fmt in cols]
-    out = ["weights on disk (f32): " + ", ".join(f"{b['workload']} {b['weights_mib']:.1f} MiB ({b['params_m']:.1f} M params)"
-                                                 for b in built) + "; page cache warm", "",
-           " ".join(f"{h:<{w}}" if fmt.startswith("{:<") else f"{h:>{w}}"
-                    for h, w, (_, fmt) in zip(heads, widths, cols))]
+    out = [
+        "weights on disk (f32): "
+        + ", ".join(f"{b['workload']} {b['weights_mib']:.1f} MiB ({b['params_m']:.1f} M params)" for b in built)
+        + "; page cache warm",
+        "",
+        " ".join(f"{h:<{w}}" if fmt.startswith("{:<") else f"{h:>{w}}" for h, w, (_, fmt) in zip(heads, widths, cols)),
+    ]
     out += [" ".join(fmt.format(r[k]) for k, fmt in cols) for r in rows]
     out.append("")
     by = {(r["workload"], r["format"], r["engine"]): r for r in rows}
@@ -266,12 +301,16 @@ def _table(built: list[dict], rows: list[dict]) -> str:
         if e != "ours":
             continue
         hf = by[(w, f, "transformers")]
-        out.append(f"{w} {f}: ours ready in {ours['ready_s']:.2f} s vs transformers {hf['ready_s']:.2f} s "
-                   f"(ours {hf['ready_s'] / ours['ready_s']:.2f}x as fast); peak extra {ours['peak_x']:.2f}x vs "
-                   f"{hf['peak_x']:.2f}x the weights")
+        out.append(
+            f"{w} {f}: ours ready in {ours['ready_s']:.2f} s vs transformers {hf['ready_s']:.2f} s "
+            f"(ours {hf['ready_s'] / ours['ready_s']:.2f}x as fast); peak extra {ours['peak_x']:.2f}x vs "
+            f"{hf['peak_x']:.2f}x the weights"
+        )
     for b in built:
-        out.append(f"{b['workload']}: save_hf_model {b['save_s']:.2f} s, peak {b['save_peak_extra_mib']:.0f} MiB above "
-                   f"the model ({b['save_peak_extra_mib'] / b['weights_mib']:.2f}x the weights)")
+        out.append(
+            f"{b['workload']}: save_hf_model {b['save_s']:.2f} s, peak {b['save_peak_extra_mib']:.0f} MiB above "
+            f"the model ({b['save_peak_extra_mib'] / b['weights_mib']:.2f}x the weights)"
+        )
     return "\n".join(out)
 
 
@@ -294,7 +333,7 @@ def main(argv=None) -> int:
     formats = list(FORMATS) if args.format == "all" else [args.format]
     built, rows = [], []
     with tempfile.TemporaryDirectory(prefix="bench-hf-load-") as tmp:
-        for name in (ALL if args.workload == "all" else [args.workload]):
+        for name in ALL if args.workload == "all" else [args.workload]:
             b, r = run_workload(name, formats, args.repeats or WORKLOADS[name]["repeats"], tmp)
             built.append(b)
             rows += r

@@ -36,21 +36,54 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the device's real peak, not a pool
 
 WORKLOADS = {
-    "a": dict(preset="small", over={"vocab_size": 151936, "dtype": "float32", "param_dtype": "float32"},
-              prompts=4, generations=8, new_tokens=128, steps=2),
+    "a": dict(
+        preset="small",
+        over={"vocab_size": 151936, "dtype": "float32", "param_dtype": "float32"},
+        prompts=4,
+        generations=8,
+        new_tokens=128,
+        steps=2,
+    ),
     "b": dict(preset="qwen3-0.6b", over={}, prompts=2, generations=8, new_tokens=256, steps=1),
     "gpu-0.5b": dict(preset="qwen2.5-0.5b", over={}, prompts=8, generations=8, new_tokens=512, steps=3, gpu=True),
-    "a-short": dict(preset="small", over={"vocab_size": 151936, "num_hidden_layers": 4, "dtype": "float32",
-                                          "param_dtype": "float32"}, prompts=2, generations=4, new_tokens=32, steps=1),
-    "small": dict(preset="small", over={"vocab_size": 384, "dtype": "float32", "param_dtype": "float32"},
-                  prompts=8, generations=8, new_tokens=32, steps=3),
-    "tiny": dict(preset="tiny", over={"vocab_size": 384, "dtype": "float32", "param_dtype": "float32"},
-                 prompts=8, generations=8, new_tokens=32, steps=5),
+    "a-short": dict(
+        preset="small",
+        over={"vocab_size": 151936, "num_hidden_layers": 4, "dtype": "float32", "param_dtype": "float32"},
+        prompts=2,
+        generations=4,
+        new_tokens=32,
+        steps=1,
+    ),
+    "small": dict(
+        preset="small",
+        over={"vocab_size": 384, "dtype": "float32", "param_dtype": "float32"},
+        prompts=8,
+        generations=8,
+        new_tokens=32,
+        steps=3,
+    ),
+    "tiny": dict(
+        preset="tiny",
+        over={"vocab_size": 384, "dtype": "float32", "param_dtype": "float32"},
+        prompts=8,
+        generations=8,
+        new_tokens=32,
+        steps=5,
+    ),
 }
 REMATS = ("auto", "none", "dots", "full")
 # bf16 dense peak FLOP/s per chip, by device_kind prefix
-BF16_PEAK = {"NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12, "NVIDIA L4": 121e12,
-             "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6": 918e12}
+BF16_PEAK = {
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+    "NVIDIA L4": 121e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6": 918e12,
+}
 PROMPT_TOKENS = 10  # RandomPrompts draws 8-10 characters
 
 
@@ -60,19 +93,23 @@ def run(name: str, remat: str, steps: int) -> dict:
 
     from bench.grpo_step import RandomPrompts, frac_a, model_flops
     from grpo_core.config import memory
-    from grpo_core.config.train import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
-    from grpo_core.nn.model import create_model
     from grpo_core.config.presets import get_preset
-    from grpo_core.rewards.functions import Reward
+    from grpo_core.config.train import GRPOConfig, OptimizerConfig, SamplingConfig, TrainConfig
     from grpo_core.data.synthetic import CharTokenizer
+    from grpo_core.nn.model import create_model
+    from grpo_core.rewards.functions import Reward
     from grpo_core.rl.trainer import GRPOTrainer
 
     w = WORKLOADS[name]
     facts = memory.device_facts()  # before any array: the runtime term is the process alone
     mcfg = get_preset(w["preset"], **w["over"])
-    train = TrainConfig(grpo=GRPOConfig(num_generations=w["generations"], prompts_per_step=w["prompts"], beta=0.04),
-                        sampling=SamplingConfig(max_new_tokens=w["new_tokens"], ignore_eos=True),
-                        optimizer=OptimizerConfig(learning_rate=1e-6), num_steps=steps + 1, remat=remat)
+    train = TrainConfig(
+        grpo=GRPOConfig(num_generations=w["generations"], prompts_per_step=w["prompts"], beta=0.04),
+        sampling=SamplingConfig(max_new_tokens=w["new_tokens"], ignore_eos=True),
+        optimizer=OptimizerConfig(learning_rate=1e-6),
+        num_steps=steps + 1,
+        remat=remat,
+    )
     plan = memory.plan_on(mcfg, train, PROMPT_TOKENS, facts)
     tok = CharTokenizer()
     prompts = RandomPrompts(tok.chars)
@@ -84,15 +121,30 @@ def run(name: str, remat: str, steps: int) -> dict:
     med = lambda k: statistics.median(m[k] for m in per)
     e = plan.estimate
     floor = sum(e.terms[k] for k in ("params", "gradients", "optimizer", "reference", "kv_cache"))
-    out = {"workload": name, "remat_asked": remat, "remat": e.remat.value, "grad_accum_steps": e.grad_accum_steps,
-           "logits_chunk_mib": e.chunk_mib, "backend": facts["backend"], "device_kind": jax.devices()[0].device_kind,
-           "params_m": mcfg.num_params() / 1e6, "estimate_bytes": e.total, "floor_bytes": floor,
-           "estimate_terms": e.terms, "peak_phase": e.peak_phase, "runtime_bytes": facts["runtime"],
-           "available_bytes": facts["available"], "fits": plan.fits,
-           "peak_rss_bytes": memory.peak_rss_bytes(),
-           "first_step_s": first, "step_s": med("time/step"), "rollout_s": med("time/rollout"),
-           "reference_s": med("time/reference"), "update_s": med("time/update"),
-           "rollout_tokens_per_s": med("rollout_tokens_per_s")}
+    out = {
+        "workload": name,
+        "remat_asked": remat,
+        "remat": e.remat.value,
+        "grad_accum_steps": e.grad_accum_steps,
+        "logits_chunk_mib": e.chunk_mib,
+        "backend": facts["backend"],
+        "device_kind": jax.devices()[0].device_kind,
+        "params_m": mcfg.num_params() / 1e6,
+        "estimate_bytes": e.total,
+        "floor_bytes": floor,
+        "estimate_terms": e.terms,
+        "peak_phase": e.peak_phase,
+        "runtime_bytes": facts["runtime"],
+        "available_bytes": facts["available"],
+        "fits": plan.fits,
+        "peak_rss_bytes": memory.peak_rss_bytes(),
+        "first_step_s": first,
+        "step_s": med("time/step"),
+        "rollout_s": med("time/rollout"),
+        "reference_s": med("time/reference"),
+        "update_s": med("time/update"),
+        "rollout_tokens_per_s": med("rollout_tokens_per_s"),
+    }
     peak = memory.peak_bytes()
     if "peak_device_bytes" in peak:
         out["peak_device_bytes"] = peak["peak_device_bytes"]
@@ -107,22 +159,52 @@ def run(name: str, remat: str, steps: int) -> dict:
 
 def _table(rows: list[dict]) -> str:
     g = lambda b: f"{b / 2**30:.2f}"
-    head = ("workload", "remat", "accum", "estimate GiB", "peak GiB", "est/peak", "floor GiB", "first s", "s/step",
-            "rollout", "ref", "update", "roll tok/s")
+    head = (
+        "workload",
+        "remat",
+        "accum",
+        "estimate GiB",
+        "peak GiB",
+        "est/peak",
+        "floor GiB",
+        "first s",
+        "s/step",
+        "rollout",
+        "ref",
+        "update",
+        "roll tok/s",
+    )
     out = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         peak = r.get("peak_device_bytes") or r["peak_rss_bytes"]
         remat = r["remat"] + (" (auto)" if r["remat_asked"] == "auto" else "")
-        out.append(" | ".join([r["workload"], remat, str(r["grad_accum_steps"]), g(r["estimate_bytes"]), g(peak),
-                               f"{r['estimate_bytes'] / peak:.2f}", g(r["floor_bytes"]), f"{r['first_step_s']:.1f}",
-                               f"{r['step_s']:.2f}", f"{r['rollout_s']:.2f}", f"{r['reference_s']:.2f}",
-                               f"{r['update_s']:.2f}", f"{r['rollout_tokens_per_s']:.0f}"]))
+        out.append(
+            " | ".join(
+                [
+                    r["workload"],
+                    remat,
+                    str(r["grad_accum_steps"]),
+                    g(r["estimate_bytes"]),
+                    g(peak),
+                    f"{r['estimate_bytes'] / peak:.2f}",
+                    g(r["floor_bytes"]),
+                    f"{r['first_step_s']:.1f}",
+                    f"{r['step_s']:.2f}",
+                    f"{r['rollout_s']:.2f}",
+                    f"{r['reference_s']:.2f}",
+                    f"{r['update_s']:.2f}",
+                    f"{r['rollout_tokens_per_s']:.0f}",
+                ]
+            )
+        )
     out.append("")
     for r in rows:
         where = "device" if "peak_device_bytes" in r else "process RSS"
-        line = (f"{r['workload']} remat={r['remat']}: {r['params_m']:.0f} M params on {r['backend']} "
-                f"({r['device_kind']}); peak {where} {g(r.get('peak_device_bytes') or r['peak_rss_bytes'])} GiB, "
-                f"estimate {g(r['estimate_bytes'])} GiB (peak phase {r['peak_phase']}, runtime {g(r['runtime_bytes'])})")
+        line = (
+            f"{r['workload']} remat={r['remat']}: {r['params_m']:.0f} M params on {r['backend']} "
+            f"({r['device_kind']}); peak {where} {g(r.get('peak_device_bytes') or r['peak_rss_bytes'])} GiB, "
+            f"estimate {g(r['estimate_bytes'])} GiB (peak phase {r['peak_phase']}, runtime {g(r['runtime_bytes'])})"
+        )
         if r.get("mfu") is not None:
             line += f"; update {r['update_tflops']:.1f} TFLOP/s = {100 * r['mfu']:.1f} % MFU"
         out.append(line)
@@ -131,8 +213,9 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all",
-                    help="all: a and b (and gpu-0.5b on an accelerator)")
+    ap.add_argument(
+        "--workload", choices=[*WORKLOADS, "all"], default="all", help="all: a and b (and gpu-0.5b on an accelerator)"
+    )
     ap.add_argument("--remat", choices=[*REMATS, "all"], default="auto", help="all: auto, then each policy")
     ap.add_argument("--steps", type=int, help="timed steps after the first (default: per workload)")
     ap.add_argument("--json", help="write the results here")
@@ -147,8 +230,23 @@ def main(argv=None) -> int:
     for name in names:
         for remat in remats:
             steps = args.steps or WORKLOADS[name]["steps"]
-            proc = subprocess.run([sys.executable, "-m", "bench.real_shapes", "--child", "--workload", name,
-                                   "--remat", remat, "--steps", str(steps)], capture_output=True, text=True, cwd=root)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.real_shapes",
+                    "--child",
+                    "--workload",
+                    name,
+                    "--remat",
+                    remat,
+                    "--steps",
+                    str(steps),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=root,
+            )
             if proc.returncode != 0:
                 why = "killed by the kernel (out of memory?)" if proc.returncode == -9 else f"exit {proc.returncode}"
                 print(f"{name} remat={remat}: {why}\n{proc.stderr[-3000:]}", file=sys.stderr)

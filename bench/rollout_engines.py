@@ -35,14 +35,15 @@ def _setup(shape: str):
     from flax import nnx
 
     from bench.grpo_step import RandomPrompts
-    from grpo_core.nn.model import create_model
     from grpo_core.config.presets import get_preset
-    from grpo_core.rl.sampler import SamplerOptions, pad_prompts
     from grpo_core.data.synthetic import CharTokenizer
+    from grpo_core.nn.model import create_model
+    from grpo_core.rl.sampler import SamplerOptions, pad_prompts
 
     tok = CharTokenizer()
-    mcfg = get_preset("small", vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32",
-                      **SHAPES[shape])
+    mcfg = get_preset(
+        "small", vocab_size=384, tie_word_embeddings=True, dtype="float32", param_dtype="float32", **SHAPES[shape]
+    )
     graphdef, params = nnx.split(create_model(mcfg, 0))
     rows = RandomPrompts(tok.chars).sample(1, 0, PROMPTS)
     ptok, pval = pad_prompts([tok.encode(r["prompt"]) for r in rows], (16,), tok.pad_token_id)
@@ -68,11 +69,15 @@ def run_engine(engine_name: str, shape: str, calls: int, warm: int) -> dict:
     # context_length = the longest prompt bucket + 32: sglang-jax's CPU (native) attention gathers
     # every row's whole context for each query, so its cost grows with rows x context_length.
     knobs = {"disable_precompile": True, "max_total_tokens": 4096, "context_length": 64, "start_timeout_s": 900}
-    cfg = {"jax": RolloutConfig(), "sglang": RolloutConfig(engine="sglang", **knobs),
-           "http": RolloutConfig(engine="http", server="sglang-jax", api="sglang", **knobs)}[engine_name]
+    cfg = {
+        "jax": RolloutConfig(),
+        "sglang": RolloutConfig(engine="sglang", **knobs),
+        "http": RolloutConfig(engine="http", server="sglang-jax", api="sglang", **knobs),
+    }[engine_name]
     t = time.perf_counter()
-    engine = make_engine(cfg, graphdef=graphdef, params_fn=lambda: params, model_config=mcfg, opts=opts,
-                         batch_size=b, tokenizer=tok)
+    engine = make_engine(
+        cfg, graphdef=graphdef, params_fn=lambda: params, model_config=mcfg, opts=opts, batch_size=b, tokenizer=tok
+    )
     out = {"engine": engine_name, "shape": shape, "python": sys.version.split()[0], "jax": jax.__version__}
     try:
         syncs = [engine.sync(params, 0)]  # http: the first export and server start
@@ -86,14 +91,20 @@ def run_engine(engine_name: str, shape: str, calls: int, warm: int) -> dict:
             times.append(time.perf_counter() - t)
             tokens = int(g.lengths.sum())
         assert tokens == b * NEW_TOKENS, tokens
-        out.update(tokens_per_call=tokens, call_s=statistics.median(times), tokens_per_s=tokens / statistics.median(times),
-                   call_s_all=[round(x, 4) for x in times])
+        out.update(
+            tokens_per_call=tokens,
+            call_s=statistics.median(times),
+            tokens_per_s=tokens / statistics.median(times),
+            call_s_all=[round(x, 4) for x in times],
+        )
         if engine_name != "jax":
             n = 5 if engine_name == "sglang" else 2
             for i in range(n):
                 new = jax.block_until_ready(_perturbed(params, i))  # ready before the clock starts
                 syncs.append(engine.sync(new, i + 1))
-            out.update(first_sync_s=syncs[0], sync_s=statistics.median(syncs[1:]), sync_s_all=[round(x, 4) for x in syncs])
+            out.update(
+                first_sync_s=syncs[0], sync_s=statistics.median(syncs[1:]), sync_s_all=[round(x, 4) for x in syncs]
+            )
             t = time.perf_counter()
             engine.generate(ptok, pval, step_key(0, 99), GENERATIONS)  # the first call after a sync
             out["call_after_sync_s"] = time.perf_counter() - t
@@ -103,7 +114,7 @@ def run_engine(engine_name: str, shape: str, calls: int, warm: int) -> dict:
 
 
 def _child(engine: str, shape: str, calls: int, warm: int) -> dict:
-    from grpo_core.engines import sglang_python
+    from grpo_core.launch.processes import sglang_python
 
     python = sys.executable
     if engine == "sglang":
@@ -112,10 +123,22 @@ def _child(engine: str, shape: str, calls: int, warm: int) -> dict:
             return {"engine": engine, "shape": shape, "skipped": "no .venv-sglang (make sglang-env)"}
     elif engine == "http" and sglang_python() is None:
         return {"engine": engine, "shape": shape, "skipped": "no .venv-sglang (make sglang-env)"}
-    cmd = [python, "-m", "bench.rollout_engines", "--child", engine, "--shape", shape, "--calls", str(calls),
-           "--warm", str(warm)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          timeout=1800)
+    cmd = [
+        python,
+        "-m",
+        "bench.rollout_engines",
+        "--child",
+        engine,
+        "--shape",
+        shape,
+        "--calls",
+        str(calls),
+        "--warm",
+        str(warm),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=1800
+    )
     if proc.returncode != 0:
         return {"engine": engine, "shape": shape, "error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -123,17 +146,23 @@ def _child(engine: str, shape: str, calls: int, warm: int) -> dict:
 
 def _table(rows: list[dict]) -> str:
     base = {r["shape"]: r["tokens_per_s"] for r in rows if r["engine"] == "jax" and "tokens_per_s" in r}
-    out = [f"{'engine':<8} {'shape':<12} {'python':<8} {'tok/s':>8} {'vs jax':>7} {'call s':>7} {'start s':>8} "
-           f"{'sync s':>8} {'1st sync':>8}"]
+    out = [
+        f"{'engine':<8} {'shape':<12} {'python':<8} {'tok/s':>8} {'vs jax':>7} {'call s':>7} {'start s':>8} "
+        f"{'sync s':>8} {'1st sync':>8}"
+    ]
     for r in rows:
         if "tokens_per_s" not in r:
-            out.append(f"{r['engine']:<8} {r['shape']:<12} {r.get('skipped') or 'FAILED: ' + r.get('error', '')[-300:]}")
+            out.append(
+                f"{r['engine']:<8} {r['shape']:<12} {r.get('skipped') or 'FAILED: ' + r.get('error', '')[-300:]}"
+            )
             continue
         ratio = r["tokens_per_s"] / base[r["shape"]] if r["shape"] in base else float("nan")
         sync = f"{r['sync_s']:>8.4f}" if "sync_s" in r else f"{'-':>8}"
         first = f"{r['first_sync_s']:>8.3f}" if "first_sync_s" in r else f"{'-':>8}"
-        out.append(f"{r['engine']:<8} {r['shape']:<12} {r['python']:<8} {r['tokens_per_s']:>8.0f} {ratio:>6.2f}x "
-                   f"{r['call_s']:>7.3f} {r['start_s']:>8.2f} {sync} {first}")
+        out.append(
+            f"{r['engine']:<8} {r['shape']:<12} {r['python']:<8} {r['tokens_per_s']:>8.0f} {ratio:>6.2f}x "
+            f"{r['call_s']:>7.3f} {r['start_s']:>8.2f} {sync} {first}"
+        )
     return "\n".join(out)
 
 
@@ -155,8 +184,14 @@ def main(argv=None) -> int:
     print(_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": {"prompts": PROMPTS, "generations": GENERATIONS, "new_tokens": NEW_TOKENS},
-                       "engines": rows}, f, indent=1)
+            json.dump(
+                {
+                    "workload": {"prompts": PROMPTS, "generations": GENERATIONS, "new_tokens": NEW_TOKENS},
+                    "engines": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0 if all("error" not in r for r in rows) else 1
 
 

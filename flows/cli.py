@@ -29,8 +29,8 @@ def _prefect_defaults() -> None:
 
 def _config(args):
     """The run config from --config and --set, or None after printing the error (exit 2)."""
-    from grpo_core.config.train import ConfigError
     from grpo_core.config.run import load_config
+    from grpo_core.errors import ConfigError
 
     try:
         return load_config(args.config, args.set)
@@ -51,14 +51,22 @@ def _run_url(run: str, args) -> str:
 def _print_summary(s: dict, wall: float) -> None:
     print(f"\nrun {s['status']}: {s['run_uri']}  ({s['steps']} steps, {wall:.0f} s)")
     if s.get("reward_mean_first") is not None:
-        print(f"training reward (mean of the first / last tenth of steps): "
-              f"{s['reward_mean_first']:.3f} -> {s['reward_mean_last']:.3f}")
+        print(
+            f"training reward (mean of the first / last tenth of steps): "
+            f"{s['reward_mean_first']:.3f} -> {s['reward_mean_last']:.3f}"
+        )
     before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
     for k in sorted(k for k in after if k != "step"):
         print(f"eval {k:<12} {before.get(k, float('nan')):.3f} (step 0) -> {after[k]:.3f} (step {after['step']})")
     print("\nin the run root:")
-    for what, rel in (("config", "config.json"), ("summary", "summary.json"), ("curve", "curve.png"),
-                      ("metrics", "metrics/"), ("evaluations", "eval/"), ("readiness", "readiness.json")):
+    for what, rel in (
+        ("config", "config.json"),
+        ("summary", "summary.json"),
+        ("curve", "curve.png"),
+        ("metrics", "metrics/"),
+        ("evaluations", "eval/"),
+        ("readiness", "readiness.json"),
+    ):
         print(f"  {what:<12} {s['run_uri']}/{rel}")
     print(f"  {'checkpoint':<12} {s['checkpoint_uri']}")
     if s.get("export_uri"):
@@ -109,8 +117,10 @@ def check_command(args) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(f"{'ready' if report['ready'] else 'NOT READY'}: {report.get('backend')} "
-              f"{report.get('device_kind')} x {report.get('device_count')}, {report.get('process_count')} process(es)")
+        print(
+            f"{'ready' if report['ready'] else 'NOT READY'}: {report.get('backend')} "
+            f"{report.get('device_kind')} x {report.get('device_count')}, {report.get('process_count')} process(es)"
+        )
         for c in report["checks"]:
             print(f"  {'ok ' if c['ok'] else 'FAIL'} {c['name']:<18} {c['detail']}")
             if not c["ok"] and c.get("fix"):
@@ -126,12 +136,19 @@ def eval_command(args) -> int:
     def show(e):
         if e["event"] == "eval":
             extra = "  ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
-            print(f"step {e['step']:>6}: accuracy {e['accuracy']:.3f}  {extra}  {e['uri']}"
-                  f"{'  (already evaluated)' if e['cached'] else ''}", flush=True)
+            print(
+                f"step {e['step']:>6}: accuracy {e['accuracy']:.3f}  {extra}  {e['uri']}"
+                f"{'  (already evaluated)' if e['cached'] else ''}",
+                flush=True,
+            )
 
     try:
-        run_worker(["grpo_core.stages.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
-                   timeout_s=args.timeout, on_event=show, what="evaluation")
+        run_worker(
+            ["grpo_core.stages.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
+            timeout_s=args.timeout,
+            on_event=show,
+            what="evaluation",
+        )
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if not exc.retryable else 1
@@ -142,7 +159,9 @@ def export_command(args) -> int:
     from tasks.process import StageError, run_worker
 
     url = _run_url(args.run, args)
-    cmd = ["grpo_core.stages.worker", "export", "--root", url] + (["--step", str(args.step)] if args.step is not None else [])
+    cmd = ["grpo_core.stages.worker", "export", "--root", url] + (
+        ["--step", str(args.step)] if args.step is not None else []
+    )
 
     def show(e):
         if e["event"] == "export":
@@ -171,8 +190,10 @@ def status_command(args) -> int:
         return 0
     summary = st["summary"] or {}
     print(f"run {st['run_uri']}: {summary.get('status', 'in progress or stopped')}")
-    print(f"  steps {st['steps_done']}/{st['num_steps']}, latest checkpoint {st['latest_checkpoint']}, "
-          f"Hugging Face export {st['export_uri'] or 'none'}")
+    print(
+        f"  steps {st['steps_done']}/{st['num_steps']}, latest checkpoint {st['latest_checkpoint']}, "
+        f"Hugging Face export {st['export_uri'] or 'none'}"
+    )
     print(f"  stages done: {', '.join(st['stages_done']) or 'none'}; readiness: {st['readiness']}")
     if st["last_metrics"]:
         print("  last step: " + "  ".join(f"{k} {v:.4g}" for k, v in st["last_metrics"].items()))
@@ -183,8 +204,11 @@ def status_command(args) -> int:
 
 def serve_command(args) -> int:
     if not os.environ.get("PREFECT_API_URL"):
-        print("grpo serve needs a Prefect server: start one with `prefect server start` (it listens on "
-              "127.0.0.1:4200) and export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        print(
+            "grpo serve needs a Prefect server: start one with `prefect server start` (it listens on "
+            "127.0.0.1:4200) and export PREFECT_API_URL=http://127.0.0.1:4200/api",
+            file=sys.stderr,
+        )
         return 2
     params = None
     if args.config or args.set:
@@ -204,8 +228,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def with_config(p):
         p.add_argument("--config", help="YAML file over the default config")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override, e.g. --set train.grpo.beta=0.04 (repeatable)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override, e.g. --set train.grpo.beta=0.04 (repeatable)",
+        )
         return p
 
     with_config(sub.add_parser("demo", help="the pipeline on the embedded default")).set_defaults(func=run_command)
@@ -228,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=status_command)
     p = with_config(sub.add_parser("serve", help="serve the deployments against PREFECT_API_URL"))
-    p.add_argument("--cron", help="schedule the pipeline deployment, e.g. '0 2 * * *' (with --config/--set as its parameters)")
+    p.add_argument(
+        "--cron", help="schedule the pipeline deployment, e.g. '0 2 * * *' (with --config/--set as its parameters)"
+    )
     p.add_argument("--interval", type=float, help="schedule the pipeline deployment every N seconds")
-    p.add_argument("--limit", type=int, default=1, help="flow runs at a time in this process (default 1: one accelerator)")
+    p.add_argument(
+        "--limit", type=int, default=1, help="flow runs at a time in this process (default 1: one accelerator)"
+    )
     p.set_defaults(func=serve_command)
     args = parser.parse_args(argv)
     return args.func(args)

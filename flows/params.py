@@ -112,8 +112,9 @@ class RunParams(BaseModel):
     storage: StorageParams = Field(default_factory=StorageParams)
     model: ModelParams = Field(default_factory=ModelParams)
     data: DataParams = Field(default_factory=DataParams)
-    rewards: list[RewardParams] = Field(default=_DEFAULTS["rewards"], description=RUN_DOCS["rewards"], min_length=1,
-                                        validate_default=True)
+    rewards: list[RewardParams] = Field(
+        default=_DEFAULTS["rewards"], description=RUN_DOCS["rewards"], min_length=1, validate_default=True
+    )
     train: TrainParams = Field(default_factory=TrainParams)
     eval: EvalParams = Field(default_factory=EvalParams)
     pipeline: PipelineParams = Field(default_factory=PipelineParams)

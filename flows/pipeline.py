@@ -18,11 +18,22 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.params import RunParams
-from grpo_core.store.report import build_summary, plot_curve
 from grpo_core.config.run import RunConfig
+from grpo_core.store.report import build_summary, plot_curve
 from grpo_core.store.root import RunRoot
-from tasks.stages import (_key, check_readiness, evaluate, export_model, init_run, load_run, prepare_dataset,
-                          publish_readiness, readiness_report, retryable, train_epoch)
+from tasks.stages import (
+    _key,
+    check_readiness,
+    evaluate,
+    export_model,
+    init_run,
+    load_run,
+    prepare_dataset,
+    publish_readiness,
+    readiness_report,
+    retryable,
+    train_epoch,
+)
 
 
 @task(name="summarize", cache_policy=NO_CACHE)
@@ -36,8 +47,12 @@ def summarize(run_url: str, status: str, extra: dict[str, Any]) -> dict[str, Any
     name = run_url.rsplit("/", 1)[-1]
     create_markdown_artifact(summary_markdown(summary), key=_key(f"summary-{name}"), description="GRPO run summary")
     if curve:
-        create_link_artifact(curve, link_text=f"{name}: reward and accuracy curve (PNG)", key=_key(f"curve-{name}"),
-                             description="Training reward and eval accuracy / pass@k against steps")
+        create_link_artifact(
+            curve,
+            link_text=f"{name}: reward and accuracy curve (PNG)",
+            key=_key(f"curve-{name}"),
+            description="Training reward and eval accuracy / pass@k against steps",
+        )
     return summary
 
 
@@ -48,10 +63,15 @@ def _fmt(v: Any) -> str:
 def summary_markdown(s: dict[str, Any]) -> str:
     before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
     keys = sorted({k for k in (*before, *after) if k != "step"})
-    lines = [f"## GRPO run: {s['status']}", "", f"- run: `{s['run_uri']}`", f"- steps: {s['steps']}",
-             f"- training reward: {_fmt(s['reward_mean_first'])} (first tenth) → {_fmt(s['reward_mean_last'])} (last tenth)",
-             f"- checkpoint: `{s['checkpoint_uri']}`",
-             f"- Hugging Face export: `{s.get('export_uri')}`"]
+    lines = [
+        f"## GRPO run: {s['status']}",
+        "",
+        f"- run: `{s['run_uri']}`",
+        f"- steps: {s['steps']}",
+        f"- training reward: {_fmt(s['reward_mean_first'])} (first tenth) → {_fmt(s['reward_mean_last'])} (last tenth)",
+        f"- checkpoint: `{s['checkpoint_uri']}`",
+        f"- Hugging Face export: `{s.get('export_uri')}`",
+    ]
     if s.get("curve_uri"):
         lines.append(f"- curve: `{s['curve_uri']}`")
     if s.get("error"):
@@ -74,8 +94,9 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     from its last checkpoint), evaluate each epoch's checkpoint, and write summary.json."""
     cfg = _config(config)
     log = get_run_logger()
-    opts = dict(retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s,
-                retry_condition_fn=retryable)
+    opts = dict(
+        retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s, retry_condition_fn=retryable
+    )
     t0 = time.perf_counter()
     run_url = init_run.with_options(**opts)(cfg.to_dict())
     # Where the wall time goes: steps (the first step of each worker includes its compilation),
@@ -108,8 +129,9 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
 def grpo_evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     """Evaluate checkpoints of an existing run (0: the starting policy) into {run}/eval/."""
     cfg = load_run(run_url)
-    opts = dict(retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s,
-                retry_condition_fn=retryable)
+    opts = dict(
+        retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s, retry_condition_fn=retryable
+    )
     return evaluate.with_options(**opts)(run_url, steps)
 
 

@@ -46,7 +46,7 @@ class RolloutError(RuntimeError):
     """A rollout engine failed; the message names the engine and what it was doing."""
 
 
-class RolloutTimeout(RolloutError):
+class RolloutTimeout(RolloutError):  # noqa: N818  (a public name)
     """An engine wait passed its time limit; the message names what was waited for."""
 
 
@@ -70,10 +70,17 @@ class ExitCode(enum.IntEnum):
         return _KINDS[self]
 
 
-_KINDS = {ExitCode.OK: "done", ExitCode.CONFIG: "config or data error", ExitCode.REWARD: "reward function error",
-          ExitCode.NOT_READY: "not ready", ExitCode.STORAGE: "storage error", ExitCode.DIVERGED: "training diverged",
-          ExitCode.ROLLOUT: "rollout engine failed or timed out", ExitCode.DISTRIBUTED: "multi-host setup failed",
-          ExitCode.MEMORY: "out of memory"}
+_KINDS = {
+    ExitCode.OK: "done",
+    ExitCode.CONFIG: "config or data error",
+    ExitCode.REWARD: "reward function error",
+    ExitCode.NOT_READY: "not ready",
+    ExitCode.STORAGE: "storage error",
+    ExitCode.DIVERGED: "training diverged",
+    ExitCode.ROLLOUT: "rollout engine failed or timed out",
+    ExitCode.DISTRIBUTED: "multi-host setup failed",
+    ExitCode.MEMORY: "out of memory",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +116,11 @@ NOT_RETRYABLE = frozenset(f.code for f in FAILURES.values() if not f.retryable)
 
 # What to change when a run does not fit (the worker's error for XLA's allocation failure and the
 # task's message for a kill by the kernel say the same).
-OUT_OF_MEMORY_LEVERS = ("lower train.grpo.prompts_per_step or train.sampling.max_new_tokens, set train.remat=full "
-                        "and train.grpo.grad_accum_steps=auto, use LoRA (model.lora) or bfloat16 "
-                        "(model.param_dtype), or shard over more devices (train.mesh); `grpo check` shows the estimate")
+OUT_OF_MEMORY_LEVERS = (
+    "lower train.grpo.prompts_per_step or train.sampling.max_new_tokens, set train.remat=full "
+    "and train.grpo.grad_accum_steps=auto, use LoRA (model.lora) or bfloat16 "
+    "(model.param_dtype), or shard over more devices (train.mesh); `grpo check` shows the estimate"
+)
 
 
 def classify(exc: BaseException) -> Failure | None:

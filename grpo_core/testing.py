@@ -7,12 +7,13 @@ import copy
 import dataclasses
 from typing import Any
 
-from grpo_core.config.train import ConfigError, TrainConfig
-from grpo_core.nn.model import CausalLM, create_model
 from grpo_core.config.presets import get_preset
-from grpo_core.rewards.functions import Reward
 from grpo_core.config.run import DEFAULT
+from grpo_core.config.train import TrainConfig
 from grpo_core.data.synthetic import CharTokenizer, ReverseTask, char_match, exact_match
+from grpo_core.errors import ConfigError
+from grpo_core.nn.model import CausalLM, create_model
+from grpo_core.rewards.functions import Reward
 
 # The pipeline's default run (grpo_core.config.run.DEFAULT) in the engine's shape, for driving
 # GRPOTrainer in-process (tests, notebooks) without a run root.
@@ -57,7 +58,10 @@ def build_synthetic(cfg: dict[str, Any]) -> SyntheticRun:
 
         lora.apply(model, lora.LoraConfig.from_value(lora_cfg), seed)
     return SyntheticRun(
-        model=model, train=train, tokenizer=tok, task=task,
+        model=model,
+        train=train,
+        tokenizer=tok,
+        task=task,
         rewards=[Reward(char_match), Reward(exact_match, weight=0.0)],  # weight 0: reported, not optimised
         eval_rewards=[Reward(exact_match), Reward(char_match)],
         eval_rows=task.eval_rows(n_eval),

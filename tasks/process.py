@@ -3,8 +3,9 @@ and enforce a hard time limit.
 
 Prefect cannot interrupt blocking code in a thread, so a stage's time limit is enforced here:
 each worker runs in its own process group and every group is stopped (SIGTERM, then SIGKILL)
-when the limit passes, or as soon as one process of a multi-host set fails. The worker's exit code says whether a retry can help
-(grpo_core.errors, the table the worker chose it from); the task's retry_condition_fn reads it from StageError.
+when the limit passes, or as soon as one process of a multi-host set fails. The worker's exit code
+says whether a retry can help (grpo_core.errors, the table the worker chose it from); the task's
+retry_condition_fn reads it from StageError.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from grpo_core.launch.launchers import LauncherConfig, start
 from grpo_core.config.memory import host_memory_bytes
 from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, is_retryable
+from grpo_core.launch.launchers import LauncherConfig, start
 
 
 class StageError(RuntimeError):
@@ -54,9 +55,13 @@ class MemoryWatch:
         return rc == -9 and (_oom_kills() > self.kills0 or self.peak >= 0.8 * self.limit)
 
     def message(self, what: str, plan: dict[str, Any] | None) -> str:
-        said = f"; the memory plan said ~{plan['total_bytes'] / GiB:.2f} GiB ({plan.get('describe', '')})" if plan else ""
-        return (f"{what} ran out of memory: the kernel killed it (SIGKILL) at {self.peak / GiB:.2f} GiB resident "
-                f"of {self.limit / GiB:.2f} GiB{said}. To fit: {OUT_OF_MEMORY_LEVERS}")
+        said = (
+            f"; the memory plan said ~{plan['total_bytes'] / GiB:.2f} GiB ({plan.get('describe', '')})" if plan else ""
+        )
+        return (
+            f"{what} ran out of memory: the kernel killed it (SIGKILL) at {self.peak / GiB:.2f} GiB resident "
+            f"of {self.limit / GiB:.2f} GiB{said}. To fit: {OUT_OF_MEMORY_LEVERS}"
+        )
 
 
 def _rss(pid: int) -> int:
@@ -82,9 +87,16 @@ def _oom_kills() -> int:
     return 0
 
 
-def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[str, Any]], None],
-               what: str, env: dict[str, str] | None = None, python: str | None = None,
-               launcher: LauncherConfig | None = None) -> list[dict[str, Any]]:
+def run_worker(
+    args: list[str],
+    *,
+    timeout_s: float,
+    on_event: Callable[[dict[str, Any]], None],
+    what: str,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+    launcher: LauncherConfig | None = None,
+) -> list[dict[str, Any]]:
     """Run `python -m <args>` (`python`: another interpreter, e.g. the sglang-jax environment's;
     default this one) through `launcher` (grpo_core.launch.launchers; default: one local process); call
     on_event for each JSON line of process 0; return all events.
@@ -101,7 +113,9 @@ def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[st
     threading.Thread(target=_pump, args=(procs[0].stdout, lines.put, True), daemon=True).start()
     for p in procs[1:]:  # only process 0 reports; the others' output is drained so a full pipe never blocks them
         threading.Thread(target=_pump, args=(p.stdout, lambda _line: None), daemon=True).start()
-    err_threads = [threading.Thread(target=_pump, args=(p.stderr, tail.append), daemon=True) for p, tail in zip(procs, tails)]
+    err_threads = [
+        threading.Thread(target=_pump, args=(p.stderr, tail.append), daemon=True) for p, tail in zip(procs, tails)
+    ]
     for t in err_threads:
         t.start()
     deadline = time.monotonic() + timeout_s
@@ -135,9 +149,11 @@ def run_worker(args: list[str], *, timeout_s: float, on_event: Callable[[dict[st
     for t in err_threads:
         t.join(timeout=5)
     if timed_out:
-        raise StageError(f"{what} passed its time limit of {timeout_s:g} s and was stopped "
-                         f"(raise it with --set pipeline.*_timeout_s=...); it resumes from its last checkpoint",
-                         retryable=True)
+        raise StageError(
+            f"{what} passed its time limit of {timeout_s:g} s and was stopped "
+            f"(raise it with --set pipeline.*_timeout_s=...); it resumes from its last checkpoint",
+            retryable=True,
+        )
     if failed is None:
         return events
     rc, who = codes[failed], f" ({launched.specs[failed].name} of {len(procs)})" if len(procs) > 1 else ""

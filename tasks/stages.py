@@ -16,13 +16,17 @@ import time
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 
-from grpo_core.config.train import ConfigError
-from grpo_core.data.prepare import DataError
 from grpo_core.config.run import RunConfig
+from grpo_core.data.prepare import DataError
+from grpo_core.errors import ConfigError
 from grpo_core.store.root import RunRoot, StorageError
 from tasks.process import StageError, run_worker
 
@@ -74,8 +78,14 @@ def prepare_dataset(run_url: str) -> dict[str, Any]:
 
     cfg, log = load_run(run_url), get_run_logger()
     manifest = prepare(cfg.data, make_tokenizer(cfg), RunRoot(run_url), cfg.tokenizer_id)
-    log.info("dataset %s: %d train / %d eval prompts (%s)%s", manifest["hash"], manifest["train_rows"],
-             manifest["eval_rows"], cfg.data.source, ", already prepared" if manifest.get("cached") else "")
+    log.info(
+        "dataset %s: %d train / %d eval prompts (%s)%s",
+        manifest["hash"],
+        manifest["train_rows"],
+        manifest["eval_rows"],
+        cfg.data.source,
+        ", already prepared" if manifest.get("cached") else "",
+    )
     return {k: manifest.get(k) for k in ("uri", "hash", "train_rows", "eval_rows", "dropped_too_long", "cached")}
 
 
@@ -86,13 +96,25 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
         RunRoot(cfg.run_url).probe()
         checks.append({"name": "storage", "ok": True, "detail": f"write/read/delete under {cfg.run_url}", "fix": None})
     except StorageError as exc:
-        checks.append({"name": "storage", "ok": False, "detail": str(exc),
-                       "fix": "check the bucket/folder exists and these credentials may write to it "
-                              "(GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)"})
-    request = {"model": cfg.model_config(vocab_size=_vocab_size(cfg)).to_dict(), "train": cfg.train.to_dict(),
-               "max_prompt_tokens": cfg.data.max_prompt_tokens, "require_tpu": cfg.pipeline.require_tpu,
-               "rollout_engine": cfg.train.rollout.engine.value, "config_hash": cfg.train_hash, "lora": cfg.model.to_dict().get("lora"),
-               "run_root": cfg.run_url}
+        checks.append(
+            {
+                "name": "storage",
+                "ok": False,
+                "detail": str(exc),
+                "fix": "check the bucket/folder exists and these credentials may write to it "
+                "(GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)",
+            }
+        )
+    request = {
+        "model": cfg.model_config(vocab_size=_vocab_size(cfg)).to_dict(),
+        "train": cfg.train.to_dict(),
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "require_tpu": cfg.pipeline.require_tpu,
+        "rollout_engine": cfg.train.rollout.engine.value,
+        "config_hash": cfg.train_hash,
+        "lora": cfg.model.to_dict().get("lora"),
+        "run_root": cfg.run_url,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
     try:
@@ -123,16 +145,19 @@ def worker_python(cfg: RunConfig) -> str:
     import sys
 
     from grpo_core.config.train import RolloutEngineKind
-    from grpo_core.engines import sglang_python
+    from grpo_core.launch.processes import sglang_python
 
     if cfg.pipeline.worker_python:
         return cfg.pipeline.worker_python
     if cfg.train.rollout.engine is RolloutEngineKind.SGLANG:
         python = sglang_python()
         if python is None:
-            raise StageError("train.rollout.engine=sglang runs the training worker in the sglang-jax environment "
-                             "(Python 3.12, its own jax/flax pins), which is not built: run `make sglang-env`, or set "
-                             "GRPO_SGLANG_PYTHON or pipeline.worker_python to its interpreter", retryable=False)
+            raise StageError(
+                "train.rollout.engine=sglang runs the training worker in the sglang-jax environment "
+                "(Python 3.12, its own jax/flax pins), which is not built: run `make sglang-env`, or set "
+                "GRPO_SGLANG_PYTHON or pipeline.worker_python to its interpreter",
+                retryable=False,
+            )
         return python
     return sys.executable
 
@@ -148,27 +173,49 @@ def _device_checks(request_path: str, timeout_s: float, python: str | None = Non
     if launcher is not None and launcher.distributed:
         with open(request_path) as f:
             inline = f.read()
-        events = run_worker(["grpo_core.stages.readiness", "--events", "--request-json", inline], timeout_s=timeout_s,
-                            on_event=lambda e: None, what="the device checks", python=python, launcher=launcher)
+        events = run_worker(
+            ["grpo_core.stages.readiness", "--events", "--request-json", inline],
+            timeout_s=timeout_s,
+            on_event=lambda e: None,
+            what="the device checks",
+            python=python,
+            launcher=launcher,
+        )
         return next(e["report"] for e in events if e["event"] == "report")
 
     try:
-        proc = subprocess.run([python or sys.executable, "-m", "grpo_core.stages.readiness", "--request", request_path],
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [python or sys.executable, "-m", "grpo_core.stages.readiness", "--request", request_path],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        raise StageError(f"the device checks did not finish within {timeout_s:g} s (a TPU held by another "
-                         "process can block jax.devices())", retryable=True) from None
+        raise StageError(
+            f"the device checks did not finish within {timeout_s:g} s (a TPU held by another "
+            "process can block jax.devices())",
+            retryable=True,
+        ) from None
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
-        raise StageError(f"the device checks exited with code {proc.returncode} without a report: "
-                         f"{proc.stderr[-2000:]}", retryable=True) from None
+        raise StageError(
+            f"the device checks exited with code {proc.returncode} without a report: {proc.stderr[-2000:]}",
+            retryable=True,
+        ) from None
 
 
 def readiness_markdown(report: dict[str, Any]) -> str:
-    lines = [f"## Readiness: {'ready' if report['ready'] else 'NOT READY'}", "",
-             f"{report.get('backend', '?')} · {report.get('device_kind', '?')} × {report.get('device_count', '?')} · "
-             f"{report.get('process_count', '?')} process(es)", "", "| check | ok | detail | fix |", "|---|---|---|---|"]
+    lines = [
+        f"## Readiness: {'ready' if report['ready'] else 'NOT READY'}",
+        "",
+        f"{report.get('backend', '?')} · {report.get('device_kind', '?')} × {report.get('device_count', '?')} · "
+        f"{report.get('process_count', '?')} process(es)",
+        "",
+        "| check | ok | detail | fix |",
+        "|---|---|---|---|",
+    ]
     for c in report["checks"]:
         cell = lambda s: str(s or "").replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {c['name']} | {'yes' if c['ok'] else '**no**'} | {cell(c['detail'])} | {cell(c['fix'])} |")
@@ -177,8 +224,9 @@ def readiness_markdown(report: dict[str, Any]) -> str:
 
 def publish_readiness(report: dict[str, Any], run_name: str) -> None:
     """The report as a markdown artifact; StageError (not retryable) naming each failed check."""
-    create_markdown_artifact(readiness_markdown(report), key=_key(f"readiness-{run_name}"),
-                             description="Preflight checks")
+    create_markdown_artifact(
+        readiness_markdown(report), key=_key(f"readiness-{run_name}"), description="Preflight checks"
+    )
     failed = [f"{c['name']}: {c['detail']} (fix: {c['fix']})" for c in report["checks"] if not c["ok"]]
     if failed:
         raise StageError("not ready: " + "; ".join(failed), retryable=False)
@@ -205,8 +253,9 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
         log.info("epoch %d already trained (steps up to %d): skipped", epoch, until)
         return dict(root.done_info(stage), skipped=True)
     start_step = cfg.epoch_end(epoch - 1) if epoch > 0 else 0
-    progress = create_progress_artifact(0.0, key=_key(f"train-{cfg.name}"),
-                                        description=f"epoch {epoch}: steps {start_step}..{until}")
+    progress = create_progress_artifact(
+        0.0, key=_key(f"train-{cfg.name}"), description=f"epoch {epoch}: steps {start_step}..{until}"
+    )
     every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
     state: dict[str, Any] = {"last": None, "shown": -1.0, "steps_s": 0.0, "first_step_s": None}
 
@@ -221,8 +270,15 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
                 state["first_step_s"] = e["time/step"]
             s = int(e["step"]) + 1
             if s % every == 0 or s == until:
-                log.info("step %d/%d  reward %.3f  kl %.4f  entropy %.3f  %.0f ms/step", s, cfg.train.num_steps,
-                         e["reward"], e["kl"], e["entropy"], 1000 * e["time/step"])
+                log.info(
+                    "step %d/%d  reward %.3f  kl %.4f  entropy %.3f  %.0f ms/step",
+                    s,
+                    cfg.train.num_steps,
+                    e["reward"],
+                    e["kl"],
+                    e["entropy"],
+                    1000 * e["time/step"],
+                )
             frac = (s - start_step) / max(1, until - start_step)
             if frac - state["shown"] >= 0.05 or s == until:  # a few API calls per epoch, not one per step
                 update_progress_artifact(progress, 100.0 * min(1.0, frac))
@@ -233,14 +289,26 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
             log.info("memory: %s", e["describe"])
 
     t = time.perf_counter()
-    events = run_worker(["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until)],
-                        timeout_s=cfg.pipeline.train_timeout_s, on_event=on_event, what=f"training epoch {epoch}",
-                        python=worker_python(cfg), launcher=cfg.pipeline.launcher)
+    events = run_worker(
+        ["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until)],
+        timeout_s=cfg.pipeline.train_timeout_s,
+        on_event=on_event,
+        what=f"training epoch {epoch}",
+        python=worker_python(cfg),
+        launcher=cfg.pipeline.launcher,
+    )
     done = next(e for e in events if e["event"] == "done")
-    info = {"epoch": epoch, "step": done["step"], "steps_run": done["steps_run"], "train_hash": cfg.train_hash,
-            "checkpoint_uri": root.uri("checkpoints", str(done["step"])), "seconds": round(time.perf_counter() - t, 2),
-            "reward": state["last"]["reward"] if state["last"] else None,
-            "train_steps_s": round(state["steps_s"], 3), "first_steps_s": round(state["first_step_s"] or 0.0, 3)}
+    info = {
+        "epoch": epoch,
+        "step": done["step"],
+        "steps_run": done["steps_run"],
+        "train_hash": cfg.train_hash,
+        "checkpoint_uri": root.uri("checkpoints", str(done["step"])),
+        "seconds": round(time.perf_counter() - t, 2),
+        "reward": state["last"]["reward"] if state["last"] else None,
+        "train_steps_s": round(state["steps_s"], 3),
+        "first_steps_s": round(state["first_step_s"] or 0.0, 3),
+    }
     root.mark_done(stage, info)  # after the worker's checkpoint is final: the marker is last
     update_progress_artifact(progress, 100.0)
     return dict(info, skipped=False)
@@ -251,12 +319,20 @@ def export_model(run_url: str, step: int) -> dict[str, Any]:
     """The policy at `step` as a Hugging Face folder {run}/export/{step}/ (safetensors, config,
     tokenizer, generation config; LoRA merged), written by a worker process, marker last."""
     cfg, log = load_run(run_url), get_run_logger()
-    events = run_worker(["grpo_core.stages.worker", "export", "--root", run_url, "--step", str(step)],
-                        timeout_s=cfg.pipeline.export_timeout_s, on_event=lambda e: None,
-                        what=f"export of step {step}", launcher=cfg.pipeline.launcher.single())
+    events = run_worker(
+        ["grpo_core.stages.worker", "export", "--root", run_url, "--step", str(step)],
+        timeout_s=cfg.pipeline.export_timeout_s,
+        on_event=lambda e: None,
+        what=f"export of step {step}",
+        launcher=cfg.pipeline.launcher.single(),
+    )
     done = next(e for e in events if e["event"] == "export")
-    log.info("exported step %d as a Hugging Face model: %s%s", step, done["uri"],
-             " (already exported)" if done["cached"] else "")
+    log.info(
+        "exported step %d as a Hugging Face model: %s%s",
+        step,
+        done["uri"],
+        " (already exported)" if done["cached"] else "",
+    )
     return {"uri": done["uri"], "step": step, "cached": done["cached"]}
 
 
@@ -280,8 +356,13 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     def on_event(e: dict[str, Any]) -> None:
         if e["event"] == "eval":
             extra = " ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
-            log.info("eval step %d: accuracy %.3f %s%s", e["step"], e["accuracy"], extra,
-                     " (already evaluated)" if e["cached"] else "")
+            log.info(
+                "eval step %d: accuracy %.3f %s%s",
+                e["step"],
+                e["accuracy"],
+                extra,
+                " (already evaluated)" if e["cached"] else "",
+            )
 
     stored = [root.read_json(f"eval/{s}.json") for s in steps if root.exists(f"eval/{s}.json")]
     if len(stored) == len(steps) and all(r.get("eval_hash") == cfg.eval_hash for r in stored):
@@ -289,11 +370,18 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
         for e in events:
             on_event(e)
     else:
-        events = run_worker(["grpo_core.stages.worker", "eval", "--root", run_url, "--steps", ",".join(map(str, steps))],
-                            timeout_s=cfg.pipeline.eval_timeout_s, on_event=on_event,
-                            what=f"evaluation of steps {steps}", launcher=cfg.pipeline.launcher.single())
-    results = {str(e["step"]): {k: v for k, v in e.items() if k == "accuracy" or k.startswith("pass@")}
-               for e in events if e["event"] == "eval"}
+        events = run_worker(
+            ["grpo_core.stages.worker", "eval", "--root", run_url, "--steps", ",".join(map(str, steps))],
+            timeout_s=cfg.pipeline.eval_timeout_s,
+            on_event=on_event,
+            what=f"evaluation of steps {steps}",
+            launcher=cfg.pipeline.launcher.single(),
+        )
+    results = {
+        str(e["step"]): {k: v for k, v in e.items() if k == "accuracy" or k.startswith("pass@")}
+        for e in events
+        if e["event"] == "eval"
+    }
     table = eval_table(eval_results(root))
     create_table_artifact(table, key=_key(f"eval-{cfg.name}"), description="Evaluation on the eval split, per step")
     computed = sum(e.get("seconds", 0.0) for e in events if e["event"] == "eval" and not e["cached"])

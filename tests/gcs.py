@@ -22,9 +22,9 @@ inherit them; `gcs_emulator.env` has the same dict for a child given an explicit
 Two emulator gaps are closed here. Its multipart-upload parser (Python's email package) dropped a
 trailing b"\r" from an object's bytes: gcsfs ends the part with "\n--boundary", and the parser took
 "\r\n" as the line break before it, so about one small binary upload in 256 (an exported
-safetensors file, say) came back a byte short; real GCS keeps every byte. And: an object read ignored ifGenerationMatch/ifGenerationNotMatch
-and carried no x-goog-generation header. TensorStore's OCDBT (Orbax's default format)
-sometimes revalidates its cached manifest with ifGenerationNotMatch=<the generation it just
+safetensors file, say) came back a byte short; real GCS keeps every byte. And: an object read ignored
+ifGenerationMatch/ifGenerationNotMatch and carried no x-goog-generation header. TensorStore's OCDBT (Orbax's
+default format) sometimes revalidates its cached manifest with ifGenerationNotMatch=<the generation it just
 wrote>; real GCS answers 304, the emulator answered 200 with no generation, and the next
 manifest write failed with "Malformed StorageGeneration" (a few percent of saves).
 """
@@ -40,8 +40,10 @@ import pytest
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 if "gcsfs" in sys.modules and sys.modules["gcsfs"].GCSFileSystem.__name__ == "ExtendedGcsFileSystem":
-    raise RuntimeError("gcsfs was imported with GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT on, before tests.gcs: every "
-                       "call to the emulator would wait 60 s. Import tests.gcs first (tests/conftest.py).")
+    raise RuntimeError(
+        "gcsfs was imported with GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT on, before tests.gcs: every "
+        "call to the emulator would wait 60 s. Import tests.gcs first (tests/conftest.py)."
+    )
 
 BUCKET = "grpo-test"
 
@@ -124,10 +126,14 @@ def _exact_multipart(read_data):
         for part in raw.split(b"--" + header.get_param("boundary").encode())[1:-1]:
             crlf = part.startswith(b"\r\n")
             head, _, body = part.partition(b"\r\n\r\n" if crlf else b"\n\n")
-            types = [line.split(b":", 1)[1].strip().decode() for line in head.splitlines()
-                     if line.lower().startswith(b"content-type:")]
-            parts.append((types[0].split(";")[0].strip().lower() if types else "text/plain",
-                          body[:-2 if crlf else -1]))
+            types = [
+                line.split(b":", 1)[1].strip().decode()
+                for line in head.splitlines()
+                if line.lower().startswith(b"content-type:")
+            ]
+            parts.append(
+                (types[0].split(";")[0].strip().lower() if types else "text/plain", body[: -2 if crlf else -1])
+            )
         (_, meta), (content_type, content) = parts
         return {"meta": json.loads(meta), "content": content, "content-type": content_type}
 
@@ -181,8 +187,12 @@ def gcs_emulator():
     log_level = emulator_log.level
     emulator_log.setLevel(logging.CRITICAL)
 
-    env = {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GCS_TOKEN": "anon",
-           "TENSORSTORE_GCS_HTTP_URL": endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token"}
+    env = {
+        "STORAGE_EMULATOR_HOST": endpoint,
+        "FSSPEC_GCS_TOKEN": "anon",
+        "TENSORSTORE_GCS_HTTP_URL": endpoint,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
+    }
     saved_env = {k: os.environ.get(k) for k in env}
     gcs_conf = fsspec.config.conf.setdefault("gcs", {})
     saved_token = gcs_conf.get("token", None), "token" in gcs_conf

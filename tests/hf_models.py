@@ -13,7 +13,8 @@ CHARS = string.ascii_letters + string.digits + " .,:;?!#=+-*/()<>'\"\n"
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 LLAMA_CHAT_TEMPLATE = "{{ bos_token }}" + CHAT_TEMPLATE
 
 
@@ -30,19 +31,29 @@ def save_tokenizer(folder: pathlib.Path, llama: bool = False):
     tk.decoder = decoders.Fuse()
     if llama:
         tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-        tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                                      additional_special_tokens=QWEN_SPECIALS)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=tk, bos_token="<s>", eos_token="</s>", additional_special_tokens=QWEN_SPECIALS
+        )
         tok.chat_template = LLAMA_CHAT_TEMPLATE
     else:
-        tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      additional_special_tokens=QWEN_SPECIALS)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=tk,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            additional_special_tokens=QWEN_SPECIALS,
+        )
         tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))
     return tok
 
 
-def build_hf_model(folder: pathlib.Path, arch: str = "qwen3", llama_tokenizer: bool = False, seed: int = 0,
-                   max_shard_size: str | None = None):
+def build_hf_model(
+    folder: pathlib.Path,
+    arch: str = "qwen3",
+    llama_tokenizer: bool = False,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+):
     """Save a tiny random `arch` model, its tokenizer and a generation config in `folder`.
     Returns (the torch model, the tokenizer)."""
     import torch
@@ -50,8 +61,15 @@ def build_hf_model(folder: pathlib.Path, arch: str = "qwen3", llama_tokenizer: b
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = save_tokenizer(folder, llama=llama_tokenizer)
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
         model_cls = transformers.Qwen3ForCausalLM
@@ -69,6 +87,7 @@ def build_hf_model(folder: pathlib.Path, arch: str = "qwen3", llama_tokenizer: b
     model.save_pretrained(str(folder), **kw)
     ids = tok.convert_tokens_to_ids
     stops = [ids("</s>")] if llama_tokenizer else [ids("<|im_end|>"), ids("<|endoftext|>")]
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": stops, "pad_token_id": tok.pad_token_id, "temperature": 0.7, "top_p": 0.8}))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": stops, "pad_token_id": tok.pad_token_id, "temperature": 0.7, "top_p": 0.8})
+    )
     return model, tok

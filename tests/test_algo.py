@@ -9,9 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_core.config.train import (
+    AdvantageEstimator as Adv,
+)
+from grpo_core.config.train import (
+    KLEstimator,
+    RatioLevel,
+)
+from grpo_core.config.train import (
+    LossAggregation as Agg,
+)
+from grpo_core.config.train import (
+    RewardScaling as Scale,
+)
 from grpo_core.rl import algo
 from grpo_core.rl.logprobs import token_logprobs
-from grpo_core.config.train import AdvantageEstimator as Adv, KLEstimator, LossAggregation as Agg, RatioLevel, RewardScaling as Scale
 
 EPS = 1e-4
 # Two groups of G=4. Group 0: mean 1, deviations (1, -1, 0, 0), unbiased var 2/3. Group 1: all 3.
@@ -32,7 +44,9 @@ def test_grpo_advantages_batch_std():
 
 
 def test_dr_grpo_advantages_no_std():
-    np.testing.assert_allclose(algo.advantages(REWARDS, 4, Adv.DR_GRPO, Scale.NONE), [1, -1, 0, 0, 0, 0, 0, 0], atol=1e-7)
+    np.testing.assert_allclose(
+        algo.advantages(REWARDS, 4, Adv.DR_GRPO, Scale.NONE), [1, -1, 0, 0, 0, 0, 0, 0], atol=1e-7
+    )
 
 
 def test_rloo_advantages_leave_one_out():
@@ -47,7 +61,10 @@ def test_excluded_rows_do_not_count():
     s = math.sqrt(1 / 3) + EPS
     want = [(1 / 3) / s, 0.0, (-2 / 3) / s, (1 / 3) / s]
     np.testing.assert_allclose(algo.advantages(r, 4, Adv.GRPO, Scale.GROUP, EPS), want, rtol=1e-5)
-    assert list(np.asarray(algo.zero_std_groups(jnp.array([1.0, jnp.nan, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), 4))) == [True, False]
+    assert list(np.asarray(algo.zero_std_groups(jnp.array([1.0, jnp.nan, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]), 4))) == [
+        True,
+        False,
+    ]
 
 
 # Four rows of three tokens; micro-batches of two rows each for BNPO.
@@ -55,13 +72,16 @@ LOSS = jnp.array([[1.0, 2, 3], [4, 5, 6], [1, 1, 1], [2, 2, 2]])
 MASK = jnp.array([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])
 
 
-@pytest.mark.parametrize("mode, micro, want", [
-    (Agg.TOKEN_MEAN, 1, 12 / 7),  # (1+2 + 4 + 1+1+1 + 2) / 7 tokens
-    (Agg.SEQ_MEAN_TOKEN_MEAN, 1, (1.5 + 4 + 1 + 2) / 4),  # mean of per-row token means
-    (Agg.SEQ_MEAN_TOKEN_SUM_NORM, 1, (3 + 4 + 3 + 2) / (3 * 4)),  # token sums / (max_len 3 * 4 rows)
-    (Agg.BNPO, 2, (7 / 3 + 5 / 4) / 2),  # micro-batch token means: 7/3 and 5/4, averaged
-    (Agg.BNPO, 1, 12 / 7),  # one micro-batch: the token mean
-])
+@pytest.mark.parametrize(
+    "mode, micro, want",
+    [
+        (Agg.TOKEN_MEAN, 1, 12 / 7),  # (1+2 + 4 + 1+1+1 + 2) / 7 tokens
+        (Agg.SEQ_MEAN_TOKEN_MEAN, 1, (1.5 + 4 + 1 + 2) / 4),  # mean of per-row token means
+        (Agg.SEQ_MEAN_TOKEN_SUM_NORM, 1, (3 + 4 + 3 + 2) / (3 * 4)),  # token sums / (max_len 3 * 4 rows)
+        (Agg.BNPO, 2, (7 / 3 + 5 / 4) / 2),  # micro-batch token means: 7/3 and 5/4, averaged
+        (Agg.BNPO, 1, 12 / 7),  # one micro-batch: the token mean
+    ],
+)
 def test_loss_aggregation(mode, micro, want):
     # the update's loss: the weights of the whole update batch, summed against the per-token loss
     got = algo.weighted_sum(LOSS, algo.token_weights(MASK, mode, num_micro=micro, max_len=3))
@@ -78,12 +98,15 @@ def test_token_weights_make_accumulation_exact():
         assert parts == pytest.approx(float(whole), rel=1e-6)
 
 
-@pytest.mark.parametrize("est, want", [
-    # x = log ref - log pi = log(0.25) - log(0.5) = -ln 2
-    (KLEstimator.K1, math.log(2)),  # -x
-    (KLEstimator.K2, 0.5 * math.log(2) ** 2),  # x^2 / 2
-    (KLEstimator.K3, 0.5 + math.log(2) - 1),  # e^x - x - 1 = 1/2 + ln 2 - 1
-])
+@pytest.mark.parametrize(
+    "est, want",
+    [
+        # x = log ref - log pi = log(0.25) - log(0.5) = -ln 2
+        (KLEstimator.K1, math.log(2)),  # -x
+        (KLEstimator.K2, 0.5 * math.log(2) ** 2),  # x^2 / 2
+        (KLEstimator.K3, 0.5 + math.log(2) - 1),  # e^x - x - 1 = 1/2 + ln 2 - 1
+    ],
+)
 def test_kl_estimators(est, want):
     got = algo.kl_penalty(jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25])), est)
     assert float(got[0]) == pytest.approx(want, rel=1e-6)
@@ -95,16 +118,19 @@ def test_kl_is_zero_at_the_reference():
         np.testing.assert_allclose(algo.kl_penalty(lp, lp, est), 0.0, atol=1e-7)
 
 
-@pytest.mark.parametrize("rho, adv, eps_high, dual, want", [
-    (1.5, 1.0, 0.2, None, -1.2),  # max(-1.5, -1.2): clipped at 1 + eps_high
-    (1.5, 1.0, 0.28, None, -1.28),  # DAPO clip-higher
-    (0.5, 1.0, 0.2, None, -0.5),  # max(-0.5, -0.8): the unclipped term is pessimistic
-    (0.5, -1.0, 0.2, None, 0.8),  # max(0.5, 0.8): clipped at 1 - eps_low
-    (1.5, -1.0, 0.2, None, 1.5),  # max(1.5, 1.2)
-    (4.0, -1.0, 0.2, 3.0, 3.0),  # dual-clip caps -A*rho = 4 at -c*A = 3
-    (1.5, -1.0, 0.2, 3.0, 1.5),  # below the cap: unchanged
-    (4.0, 1.0, 0.2, 3.0, -1.2),  # dual-clip only touches negative advantages
-])
+@pytest.mark.parametrize(
+    "rho, adv, eps_high, dual, want",
+    [
+        (1.5, 1.0, 0.2, None, -1.2),  # max(-1.5, -1.2): clipped at 1 + eps_high
+        (1.5, 1.0, 0.28, None, -1.28),  # DAPO clip-higher
+        (0.5, 1.0, 0.2, None, -0.5),  # max(-0.5, -0.8): the unclipped term is pessimistic
+        (0.5, -1.0, 0.2, None, 0.8),  # max(0.5, 0.8): clipped at 1 - eps_low
+        (1.5, -1.0, 0.2, None, 1.5),  # max(1.5, 1.2)
+        (4.0, -1.0, 0.2, 3.0, 3.0),  # dual-clip caps -A*rho = 4 at -c*A = 3
+        (1.5, -1.0, 0.2, 3.0, 1.5),  # below the cap: unchanged
+        (4.0, 1.0, 0.2, 3.0, -1.2),  # dual-clip only touches negative advantages
+    ],
+)
 def test_clipped_surrogate(rho, adv, eps_high, dual, want):
     got = algo.clipped_surrogate(jnp.log(jnp.array([[rho]])), jnp.array([adv]), 0.2, eps_high, dual)
     assert float(got[0, 0]) == pytest.approx(want, rel=1e-6)
@@ -138,8 +164,10 @@ def test_token_metrics_sum_over_micro_batches_and_divide_by_the_update_batch():
     whole = algo.token_sums(log_r, adv, kl, ent, mask, 0.2, 0.2)
     # kl 0.1+0.2+0.3, entropy 1+2+3, ratio 0.5+1+1.5; clipped: row 0 token 0 low, row 1 token 0 high
     np.testing.assert_allclose(whole, [0.6, 6.0, 1.0, 1.0, 3.0], rtol=1e-6)
-    rows = [algo.token_sums(log_r[i:i + 1], adv[i:i + 1], kl[i:i + 1], ent[i:i + 1], mask[i:i + 1], 0.2, 0.2)
-            for i in range(2)]
+    rows = [
+        algo.token_sums(log_r[i : i + 1], adv[i : i + 1], kl[i : i + 1], ent[i : i + 1], mask[i : i + 1], 0.2, 0.2)
+        for i in range(2)
+    ]
     np.testing.assert_allclose(jnp.add(*[jnp.stack(r) for r in rows]), whole, rtol=1e-6)
     means = algo.token_means(whole, mask)
     np.testing.assert_allclose(means, [0.2, 2.0, 1 / 3, 1 / 3, 1.0], rtol=1e-6)

@@ -15,8 +15,12 @@ pytestmark = pytest.mark.slow
 def test_hf_load_benchmark(tmp_path, capsys):
     from bench import hf_load
 
-    assert hf_load.main(["--workload", "tiny", "--format", "sharded", "--repeats", "1",
-                         "--json", str(tmp_path / "out.json")]) == 0
+    assert (
+        hf_load.main(
+            ["--workload", "tiny", "--format", "sharded", "--repeats", "1", "--json", str(tmp_path / "out.json")]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "tiny sharded: ours ready in" in table and "tiny: save_hf_model" in table
     out = json.load(open(tmp_path / "out.json"))
@@ -30,13 +34,33 @@ def test_hf_load_benchmark(tmp_path, capsys):
 def test_generate_benchmark(tmp_path, capsys):
     from bench import generate
 
-    assert generate.main(["--workload", "tiny", "--batch", "1", "4", "--new-tokens", "8", "--calls", "1",
-                          "--json", str(tmp_path / "out.json")]) == 0
+    assert (
+        generate.main(
+            [
+                "--workload",
+                "tiny",
+                "--batch",
+                "1",
+                "4",
+                "--new-tokens",
+                "8",
+                "--calls",
+                "1",
+                "--json",
+                str(tmp_path / "out.json"),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "batch 1: ours" in table and "batch 4: ours" in table
     rows = json.load(open(tmp_path / "out.json"))["rows"]
-    assert [(r["batch"], r["engine"]) for r in rows] == [(1, "ours"), (1, "transformers"), (4, "ours"),
-                                                         (4, "transformers")]
+    assert [(r["batch"], r["engine"]) for r in rows] == [
+        (1, "ours"),
+        (1, "transformers"),
+        (4, "ours"),
+        (4, "transformers"),
+    ]
     assert all(r["first_s"] > 0 and r["median_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 

@@ -10,8 +10,14 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-JAX_FREE = ["grpo_core.config", "grpo_core.data", "grpo_core.rewards", "grpo_core.store", "grpo_core.launch",
-            "grpo_core.errors"]
+JAX_FREE = [
+    "grpo_core.config",
+    "grpo_core.data",
+    "grpo_core.rewards",
+    "grpo_core.store",
+    "grpo_core.launch",
+    "grpo_core.errors",
+]
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 
@@ -19,13 +25,18 @@ def _modules_of(package: str) -> list[str]:
     base = ROOT / package.replace(".", "/")
     if not base.is_dir():
         return [package]
-    return [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in sorted(base.rglob("*.py"))]
+    return [
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in sorted(base.rglob("*.py"))
+    ]
 
 
 def _loaded_after(modules: list[str]) -> set[str]:
-    code = ("import importlib, json, sys\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "print(json.dumps(sorted(sys.modules)))")
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -40,9 +51,11 @@ def test_the_prefect_side_never_imports_jax(packages):
 
 
 def test_grpo_core_never_names_prefect():
-    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "grpo_core").rglob("*.py")
-                 if any(line.lstrip().startswith(("import prefect", "from prefect"))
-                        for line in p.read_text().splitlines())]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "grpo_core").rglob("*.py")
+        if any(line.lstrip().startswith(("import prefect", "from prefect")) for line in p.read_text().splitlines())
+    ]
     assert not offenders, offenders
     loaded = _loaded_after(_modules_of("grpo_core.stages") + _modules_of("grpo_core.rl"))
     assert not {m for m in loaded if m.split(".")[0] == "prefect"}

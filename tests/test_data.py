@@ -6,10 +6,10 @@ import json
 import pandas as pd
 import pytest
 
-from grpo_core.config.train import ConfigError
 from grpo_core.data.prepare import DataConfig, DataError, DatasetPrompts, data_hash, load_prepared, prepare_dataset
-from grpo_core.store.root import RunRoot
 from grpo_core.data.synthetic import CharTokenizer
+from grpo_core.errors import ConfigError
+from grpo_core.store.root import RunRoot
 
 TOK = CharTokenizer()
 ROWS = [{"question": f"{i}+{i}", "answer": str(2 * i)} for i in range(20)]
@@ -55,8 +55,9 @@ def test_file_sources_with_rename_and_template(tmp_path, fmt):
         pd.DataFrame(ROWS).to_parquet(path)
     else:
         pd.DataFrame(ROWS).to_csv(path, index=False)
-    _, root, m = prep(tmp_path, source=str(path), rename={"answer": "target"}, template="q: {question} =",
-                      eval_fraction=0.25)
+    _, root, m = prep(
+        tmp_path, source=str(path), rename={"answer": "target"}, template="q: {question} =", eval_fraction=0.25
+    )
     assert (m["train_rows"], m["eval_rows"]) == (15, 5)
     train, evals = load_prepared(root, m["hash"])
     row = (train + evals)[0]
@@ -68,8 +69,11 @@ def test_length_filter_counts_and_all_dropped_fails(tmp_path):
     rows = [{"prompt": "a" * n} for n in (2, 3, 9, 12, 4)]
     _, _, m = prep(tmp_path, source=write_jsonl(tmp_path / "p.jsonl", rows), max_prompt_tokens=4)
     assert m["dropped_too_long"] == 2 and m["train_rows"] + m["eval_rows"] == 3
-    with pytest.raises(DataError, match=r"every one of 5 prompts is longer than data.max_prompt_tokens=1 "
-                                        r"\(lengths 2..12 tokens\)"):
+    with pytest.raises(
+        DataError,
+        match=r"every one of 5 prompts is longer than data.max_prompt_tokens=1 "
+        r"\(lengths 2..12 tokens\)",
+    ):
         prep(tmp_path / "b", source=str(tmp_path / "p.jsonl"), max_prompt_tokens=1)
 
 
@@ -81,8 +85,9 @@ class ChatTokenizer(CharTokenizer):
 
 def test_chat_prompts_with_a_system_prompt(tmp_path):
     rows = [{"prompt": "1+1"}, {"prompt": [{"role": "user", "content": "2+2"}]}, {"prompt": "3+3"}]
-    cfg = DataConfig(source=write_jsonl(tmp_path / "c.jsonl", rows), chat=True, system_prompt="be brief",
-                     eval_fraction=0.34)
+    cfg = DataConfig(
+        source=write_jsonl(tmp_path / "c.jsonl", rows), chat=True, system_prompt="be brief", eval_fraction=0.34
+    )
     root = RunRoot(str(tmp_path / "run"))
     m = prepare_dataset(cfg, ChatTokenizer(), root, "chat")
     train, evals = load_prepared(root, m["hash"])
@@ -101,7 +106,8 @@ def test_hugging_face_folder_with_splits_and_subsets(tmp_path):
     (folder / "README.md").write_text(
         "---\nconfigs:\n- config_name: easy\n  data_files:\n  - split: train\n    path: easy/train.jsonl\n"
         "  - split: test\n    path: easy/test.jsonl\n- config_name: hard\n  data_files:\n  - split: train\n"
-        "    path: hard/train.jsonl\n---\n")
+        "    path: hard/train.jsonl\n---\n"
+    )
     _, root, m = prep(tmp_path, source=str(folder), subset="easy", eval_split="test", prompt_column="question")
     assert (m["train_rows"], m["eval_rows"]) == (12, 8)
     _, _, hard = prep(tmp_path / "h", source=str(folder), subset="hard", prompt_column="question")
@@ -118,26 +124,53 @@ def test_saved_dataset_folder(tmp_path):
     assert m["train_rows"] + m["eval_rows"] == 20
 
 
-@pytest.mark.parametrize("setup, fields, message", [
-    (lambda p: None, {"source": "{p}/missing.jsonl"}, "cannot read data file {p}/missing.jsonl"),
-    (lambda p: (p / "bad.jsonl").write_text('{"prompt": "1"}\n{oops\n'), {"source": "{p}/bad.jsonl"},
-     "{p}/bad.jsonl line 2 is not valid JSON"),
-    (lambda p: write_jsonl(p / "q.jsonl", ROWS), {"source": "{p}/q.jsonl"},
-     "row 0 has no column 'prompt' (data.prompt_column); columns: ['answer', 'question']"),
-    (lambda p: (p / "e.jsonl").write_text(""), {"source": "{p}/e.jsonl"}, "{p}/e.jsonl has no rows"),
-    (lambda p: write_jsonl(p / "t.jsonl", ROWS), {"source": "{p}/t.jsonl", "template": "{questio}"},
-     "row 0: data.template uses column 'questio'"),
-    (lambda p: write_jsonl(p / "n.jsonl", [{"prompt": "1"}, {"prompt": 7}]), {"source": "{p}/n.jsonl"},
-     "row 1: column 'prompt' must be text, got int"),
-    (lambda p: write_jsonl(p / "u.jsonl", [{"prompt": "1"}, {"prompt": "ABC"}]), {"source": "{p}/u.jsonl"},
-     "row 1: the tokenizer cannot encode the prompt"),
-    (lambda p: write_jsonl(p / "one.jsonl", [{"prompt": "1"}]), {"source": "{p}/one.jsonl"},
-     "1 usable row(s); a train and an eval split need at least 2"),
-    (lambda p: (p / "rows.txt").write_text("1+1\n"), {"source": "{p}/rows.txt"},
-     "data.source {p}/rows.txt: unsupported file type"),
-    (lambda p: (p / "a.json").write_text("[1, 2]"), {"source": "{p}/a.json"},
-     "{p}/a.json must hold a JSON array of objects"),
-])
+@pytest.mark.parametrize(
+    "setup, fields, message",
+    [
+        (lambda p: None, {"source": "{p}/missing.jsonl"}, "cannot read data file {p}/missing.jsonl"),
+        (
+            lambda p: (p / "bad.jsonl").write_text('{"prompt": "1"}\n{oops\n'),
+            {"source": "{p}/bad.jsonl"},
+            "{p}/bad.jsonl line 2 is not valid JSON",
+        ),
+        (
+            lambda p: write_jsonl(p / "q.jsonl", ROWS),
+            {"source": "{p}/q.jsonl"},
+            "row 0 has no column 'prompt' (data.prompt_column); columns: ['answer', 'question']",
+        ),
+        (lambda p: (p / "e.jsonl").write_text(""), {"source": "{p}/e.jsonl"}, "{p}/e.jsonl has no rows"),
+        (
+            lambda p: write_jsonl(p / "t.jsonl", ROWS),
+            {"source": "{p}/t.jsonl", "template": "{questio}"},
+            "row 0: data.template uses column 'questio'",
+        ),
+        (
+            lambda p: write_jsonl(p / "n.jsonl", [{"prompt": "1"}, {"prompt": 7}]),
+            {"source": "{p}/n.jsonl"},
+            "row 1: column 'prompt' must be text, got int",
+        ),
+        (
+            lambda p: write_jsonl(p / "u.jsonl", [{"prompt": "1"}, {"prompt": "ABC"}]),
+            {"source": "{p}/u.jsonl"},
+            "row 1: the tokenizer cannot encode the prompt",
+        ),
+        (
+            lambda p: write_jsonl(p / "one.jsonl", [{"prompt": "1"}]),
+            {"source": "{p}/one.jsonl"},
+            "1 usable row(s); a train and an eval split need at least 2",
+        ),
+        (
+            lambda p: (p / "rows.txt").write_text("1+1\n"),
+            {"source": "{p}/rows.txt"},
+            "data.source {p}/rows.txt: unsupported file type",
+        ),
+        (
+            lambda p: (p / "a.json").write_text("[1, 2]"),
+            {"source": "{p}/a.json"},
+            "{p}/a.json must hold a JSON array of objects",
+        ),
+    ],
+)
 def test_bad_data_names_the_place_and_marks_nothing(tmp_path, setup, fields, message):
     setup(tmp_path)
     fields = {k: v.replace("{p}", str(tmp_path)) for k, v in fields.items()}
@@ -164,8 +197,9 @@ def test_csv_is_text_and_odd_values_become_json(tmp_path):
     _, root, m = prep(tmp_path, source=str(tmp_path / "n.csv"), eval_fraction=0.34)
     train, evals = load_prepared(root, m["hash"])
     assert sorted(r["prompt"] for r in train + evals) == ["12", "3", "7"]  # not ints
-    frame = pd.DataFrame({"prompt": ["1", "2", "3"], "t": pd.to_datetime(["2026-01-01"] * 3),
-                          "x": [float("nan"), 1.0, 2.0]})
+    frame = pd.DataFrame(
+        {"prompt": ["1", "2", "3"], "t": pd.to_datetime(["2026-01-01"] * 3), "x": [float("nan"), 1.0, 2.0]}
+    )
     frame.to_parquet(tmp_path / "odd.parquet")
     _, root, m = prep(tmp_path / "b", source=str(tmp_path / "odd.parquet"), eval_fraction=0.34)
     rows = sum(load_prepared(root, m["hash"]), [])

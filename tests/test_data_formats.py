@@ -8,14 +8,14 @@ import json
 import pandas as pd
 import pytest
 
-from grpo_core.config.train import ConfigError
-from grpo_core.data.prepare import DataConfig, DataError, data_hash, load_prepared, prepare_dataset
-from grpo_core.data.formats import DataFormat, detect, gsm8k_truth
-from grpo_core.rewards.registry import make_rewards
-from grpo_core.rewards.functions import score
 from grpo_core.config.run import RewardSpec, RunConfig
-from grpo_core.store.root import RunRoot, config_hash
+from grpo_core.data.formats import DataFormat, detect, gsm8k_truth
+from grpo_core.data.prepare import DataConfig, DataError, data_hash, load_prepared, prepare_dataset
 from grpo_core.data.synthetic import CharTokenizer
+from grpo_core.errors import ConfigError
+from grpo_core.rewards.functions import score
+from grpo_core.rewards.registry import make_rewards
+from grpo_core.store.root import RunRoot, config_hash
 from tests.hf_models import save_tokenizer
 
 TOK = CharTokenizer()
@@ -41,18 +41,28 @@ def hf_tok(tmp_path_factory):
 
 def gsm8k_rows(n=20):
     """GSM8K's shape: a word problem and a worked solution whose last line is '#### <answer>'."""
-    return [{"question": f"tom has {i} apples and buys {1000 + i} more. how many now?",
-             "answer": f"He has {i} + {1000 + i} = <<{i}+{1000 + i}={1000 + 2 * i}>>{1000 + 2 * i} apples.\n"
-                       f"#### {1000 + 2 * i:,}"} for i in range(n)]
+    return [
+        {
+            "question": f"tom has {i} apples and buys {1000 + i} more. how many now?",
+            "answer": f"He has {i} + {1000 + i} = <<{i}+{1000 + i}={1000 + 2 * i}>>{1000 + 2 * i} apples.\n"
+            f"#### {1000 + 2 * i:,}",
+        }
+        for i in range(n)
+    ]
 
 
 def verl_rows(n=12):
     """verl's RL Parquet: prompt messages, reward_model.ground_truth, data_source and extra_info."""
-    return [{"data_source": "openai/gsm8k",
-             "prompt": [{"role": "user", "content": f"What is {i} times 3?"}],
-             "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": str(3 * i)},
-             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {i} times 3?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(3 * i)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path, rows):
@@ -76,11 +86,17 @@ def test_gsm8k_rows_are_detected_and_give_a_ground_truth(tmp_path):
     assert row["answer"].endswith("#### 1,014") and "question" not in row  # the solution stays
     assert set(row) == {"prompt", "prompt_ids", "answer", "ground_truth"}
     # A template over the question works the same way; explicit plain reads no answer.
-    _, rows = prep(tmp_path / "t", source=str(tmp_path / "gsm8k.jsonl"), template="q: {question} a:",
-                   max_prompt_tokens=128)
+    _, rows = prep(
+        tmp_path / "t", source=str(tmp_path / "gsm8k.jsonl"), template="q: {question} a:", max_prompt_tokens=128
+    )
     assert all(r["prompt"].startswith("q: tom") and r["ground_truth"] for r in rows)
-    _, rows = prep(tmp_path / "p", source=str(tmp_path / "gsm8k.jsonl"), format="plain", prompt_column="question",
-                   max_prompt_tokens=128)
+    _, rows = prep(
+        tmp_path / "p",
+        source=str(tmp_path / "gsm8k.jsonl"),
+        format="plain",
+        prompt_column="question",
+        max_prompt_tokens=128,
+    )
     assert "ground_truth" not in rows[0]
 
 
@@ -100,10 +116,13 @@ def test_gsm8k_truth_and_detection():
     assert detect({"prompt": "text", "ground_truth": "4"}, "prompt") is DataFormat.PLAIN
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({}, "row 17: answer has no '#### <number>' (data.format=gsm8k): '17 apples' (or set data.format=plain)"),
-    ({"format": "gsm8k"}, "row 17: answer has no '#### <number>' (data.format=gsm8k): '17 apples'"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, "row 17: answer has no '#### <number>' (data.format=gsm8k): '17 apples' (or set data.format=plain)"),
+        ({"format": "gsm8k"}, "row 17: answer has no '#### <number>' (data.format=gsm8k): '17 apples'"),
+    ],
+)
 def test_a_bad_gsm8k_row_is_named(tmp_path, fields, message):
     rows = gsm8k_rows()
     rows[17]["answer"] = "17 apples"
@@ -125,12 +144,21 @@ def test_verl_parquet_through_the_chat_template(tmp_path, hf_tok):
     rows = verl_rows()
     rows[3]["prompt"] = [{"role": "system", "content": "Use digits."}, *rows[3]["prompt"]]
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
-    m, out = prep(tmp_path, hf_tok, "hf:tok", source=str(tmp_path / "train.parquet"), system_prompt="Be brief.",
-                  max_prompt_tokens=128, eval_fraction=0.25)
+    m, out = prep(
+        tmp_path,
+        hf_tok,
+        "hf:tok",
+        source=str(tmp_path / "train.parquet"),
+        system_prompt="Be brief.",
+        max_prompt_tokens=128,
+        eval_fraction=0.25,
+    )
     assert m["format"] == "verl" and (m["train_rows"], m["eval_rows"]) == (9, 3)
     by_index = {r["extra_info"]["index"]: r for r in out}
-    assert by_index[5]["prompt"] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 5 times 3?"
-                                     "<|im_end|>\n<|im_start|>assistant\n")
+    assert by_index[5]["prompt"] == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 5 times 3?"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert by_index[3]["prompt"].startswith("<|im_start|>system\nUse digits.<|im_end|>")  # its own system message
     assert by_index[5]["prompt_ids"] == hf_tok.encode(by_index[5]["prompt"])
     assert by_index[5]["ground_truth"] == "15" and by_index[5]["data_source"] == "openai/gsm8k"
@@ -143,14 +171,29 @@ def test_verl_top_level_ground_truth_and_missing_one(tmp_path, hf_tok):
     for r in rows:
         r["ground_truth"] = r.pop("reward_model")["ground_truth"]
     rows[1]["ground_truth"] = 42  # a number becomes text: one type per column
-    _, out = prep(tmp_path, hf_tok, "hf:tok", source=write_jsonl(tmp_path / "v.jsonl", rows), max_prompt_tokens=128,
-                  eval_fraction=0.25)
+    _, out = prep(
+        tmp_path,
+        hf_tok,
+        "hf:tok",
+        source=write_jsonl(tmp_path / "v.jsonl", rows),
+        max_prompt_tokens=128,
+        eval_fraction=0.25,
+    )
     assert sorted(r["ground_truth"] for r in out) == ["0", "42", "6", "9"]
     del rows[2]["ground_truth"]
-    with pytest.raises(DataError, match=r"v2.jsonl row 2 has no 'ground_truth' column nor reward_model.ground_truth "
-                                        r"\(data.format=verl\)"):
-        prep(tmp_path / "b", hf_tok, "hf:tok", source=write_jsonl(tmp_path / "v2.jsonl", rows), format="verl",
-             max_prompt_tokens=128)
+    with pytest.raises(
+        DataError,
+        match=r"v2.jsonl row 2 has no 'ground_truth' column nor reward_model.ground_truth "
+        r"\(data.format=verl\)",
+    ):
+        prep(
+            tmp_path / "b",
+            hf_tok,
+            "hf:tok",
+            source=write_jsonl(tmp_path / "v2.jsonl", rows),
+            format="verl",
+            max_prompt_tokens=128,
+        )
 
 
 def test_chat_messages_use_the_template_in_plain_format(tmp_path, hf_tok):
@@ -160,12 +203,18 @@ def test_chat_messages_use_the_template_in_plain_format(tmp_path, hf_tok):
     _, out = prep(tmp_path, hf_tok, "hf:tok", source=path, max_prompt_tokens=64, eval_fraction=0.2)
     prompts = sorted(r["prompt"] for r in out)
     assert prompts[0] == "4+4" and prompts[1] == "<|im_start|>user\n0+0<|im_end|>\n<|im_start|>assistant\n"
-    with pytest.raises(DataError, match=r"m.jsonl row 0: column 'prompt' holds chat messages, but the tokenizer "
-                                        r"has no usable chat template"):
+    with pytest.raises(
+        DataError,
+        match=r"m.jsonl row 0: column 'prompt' holds chat messages, but the tokenizer "
+        r"has no usable chat template",
+    ):
         prep(tmp_path / "c", source=path)
     write_jsonl(tmp_path / "e.jsonl", [{"prompt": []}, {"prompt": "x"}])
-    with pytest.raises(DataError, match=r"e.jsonl row 0: column 'prompt': a chat prompt must be text or a "
-                                        r"non-empty list of \{role, content\} messages"):
+    with pytest.raises(
+        DataError,
+        match=r"e.jsonl row 0: column 'prompt': a chat prompt must be text or a "
+        r"non-empty list of \{role, content\} messages",
+    ):
         prep(tmp_path / "e", hf_tok, "hf:tok", source=str(tmp_path / "e.jsonl"), chat=True)
 
 
@@ -182,11 +231,16 @@ def test_hub_layout_folder_with_subset_and_split(tmp_path):
             if subset == "socratic":
                 part = [dict(r, question=r["question"] + " think step by step.") for r in part]
             datasets.Dataset.from_list(part).to_parquet(str(folder / subset / f"{split}-00000-of-00001.parquet"))
-    (folder / "README.md").write_text("---\nconfigs:\n" + "".join(
-        f"- config_name: {s}\n  data_files:\n  - split: train\n    path: {s}/train-*\n"
-        f"  - split: test\n    path: {s}/test-*\n" for s in ("main", "socratic")) + "---\n")
-    m, out = prep(tmp_path, source=str(folder), subset="main", split="train", eval_split="test",
-                  max_prompt_tokens=128)
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {s}\n  data_files:\n  - split: train\n    path: {s}/train-*\n"
+            f"  - split: test\n    path: {s}/test-*\n"
+            for s in ("main", "socratic")
+        )
+        + "---\n"
+    )
+    m, out = prep(tmp_path, source=str(folder), subset="main", split="train", eval_split="test", max_prompt_tokens=128)
     assert m["format"] == "gsm8k" and (m["train_rows"], m["eval_rows"]) == (24, 6)
     train, evals = load_prepared(RunRoot(str(tmp_path / "run")), m["hash"])
     assert sorted(int(r["ground_truth"]) for r in evals) == [1000 + 2 * i for i in range(24, 30)]
@@ -229,8 +283,15 @@ def test_prepared_gsm8k_and_verl_rows_score_with_math_answer(tmp_path, hf_tok):
     write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(6))
     pd.DataFrame(verl_rows(6)).to_parquet(tmp_path / "v.parquet")
     for source in ("g.jsonl", "v.parquet"):
-        _, rows = prep(tmp_path / f"run-{source}", hf_tok, "hf:tok", source=str(tmp_path / source), chat=True,
-                       max_prompt_tokens=128, eval_fraction=0.34)
+        _, rows = prep(
+            tmp_path / f"run-{source}",
+            hf_tok,
+            "hf:tok",
+            source=str(tmp_path / source),
+            chat=True,
+            max_prompt_tokens=128,
+            eval_fraction=0.34,
+        )
         truths = [r["ground_truth"] for r in rows]
         right = [f"<think>easy</think><answer>{int(t):,}</answer>" for t in truths]  # '1,014' is 1014
         wrong = [f"The answer is \\boxed{{{int(t) + 1}}}" for t in truths]

@@ -44,22 +44,36 @@ def _get(url: str, auth: str | None) -> int:
 
 
 def tiny(root, name, **pipeline) -> dict:
-    return {"run_name": name, "storage": {"root": str(root)}, "data": {"eval_rows": 8, "synthetic_rows": 64},
-            "train": {"num_steps": 4, "grpo": {"prompts_per_step": 4}},
-            "eval": {"num_samples": 2, "batch_size": 8},
-            "pipeline": {"epochs": 2, "checkpoint_every": 1, "retry_delay_s": 0, "flow_retries": 0, **pipeline}}
+    return {
+        "run_name": name,
+        "storage": {"root": str(root)},
+        "data": {"eval_rows": 8, "synthetic_rows": 64},
+        "train": {"num_steps": 4, "grpo": {"prompts_per_step": 4}},
+        "eval": {"num_samples": 2, "batch_size": 8},
+        "pipeline": {"epochs": 2, "checkpoint_every": 1, "retry_delay_s": 0, "flow_retries": 0, **pipeline},
+    }
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_API_AUTH_STRING": AUTH, "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-           "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_API_URL": ""}
-    proc = subprocess.Popen([f"{BIN}/prefect", "server", "start", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_AUTH_STRING": AUTH,
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_API_URL": "",
+    }
+    proc = subprocess.Popen(
+        [f"{BIN}/prefect", "server", "start", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + 180
     while _get(f"{url}/health", AUTH) != 200:
@@ -77,16 +91,28 @@ def served(server, tmp_path_factory):
     url, home = server
     root = tmp_path_factory.mktemp("served-runs")
     flags = tmp_path_factory.mktemp("faults")
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": AUTH,
-           "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           # the "ui-retry" run's worker is killed after step 3 in both of the flow's attempts (the
-           # deployment's flow has 1 retry; the run has no task retries): the flow run fails
-           "GRPO_TEST_HOOK": HOOK, "GRPO_FAULT": f"step:3:{flags}/killed,step:3:{flags}/killed-again",
-           "GRPO_FAULT_RUN": "/ui-retry"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": url,
+        "PREFECT_API_AUTH_STRING": AUTH,
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # the "ui-retry" run's worker is killed after step 3 in both of the flow's attempts (the
+        # deployment's flow has 1 retry; the run has no task retries): the flow run fails
+        "GRPO_TEST_HOOK": HOOK,
+        "GRPO_FAULT": f"step:3:{flags}/killed,step:3:{flags}/killed-again",
+        "GRPO_FAULT_RUN": "/ui-retry",
+    }
     sets = [f"{k}={json.dumps(v)}" for k, v in _flatten(tiny(root, "nightly")).items()]
-    proc = subprocess.Popen([f"{BIN}/grpo", "serve", "--interval", "30", *sum((["--set", s] for s in sets), [])],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [f"{BIN}/grpo", "serve", "--interval", "30", *sum((["--set", s] for s in sets), [])],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
@@ -161,8 +187,9 @@ def test_run_with_parameters_and_invalid_parameters_rejected(served):
     summary = RunRoot(str(root / "api-run")).read_json("summary.json")
     assert summary["status"] == "completed" and summary["steps"] == 4
     with pytest.raises(Exception, match="greater than or equal to 2|num_generations"):
-        run_deployment("grpo-pipeline/pipeline", parameters={"config": {"train": {"grpo": {"num_generations": 1}}}},
-                       timeout=0)
+        run_deployment(
+            "grpo-pipeline/pipeline", parameters={"config": {"train": {"grpo": {"num_generations": 1}}}}, timeout=0
+        )
     dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
     assert dep.enforce_parameter_schema and "RunParams" in json.dumps(dep.parameter_openapi_schema)
 
@@ -174,8 +201,9 @@ def test_schedule_fires(served):
     dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
     deadline = time.monotonic() + 240
     while True:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            deployment_id=FlowRunFilterDeploymentId(any_=[dep.id])))
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[dep.id]))
+        )
         done = [r for r in runs if r.auto_scheduled and r.state.is_completed()]
         if done:
             break
@@ -190,8 +218,7 @@ def test_failed_run_retried_like_the_ui_resumes(served):
     from prefect.deployments import run_deployment
     from prefect.states import Scheduled
 
-    run = run_deployment("grpo-pipeline/pipeline", parameters={"config": tiny(root, "ui-retry", retries=0)},
-                         timeout=0)
+    run = run_deployment("grpo-pipeline/pipeline", parameters={"config": tiny(root, "ui-retry", retries=0)}, timeout=0)
     run = _wait(client, run.id)
     assert run.state.is_failed() and os.path.exists(flags / "killed-again")
     rr = RunRoot(str(root / "ui-retry"))
@@ -278,13 +305,16 @@ def _run_created_with_root(client, deployment_id, root: str, browser, tmp_path, 
 
     deadline = time.monotonic() + timeout
     while True:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])))
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]))
+        )
         mine = [r for r in runs if r.parameters.get("config", {}).get("storage", {}).get("root") == root]
         if mine:
             return str(mine[0].id)
         if time.monotonic() > deadline:
             browser.save_screenshot(str(tmp_path / "ui-after-submit.png"))
-            raise AssertionError(f"no flow run with storage.root={root} after submitting the form "
-                                 f"(screenshot: {tmp_path / 'ui-after-submit.png'})")
+            raise AssertionError(
+                f"no flow run with storage.root={root} after submitting the form "
+                f"(screenshot: {tmp_path / 'ui-after-submit.png'})"
+            )
         time.sleep(1)

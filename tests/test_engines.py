@@ -14,20 +14,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_core.config.train import ConfigError, DType, RolloutConfig, TrainConfig
-from grpo_core.engines import (RolloutError, RolloutTimeout, finish_rows, make_engine, prompt_lists, row_seeds,
-                               wait_for)
+from grpo_core.config.model import DType
+from grpo_core.config.presets import get_preset
+from grpo_core.config.run import RunConfig
+from grpo_core.config.train import RolloutConfig, TrainConfig
+from grpo_core.engines import RolloutError, RolloutTimeout, finish_rows, make_engine, prompt_lists, row_seeds, wait_for
 from grpo_core.engines.http import OwnedServer, request_json
 from grpo_core.engines.sglang import make_converter, plan_sync, sampling_params, source_of
-from grpo_core.config.presets import get_preset
-from grpo_core.stages.readiness import _engine_check
-from grpo_core.config.run import RunConfig
+from grpo_core.errors import ConfigError
 from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key
+from grpo_core.stages.readiness import _engine_check
 
 
 def test_finish_rows_keeps_the_stop_token_and_flags_truncation():
-    g = finish_rows([[4, 9, 2, 7], [5, 6, 8], [3]], [[-1, -2, -3, -4], [-1, -1, -1], [-0.5]], n=4, eos_ids=[2, 3],
-                    pad_id=0, who="t")
+    g = finish_rows(
+        [[4, 9, 2, 7], [5, 6, 8], [3]], [[-1, -2, -3, -4], [-1, -1, -1], [-0.5]], n=4, eos_ids=[2, 3], pad_id=0, who="t"
+    )
     assert g.tokens.tolist() == [[4, 9, 2, 0], [5, 6, 8, 0], [3, 0, 0, 0]]  # cut after the first stop token
     assert g.lengths.tolist() == [3, 3, 1] and g.truncated.tolist() == [False, True, False]
     assert g.logprobs[0].tolist() == [-1, -2, -3, 0] and g.tokens.dtype == np.int32
@@ -58,12 +60,15 @@ def test_jax_engine_is_the_sampler():
     cfg = get_preset("tiny", vocab_size=40)
     graphdef, params = nnx.split(create_model(cfg, 0))
     opts = SamplerOptions(6, 1.0, 0, 1.0, (0,), 0)
-    engine = make_engine(RolloutConfig(), graphdef=graphdef, params_fn=lambda: params, model_config=cfg, opts=opts,
-                         batch_size=4)
+    engine = make_engine(
+        RolloutConfig(), graphdef=graphdef, params_fn=lambda: params, model_config=cfg, opts=opts, batch_size=4
+    )
     ptok, pval = pad_prompts([[3, 4, 5], [6, 7]], (4,), 0)
     got = engine.generate(ptok, pval, step_key(1, 2), 2)
     c = generate(graphdef, params, ptok, pval, step_key(1, 2), opts, 2)
-    for mine, ref in zip((got.tokens, got.logprobs, got.lengths, got.truncated), (c.tokens, c.logprobs, c.lengths, c.truncated)):
+    for mine, ref in zip(
+        (got.tokens, got.logprobs, got.lengths, got.truncated), (c.tokens, c.logprobs, c.lengths, c.truncated)
+    ):
         assert isinstance(mine, np.ndarray) and np.array_equal(mine, np.asarray(ref))
     assert engine.sync(None, 1) == 0.0 and engine.synced_step == 1
 
@@ -72,11 +77,14 @@ def _stacked_params(layers=2, e=8, k=1, d=4, v=10, tied=False):
     """Our flat parameter layout for a qwen3-shaped model: stacked (L, ...) layer parameters."""
     r = np.random.default_rng(0)
     w = lambda *s: jnp.asarray(r.normal(size=s).astype(np.float32))
-    flat = {("model", "embed_tokens", "embedding"): w(v, e), ("model", "norm", "weight"): w(e),
-            ("model", "layers", "input_layernorm", "weight"): w(layers, e),
-            ("model", "layers", "self_attn", "q_proj", "kernel"): w(layers, e, 2 * d),
-            ("model", "layers", "self_attn", "k_proj", "kernel"): w(layers, e, k * d),
-            ("model", "layers", "self_attn", "k_norm", "weight"): w(layers, d)}
+    flat = {
+        ("model", "embed_tokens", "embedding"): w(v, e),
+        ("model", "norm", "weight"): w(e),
+        ("model", "layers", "input_layernorm", "weight"): w(layers, e),
+        ("model", "layers", "self_attn", "q_proj", "kernel"): w(layers, e, 2 * d),
+        ("model", "layers", "self_attn", "k_proj", "kernel"): w(layers, e, k * d),
+        ("model", "layers", "self_attn", "k_norm", "weight"): w(layers, d),
+    }
     if not tied:
         flat[("lm_head", "kernel")] = w(e, v)
     return flat
@@ -87,21 +95,34 @@ def _leaf(shape, dtype="bfloat16"):
 
 
 def test_sync_plan_maps_engine_leaves_to_policy_parameters():
-    assert source_of("model.layers.3.mlp.down_proj.weight") == (("model", "layers", "mlp", "down_proj", "kernel"), 3, False)
-    assert source_of("model.layers.0.self_attn.q_norm.scale") == (("model", "layers", "self_attn", "q_norm", "weight"), 0, False)
+    assert source_of("model.layers.3.mlp.down_proj.weight") == (
+        ("model", "layers", "mlp", "down_proj", "kernel"),
+        3,
+        False,
+    )
+    assert source_of("model.layers.0.self_attn.q_norm.scale") == (
+        ("model", "layers", "self_attn", "q_norm", "weight"),
+        0,
+        False,
+    )
     assert source_of("lm_head.embedding") == (("lm_head", "kernel"), None, True)
     flat = _stacked_params()
     names = ["lm_head.embedding", "model.embed_tokens.embedding", "model.norm.scale"]
     leaves = [_leaf((10, 8)), _leaf((10, 8)), _leaf((8,))]
     for i in range(2):  # tensor parallelism 2 over one k/v head: the engine's k_proj is twice as wide
-        names += [f"model.layers.{i}.input_layernorm.scale", f"model.layers.{i}.self_attn.q_proj.weight",
-                  f"model.layers.{i}.self_attn.k_proj.weight", f"model.layers.{i}.self_attn.k_norm.scale"]
+        names += [
+            f"model.layers.{i}.input_layernorm.scale",
+            f"model.layers.{i}.self_attn.q_proj.weight",
+            f"model.layers.{i}.self_attn.k_proj.weight",
+            f"model.layers.{i}.self_attn.k_norm.scale",
+        ]
         leaves += [_leaf((8,)), _leaf((8, 8)), _leaf((8, 8)), _leaf((4,))]
     plan = plan_sync(names, leaves, flat)
     out = dict(zip(names, make_converter(plan, head_dim=4)(flat)))
     head = np.asarray(flat[("lm_head", "kernel")]).T
-    assert out["lm_head.embedding"].dtype == jnp.bfloat16 and np.allclose(np.asarray(out["lm_head.embedding"], np.float32),
-                                                                          head, rtol=1e-2, atol=1e-2)
+    assert out["lm_head.embedding"].dtype == jnp.bfloat16 and np.allclose(
+        np.asarray(out["lm_head.embedding"], np.float32), head, rtol=1e-2, atol=1e-2
+    )
     q1 = np.asarray(flat[("model", "layers", "self_attn", "q_proj", "kernel")][1])
     assert np.allclose(np.asarray(out["model.layers.1.self_attn.q_proj.weight"], np.float32), q1, rtol=1e-2, atol=1e-2)
     k0 = np.asarray(out["model.layers.0.self_attn.k_proj.weight"], np.float32)
@@ -132,7 +153,9 @@ def test_rollout_config_validation_and_hash():
     same = RunConfig.from_dict({"train": {"rollout": {"engine": "jax", "generate_timeout_s": 5}}})
     assert same.train_hash == base.train_hash  # the built-in engine and time limits change no result
     sgl = RunConfig.from_dict({"train": {"rollout": {"engine": "sglang"}}})
-    sgl_slow = RunConfig.from_dict({"train": {"rollout": {"engine": "sglang", "start_timeout_s": 30, "max_total_tokens": 99}}})
+    sgl_slow = RunConfig.from_dict(
+        {"train": {"rollout": {"engine": "sglang", "start_timeout_s": 30, "max_total_tokens": 99}}}
+    )
     assert sgl.train_hash != base.train_hash and sgl.train_hash == sgl_slow.train_hash
     rt = TrainConfig.from_dict(sgl.train.to_dict())
     assert rt == sgl.train and rt.rollout.engine.value == "sglang"
@@ -212,11 +235,18 @@ def _alive(pid: int) -> bool:
 
 def test_owned_server_start_is_bounded_and_stops_its_group(tmp_path):
     pidfile = tmp_path / "child.pid"
-    sleeper = [sys.executable, "-c", "import subprocess, sys, time; "
-               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-               f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)", "{model}"]
+    sleeper = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)",
+        "{model}",
+    ]
     srv = OwnedServer(sleeper, {}, str(tmp_path), start_timeout_s=1.5)
-    with pytest.raises(RolloutTimeout, match=r"waited 1.5 s for the rollout server to answer http://127.0.0.1:\d+/health"):
+    with pytest.raises(
+        RolloutTimeout, match=r"waited 1.5 s for the rollout server to answer http://127.0.0.1:\d+/health"
+    ):
         srv.start("m")
     assert srv.proc is None and pidfile.exists()
     child = int(pidfile.read_text())
@@ -224,15 +254,21 @@ def test_owned_server_start_is_bounded_and_stops_its_group(tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)  # the server's own child went with its process group
-    dies = OwnedServer([sys.executable, "-c", "import sys; print('no model', sys.argv[1]); sys.exit(3)", "{model}"], {},
-                       str(tmp_path), start_timeout_s=30)
+    dies = OwnedServer(
+        [sys.executable, "-c", "import sys; print('no model', sys.argv[1]); sys.exit(3)", "{model}"],
+        {},
+        str(tmp_path),
+        start_timeout_s=30,
+    )
     with pytest.raises(RolloutError, match="exited with code 3 while starting(.|\n)*no model /some/folder"):
         dies.start("/some/folder")
 
 
 def test_watchdog_ends_a_stuck_process_with_its_reason():
-    code = ("import time; from grpo_core.engines import watchdog\n"
-            "with watchdog(0.5, 'the engine to start (train.rollout.start_timeout_s)'):\n    time.sleep(30)")
+    code = (
+        "import time; from grpo_core.engines import watchdog\n"
+        "with watchdog(0.5, 'the engine to start (train.rollout.start_timeout_s)'):\n    time.sleep(30)"
+    )
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 7 and time.perf_counter() - t < 20

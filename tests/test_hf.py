@@ -12,15 +12,28 @@ transformers = pytest.importorskip("transformers")
 
 from flax import nnx  # noqa: E402
 
-from grpo_core.config.train import ConfigError, SamplingConfig  # noqa: E402
+from grpo_core.config.train import SamplingConfig  # noqa: E402
+from grpo_core.errors import ConfigError  # noqa: E402
 from grpo_core.nn.hf import load_hf_model  # noqa: E402
 from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key  # noqa: E402
 
 V = 96
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 ARCHS = {
     "llama-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": LLAMA3}),
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
@@ -54,8 +67,15 @@ def test_logits_and_greedy_generation_match_transformers(tmp_path, arch):
     n = 10
     with torch.no_grad():
         x = torch.tensor(ids)  # an explicit mask: HF would otherwise mask prompt tokens equal to pad
-        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:].numpy()
+        want = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[:, ids.shape[1] :].numpy()
     opts = SamplerOptions.from_config(SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True), [V - 1], 0)
     ptok, pval = pad_prompts([list(r) for r in ids], SamplingConfig().prompt_buckets, 0)
     graphdef, params = nnx.split(ours)
@@ -79,8 +99,11 @@ def test_unknown_architecture_and_wrong_shapes_name_the_cause(tmp_path):
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported; supported: qwen2, qwen3, llama"):
         load_hf_model(folder)
     json.dump(dict(cfg, intermediate_size=96), open(f"{folder}/config.json", "w"))
-    with pytest.raises(ConfigError, match=r"parameter model.layers.0.mlp.down_proj.weight: checkpoint has shape "
-                                          r"\(128, 64\), the model expects \(96, 64\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parameter model.layers.0.mlp.down_proj.weight: checkpoint has shape "
+        r"\(128, 64\), the model expects \(96, 64\)",
+    ):
         load_hf_model(folder)
     with pytest.raises(ConfigError, match="has no config.json"):
         load_hf_model(str(tmp_path))
@@ -99,9 +122,9 @@ def test_export_round_trip_loads_in_transformers(tmp_path, arch):
 
 
 def test_export_of_a_preset_model(tmp_path):
+    from grpo_core.config.presets import get_preset
     from grpo_core.nn.hf import save_hf_model
     from grpo_core.nn.model import create_model
-    from grpo_core.config.presets import get_preset
 
     ours = create_model(get_preset("tiny", vocab_size=V), 3)
     back = transformers.AutoModelForCausalLM.from_pretrained(save_hf_model(ours, str(tmp_path / "tiny"))).eval()
@@ -128,5 +151,6 @@ def test_bfloat16_checkpoint_loads_in_f32_and_in_bf16(tmp_path):
     assert np.abs(np.asarray(got(jnp.asarray(ids))) - ref).max() / np.abs(ref).max() < 1e-4
     half = load_hf_model(folder, dtype="bfloat16")
     assert half.model.embed_tokens.embedding.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(half.model.embed_tokens.embedding.astype(jnp.float32)),
-                                  np.asarray(got.model.embed_tokens.embedding))
+    np.testing.assert_array_equal(
+        np.asarray(half.model.embed_tokens.embedding.astype(jnp.float32)), np.asarray(got.model.embed_tokens.embedding)
+    )

@@ -19,10 +19,10 @@ from tests.hf_models import build_hf_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 
-REWARD = '''
+REWARD = """
 def letters_of_answer(prompts, completions, answer, **_):
     return [len(set(c) & set(a)) / len(set(a)) for c, a in zip(completions, answer)]
-'''
+"""
 
 
 def hf_config(tmp_path, folder, **model):
@@ -34,11 +34,20 @@ def hf_config(tmp_path, folder, **model):
         "run_name": "hf-run",
         "storage": {"root": str(tmp_path / "runs")},
         "model": {"path": str(folder), **model},
-        "data": {"source": str(data), "chat": True, "system_prompt": "Answer briefly.", "max_prompt_tokens": 96,
-                 "eval_fraction": 0.25},
+        "data": {
+            "source": str(data),
+            "chat": True,
+            "system_prompt": "Answer briefly.",
+            "max_prompt_tokens": 96,
+            "eval_fraction": 0.25,
+        },
         "rewards": [{"function": f"{tmp_path}/reward.py:letters_of_answer"}],
-        "train": {"num_steps": 4, "grpo": {"prompts_per_step": 2, "num_generations": 4},
-                  "sampling": {"max_new_tokens": 8}, "optimizer": {"learning_rate": 1e-2}},
+        "train": {
+            "num_steps": 4,
+            "grpo": {"prompts_per_step": 2, "num_generations": 4},
+            "sampling": {"max_new_tokens": 8},
+            "optimizer": {"learning_rate": 1e-2},
+        },
         "eval": {"num_samples": 1, "batch_size": 4},  # the training reward decides accuracy
         "pipeline": {"epochs": 1, "checkpoint_every": 2, "retries": 0, "flow_retries": 0},
     }
@@ -55,8 +64,12 @@ def test_pipeline_trains_and_exports_a_hugging_face_model(tmp_path):
     assert s["status"] == "completed" and s["steps"] == 4
     assert s["export_uri"] == run.uri("export", "4")
     info = run.done_info("export/4")
-    assert info["step"] == 4 and {"config.json", "model.safetensors", "tokenizer.json",
-                                  "generation_config.json"} <= set(info["files"])
+    assert info["step"] == 4 and {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+    } <= set(info["files"])
 
     # The prompts went through the chat template, with the system prompt, tokenized without a
     # second set of special tokens.

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.nn import lora
+from grpo_core.config.presets import get_preset
 from grpo_core.config.train import GRPOConfig, OptimizerConfig, RematPolicy
+from grpo_core.nn import lora
+from grpo_core.nn.model import create_model
 from grpo_core.rl.learner import Learner, LossParams, completion_logprobs
 from grpo_core.rl.logprobs import num_chunks, token_logprobs
 from grpo_core.rl.types import Batch
-from grpo_core.nn.model import create_model
-from grpo_core.config.presets import get_preset
 
 
 def plain(h, w, targets, temperature, vocab_major):
@@ -45,11 +45,13 @@ def test_values_and_gradients_equal_the_plain_formula(vocab_major, temperature, 
         def f(h, w):
             lp, ent = fn(h, w)
             return jnp.sum(lp * g_lp) + jnp.sum(ent * g_ent)
+
         return f
 
     assert num_chunks(vocab, b * n, mib_for(chunks, b * n, vocab)) == chunks
-    ours = lambda h, w: token_logprobs(h, w, t, temperature=temperature, chunk_mib=mib_for(chunks, b * n, vocab),
-                                       vocab_major=vocab_major)
+    ours = lambda h, w: token_logprobs(
+        h, w, t, temperature=temperature, chunk_mib=mib_for(chunks, b * n, vocab), vocab_major=vocab_major
+    )
     ref = lambda h, w: plain(h, w, t, temperature, vocab_major)
     for a, c in zip(ref(h, w), jax.jit(ours)(h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5)
@@ -65,8 +67,10 @@ def test_values_and_gradients_equal_the_plain_formula(vocab_major, temperature, 
 def test_a_frozen_head_gets_no_gradient():
     h, w = jnp.ones((2, 4, 8)), jnp.ones((8, 20))
     t = jnp.zeros((2, 4), jnp.int32)
-    gh, gw = jax.grad(lambda h, w: jnp.sum(token_logprobs(h, w, t, chunk_mib=mib_for(4, 8, 20), vocab_major=False,
-                                                          w_grad=False)[0]), argnums=(0, 1))(h, w)
+    gh, gw = jax.grad(
+        lambda h, w: jnp.sum(token_logprobs(h, w, t, chunk_mib=mib_for(4, 8, 20), vocab_major=False, w_grad=False)[0]),
+        argnums=(0, 1),
+    )(h, w)
     assert float(jnp.abs(gw).max()) == 0.0 and gh.shape == h.shape
 
 
@@ -80,8 +84,11 @@ def batch(p=2, g=3, tp=5, n=6, vocab=384, seed=0):
     rng = np.random.default_rng(seed)
     valid = np.ones((p, tp), bool)
     valid[0, :2] = False  # left padding
-    return (jnp.asarray(rng.integers(1, vocab, (p, tp)), jnp.int32), jnp.asarray(valid),
-            jnp.asarray(rng.integers(1, vocab, (p * g, n)), jnp.int32))
+    return (
+        jnp.asarray(rng.integers(1, vocab, (p, tp)), jnp.int32),
+        jnp.asarray(valid),
+        jnp.asarray(rng.integers(1, vocab, (p * g, n)), jnp.int32),
+    )
 
 
 def model_plain(model, ptok, pval, targets, temperature):
@@ -109,8 +116,9 @@ def test_through_the_model_with_tied_and_untied_heads_and_lora(tied, with_lora):
         lp, ent = fn(merge(p))
         return jnp.sum(lp * weights) + 0.1 * jnp.sum(ent)
 
-    ours = lambda m: completion_logprobs(m, ptok, pval, targets, 0.8, chunk_mib=mib_for(5, targets.size, 384),
-                                         head_grad=not with_lora)
+    ours = lambda m: completion_logprobs(
+        m, ptok, pval, targets, 0.8, chunk_mib=mib_for(5, targets.size, 384), head_grad=not with_lora
+    )
     ref = lambda m: model_plain(m, ptok, pval, targets, 0.8)
     for a, c in zip(ref(merge(params)), ours(merge(params))):
         np.testing.assert_allclose(c, a, atol=1e-5)
@@ -125,16 +133,26 @@ def learner_inputs(vocab=384, n=12):
     ptok, pval, targets = batch(p=4, g=4, tp=8, n=n, vocab=vocab)
     b, n = targets.shape
     rng = np.random.default_rng(3)
-    data = Batch(prompt_tokens=ptok, prompt_valid=pval, targets=targets, mask=jnp.ones((b, n), jnp.float32),
-                 old_logp=jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
-                 ref_logp=jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
-                 advantages=jnp.asarray(rng.normal(size=b), jnp.float32))
+    data = Batch(
+        prompt_tokens=ptok,
+        prompt_valid=pval,
+        targets=targets,
+        mask=jnp.ones((b, n), jnp.float32),
+        old_logp=jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
+        ref_logp=jnp.asarray(-rng.uniform(1, 8, (b, n)), jnp.float32),
+        advantages=jnp.asarray(rng.normal(size=b), jnp.float32),
+    )
     return graphdef, params, data
 
 
 def update(graphdef, params, data, remat, chunk=64, accum=1):
-    hp = LossParams.from_config(GRPOConfig(beta=0.04, grad_accum_steps=accum, prompts_per_step=4, num_generations=4),
-                                data.targets.shape[1], 0.9, remat, chunk)
+    hp = LossParams.from_config(
+        GRPOConfig(beta=0.04, grad_accum_steps=accum, prompts_per_step=4, num_generations=4),
+        data.targets.shape[1],
+        0.9,
+        remat,
+        chunk,
+    )
     learner = Learner(graphdef, OptimizerConfig(learning_rate=1e-3, eps=1e-3), hp, 10)
     state, metrics = learner.update(learner.init_state(jax.tree.map(jnp.copy, params)), data)
     return state["params"], metrics
@@ -167,8 +185,13 @@ def test_no_rows_by_tokens_by_vocab_tensor_in_the_update():
     vocab = 5003  # prime: no other dimension has this size
     graphdef, params, data = learner_inputs(vocab=vocab, n=40)
     tokens = data.targets.size
-    hp = LossParams.from_config(GRPOConfig(beta=0.04, grad_accum_steps=1, prompts_per_step=4, num_generations=4),
-                                40, 1.0, RematPolicy.NONE, mib_for(8, tokens, vocab))
+    hp = LossParams.from_config(
+        GRPOConfig(beta=0.04, grad_accum_steps=1, prompts_per_step=4, num_generations=4),
+        40,
+        1.0,
+        RematPolicy.NONE,
+        mib_for(8, tokens, vocab),
+    )
     learner = Learner(graphdef, OptimizerConfig(), hp, 10)
     jaxpr = jax.make_jaxpr(learner.update)(learner.init_state(params), data)
     width = -(-vocab // 8)  # 626 words per chunk

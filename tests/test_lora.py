@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.nn import lora
-from grpo_core.rl.checkpoint import Checkpointer
-from grpo_core.config.train import ConfigError
-from grpo_core.nn.model import create_model
 from grpo_core.config.presets import get_preset
-from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
 from grpo_core.config.run import RunConfig, load_config
+from grpo_core.errors import ConfigError
+from grpo_core.nn import lora
+from grpo_core.nn.model import create_model
+from grpo_core.rl.checkpoint import Checkpointer
 from grpo_core.rl.trainer import GRPOTrainer
+from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
 
 QV = ".*(q_proj|v_proj).*"
 
@@ -57,7 +57,8 @@ def test_adapters_off_is_the_base_exactly():
     np.testing.assert_allclose(np.asarray(m(x)), base, rtol=0, atol=1e-6)
     parts = lora.split(m)
     assert sorted("/".join(map(str, p)) for p in paths(parts.adapters)) == [
-        f"model/layers/self_attn/{m}/lora_{ab}" for m in ("q_proj", "v_proj") for ab in "ab"]
+        f"model/layers/self_attn/{m}/lora_{ab}" for m in ("q_proj", "v_proj") for ab in "ab"
+    ]
     assert parts.adapters["model"]["layers"]["self_attn"]["q_proj"]["lora_a"].shape == (2, 128, 4)  # (L, in, r)
     assert parts.adapters["model"]["layers"]["self_attn"]["v_proj"]["lora_b"].shape == (2, 4, 64)  # (L, r, out)
     trained = perturb(parts.adapters)
@@ -78,7 +79,9 @@ def test_merged_model_equals_the_adapter_model(dtype):
     merged = lora.merge(policy)
     assert not lora.has_adapters(merged) and lora.has_adapters(policy)
     # `policy` is untouched: merge replaces kernels in its own copy
-    np.testing.assert_array_equal(np.asarray(policy.model.layers.mlp.up_proj.kernel[...].astype(jnp.float32)), kernel_before)
+    np.testing.assert_array_equal(
+        np.asarray(policy.model.layers.mlp.up_proj.kernel[...].astype(jnp.float32)), kernel_before
+    )
     assert merged.model.layers.mlp.up_proj.kernel.dtype == jnp.dtype(dtype)
     assert paths(nnx.state(merged)) == paths(parts.base)  # plain model again
     x = ids(seed=3)
@@ -109,7 +112,10 @@ def test_grpo_trains_only_the_adapters_against_the_base_as_reference():
     assert all(np.isfinite(m["loss"]) for m in hist) and hist[-1]["kl"] > 1e-5 and hist[-1]["grad_norm"] > 0
     jax.tree.map(np.testing.assert_array_equal, base, jax.tree.map(np.asarray, tr.frozen))  # bit-identical
     b = tr.state["params"]["model"]["layers"]["mlp"]["down_proj"]["lora_b"]
-    assert np.abs(np.asarray(b)).max() > 0 and np.abs(np.asarray(start["model"]["layers"]["mlp"]["down_proj"]["lora_b"])).max() == 0
+    assert (
+        np.abs(np.asarray(b)).max() > 0
+        and np.abs(np.asarray(start["model"]["layers"]["mlp"]["down_proj"]["lora_b"])).max() == 0
+    )
     # What trains and what the optimizer keeps: the adapters (and AdamW's two moments of them).
     adapters = nbytes(tr.state["params"])
     # L * r * (in + out) over q, k, v, o, gate, up, down
@@ -128,7 +134,9 @@ def test_checkpoint_holds_only_adapters_and_resume_is_exact(tmp_path):
         ckpt.wait()
         saved, meta = ckpt.restore(2)  # as stored, no target
     assert meta["step"] == 2
-    flat = [tuple(str(getattr(k, "key", k)) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(saved["params"])[0]]
+    flat = [
+        tuple(str(getattr(k, "key", k)) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(saved["params"])[0]
+    ]
     assert flat and all(p[-2] in ("lora_a", "lora_b") for p in flat), flat  # no base weight saved
     assert nbytes(saved) < 0.5 * nbytes(straight.frozen)
     on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "2").rglob("*") if f.is_file())
@@ -142,7 +150,9 @@ def test_checkpoint_holds_only_adapters_and_resume_is_exact(tmp_path):
     for a, b in zip(hist[2:], again):
         for k in ("reward", "loss", "kl", "grad_norm"):
             assert a[k] == b[k], (k, a[k], b[k])
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.state), jax.tree.map(np.asarray, resumed.state))
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, straight.state), jax.tree.map(np.asarray, resumed.state)
+    )
 
 
 def test_lora_config_errors_name_the_field():
@@ -150,12 +160,19 @@ def test_lora_config_errors_name_the_field():
         "model.lora.rank=0": "model.lora.rank must be >= 1, got 0",
         "model.lora.rank=two": "model.lora.rank must be int, got 'two'",
         "model.lora.alpha=-1": "model.lora.alpha must be > 0, got -1.0",
-        "model.lora.target_modules=.*(q_proj": "model.lora.target_modules '.*(q_proj' is not a valid regular expression",
-        "model.lora.target_modules=.*(qkv_proj).*": ("model.lora.target_modules '.*(qkv_proj).*' matches none of the "
-                                                     "modules q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                                                     "down_proj (it is searched in paths like "
-                                                     "model.layers.self_attn.q_proj)"),
-        "model.lora.dropout=0.05": "model.lora.dropout must be in [0, 0], got 0.05 (Adapter dropout: only 0, since dropout in the update alone would bias GRPO",
+        "model.lora.target_modules=.*(q_proj": (
+            "model.lora.target_modules '.*(q_proj' is not a valid regular expression"
+        ),
+        "model.lora.target_modules=.*(qkv_proj).*": (
+            "model.lora.target_modules '.*(qkv_proj).*' matches none of the "
+            "modules q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+            "down_proj (it is searched in paths like "
+            "model.layers.self_attn.q_proj)"
+        ),
+        "model.lora.dropout=0.05": (
+            "model.lora.dropout must be in [0, 0], got 0.05 "
+            "(Adapter dropout: only 0, since dropout in the update alone would bias GRPO"
+        ),
         "model.lora.r=8": "model.lora: unknown field(s) ['r']; known: ['alpha', 'dropout', 'rank', 'target_modules']",
         "model.lora=8": "model.lora must be a mapping",
     }
@@ -192,28 +209,48 @@ def test_lora_run_evaluates_and_exports_a_merged_model_transformers_loads(tmp_pa
     from its adapter-only checkpoint; transformers loads the export with the merged policy's logits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from grpo_core.stages import worker
     from grpo_core.data.prepare import prepare_dataset
+    from grpo_core.data.tokenizer import make_tokenizer
     from grpo_core.nn.hf import load_hf_model
+    from grpo_core.stages import worker
     from grpo_core.stages.parts import open_run
     from grpo_core.store.runs import init_run_root
-    from grpo_core.data.tokenizer import make_tokenizer
     from tests.hf_models import build_hf_model
 
     folder = tmp_path / "tiny-qwen3"
     build_hf_model(folder, "qwen3")
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Repeat: {w}", "answer": w}) + "\n"
-                            for w in ["cat", "dog", "sun", "sky", "tree", "moon", "fish", "bird"]))
-    (tmp_path / "reward.py").write_text("def letters(prompts, completions, answer, **_):\n"
-                                        "    return [len(set(c) & set(a)) / len(set(a)) for c, a in zip(completions, answer)]\n")
-    cfg = RunConfig.from_dict({
-        "run_name": "lora", "storage": {"root": str(tmp_path / "runs")},
-        "model": {"path": str(folder), "lora": {"rank": 4, "alpha": 8, "target_modules": ".*(q_proj|v_proj|up_proj).*"}},
-        "data": {"source": str(data), "eval_fraction": 0.25}, "rewards": [{"function": f"{tmp_path}/reward.py:letters"}],
-        "train": {"num_steps": 2, "seed": 1, "grpo": {"prompts_per_step": 2, "num_generations": 4, "beta": 0.05},
-                  "sampling": {"max_new_tokens": 6}, "optimizer": {"learning_rate": 5e-2, "warmup_steps": 0}},
-        "eval": {"num_samples": 1, "batch_size": 4}, "pipeline": {"epochs": 1, "checkpoint_every": 2}})
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Repeat: {w}", "answer": w}) + "\n"
+            for w in ["cat", "dog", "sun", "sky", "tree", "moon", "fish", "bird"]
+        )
+    )
+    (tmp_path / "reward.py").write_text(
+        "def letters(prompts, completions, answer, **_):\n"
+        "    return [len(set(c) & set(a)) / len(set(a)) for c, a in zip(completions, answer)]\n"
+    )
+    cfg = RunConfig.from_dict(
+        {
+            "run_name": "lora",
+            "storage": {"root": str(tmp_path / "runs")},
+            "model": {
+                "path": str(folder),
+                "lora": {"rank": 4, "alpha": 8, "target_modules": ".*(q_proj|v_proj|up_proj).*"},
+            },
+            "data": {"source": str(data), "eval_fraction": 0.25},
+            "rewards": [{"function": f"{tmp_path}/reward.py:letters"}],
+            "train": {
+                "num_steps": 2,
+                "seed": 1,
+                "grpo": {"prompts_per_step": 2, "num_generations": 4, "beta": 0.05},
+                "sampling": {"max_new_tokens": 6},
+                "optimizer": {"learning_rate": 5e-2, "warmup_steps": 0},
+            },
+            "eval": {"num_samples": 1, "batch_size": 4},
+            "pipeline": {"epochs": 1, "checkpoint_every": 2},
+        }
+    )
     root = init_run_root(cfg)
     prepare_dataset(cfg.data, make_tokenizer(cfg), root, cfg.tokenizer_id)
     parts = open_run(cfg, root)
@@ -227,7 +264,10 @@ def test_lora_run_evaluates_and_exports_a_merged_model_transformers_loads(tmp_pa
     assert lora.has_adapters(policy)
     export = str(tmp_path / "runs" / "lora" / "export" / "2")
     start, exported = load_hf_model(str(folder)), load_hf_model(export)
-    moved = [float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(nnx.state(start)), jax.tree.leaves(nnx.state(exported)))]
+    moved = [
+        float(jnp.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(nnx.state(start)), jax.tree.leaves(nnx.state(exported)))
+    ]
     assert max(moved) > 0  # the adapters were trained and merged in
     hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     x = np.asarray([parts.train_rows[0]["prompt_ids"]])
@@ -250,7 +290,10 @@ def test_memory_plan_counts_adapters_not_a_second_model():
     assert n == lora.num_params(nnx.state(abstract, nnx.LoRAParam)) == 28 * 8 * (1024 + 2048 + 1024 + 1024)
     train = TrainConfig.from_dict({"grpo": {"beta": 0.04, "grad_accum_steps": 1}, "remat": "full"})
     facts = {"backend": "cpu", "available": None, "devices": 1}
-    full, adapted = memory.plan_on(mc, train, 64, facts).estimate, memory.plan_on(mc, train, 64, facts, lora=cfg).estimate
+    full, adapted = (
+        memory.plan_on(mc, train, 64, facts).estimate,
+        memory.plan_on(mc, train, 64, facts, lora=cfg).estimate,
+    )
     t, f = adapted.terms, full.terms
     assert t["gradients"] == 4 * n and t["optimizer"] == 8 * n and t["reference"] == 0 < f["reference"]
     assert t["params"] == f["params"] + 4 * n and t["kv_cache"] == f["kv_cache"]
@@ -270,17 +313,25 @@ def test_pipeline_with_lora_resumes_and_exports_merged(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from grpo_core.stages.parts import open_run
-    from grpo_core.store.root import RunRoot
     from grpo_core.stages.worker import _policy_params
+    from grpo_core.store.root import RunRoot
     from tests.faults import HOOK
     from tests.test_pipeline import NUM_STEPS, run_pipeline, small_config
 
     monkeypatch.setenv("GRPO_TEST_HOOK", HOOK)
     monkeypatch.setenv("GRPO_FAULT", f"step:5:{tmp_path}/fault")
-    cfg = small_config(str(tmp_path), "lora", model={"lora": {"rank": 4, "alpha": 8, "target_modules": QV}},
-                       train={"num_steps": NUM_STEPS, "grpo": {"prompts_per_step": 4, "beta": 0.04},
-                              "optimizer": {"learning_rate": 1e-2}},
-                       eval={"num_samples": 1}, pipeline={"epochs": 1})
+    cfg = small_config(
+        str(tmp_path),
+        "lora",
+        model={"lora": {"rank": 4, "alpha": 8, "target_modules": QV}},
+        train={
+            "num_steps": NUM_STEPS,
+            "grpo": {"prompts_per_step": 4, "beta": 0.04},
+            "optimizer": {"learning_rate": 1e-2},
+        },
+        eval={"num_samples": 1},
+        pipeline={"epochs": 1},
+    )
     s = run_pipeline(cfg)
     run = RunRoot(str(tmp_path / "lora"))
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS and (tmp_path / "fault").exists()

@@ -8,41 +8,65 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from grpo_core.config.run import RewardSpec
 from grpo_core.rewards import math_answer as mr
 from grpo_core.rewards.math_answer import extract_answer, integer_answer, is_correct, math_answer, think_format
 from grpo_core.rewards.registry import builtin_rewards, make_rewards
-from grpo_core.config.run import RewardSpec
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("<think>7 * 6</think><answer>42</answer>", "42"),
-    ("<answer>1</answer> then <answer>The result is \\boxed{\\frac{1}{2}}</answer>", "\\frac{1}{2}"),
-    ("so it is \\boxed{\\frac{3}{4}} and \\boxed{x^{2}}.", "x^{2}"),
-    ("\\boxed 7.", "7"),
-    ("\\fbox{12}", "12"),
-    ("He has 5 + 6 = 11 apples.\n#### 11\nDone", "11"),
-    ("first 3, then 12, finally 1,200 apples.", "1,200"),
-    ("half is -0.5", "-0.5"),
-    ("\\boxed{\\frac{1}{2", None),  # cut off mid-answer: no answer (not the 2 inside)
-    ("no digits here", None),
-    ([{"role": "assistant", "content": "<answer>9</answer>"}], "9"),  # chat-style completion
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("<think>7 * 6</think><answer>42</answer>", "42"),
+        ("<answer>1</answer> then <answer>The result is \\boxed{\\frac{1}{2}}</answer>", "\\frac{1}{2}"),
+        ("so it is \\boxed{\\frac{3}{4}} and \\boxed{x^{2}}.", "x^{2}"),
+        ("\\boxed 7.", "7"),
+        ("\\fbox{12}", "12"),
+        ("He has 5 + 6 = 11 apples.\n#### 11\nDone", "11"),
+        ("first 3, then 12, finally 1,200 apples.", "1,200"),
+        ("half is -0.5", "-0.5"),
+        ("\\boxed{\\frac{1}{2", None),  # cut off mid-answer: no answer (not the 2 inside)
+        ("no digits here", None),
+        ([{"role": "assistant", "content": "<answer>9</answer>"}], "9"),  # chat-style completion
+    ],
+)
 def test_extract_answer(completion, answer):
     assert extract_answer(completion) == answer
 
 
 CASES = [  # (answer, ground truth, correct)
-    ("42", "42", True), ("42.0", "42", True), ("1,200", "1200", True), ("-3", "3", False),
-    ("1000001", "1000000", False), ("1000000.0000001", "1000000", True),  # integers exactly
-    ("0.333333", "\\frac{1}{3}", True), ("3/4", "0.75", True), ("\\dfrac{3}{4}", "0.75", True),
-    ("$18.00", "18", True), ("\\$18", "18", True), ("10\\%", "10", True), ("72 clips", "72", True),
-    ("x = 3", "3", True), ("2 or 3", "3", False), ("3 \\cdot 2", "3", False), ("\\sqrt{2}", "2", False),
-    ("41", "42", False), ("", "42", False), (None, "42", False), ("7", ["6", "7"], True),
-    ("A", "A", True), ("\\text{(B)}", "(B)", True),
+    ("42", "42", True),
+    ("42.0", "42", True),
+    ("1,200", "1200", True),
+    ("-3", "3", False),
+    ("1000001", "1000000", False),
+    ("1000000.0000001", "1000000", True),  # integers exactly
+    ("0.333333", "\\frac{1}{3}", True),
+    ("3/4", "0.75", True),
+    ("\\dfrac{3}{4}", "0.75", True),
+    ("$18.00", "18", True),
+    ("\\$18", "18", True),
+    ("10\\%", "10", True),
+    ("72 clips", "72", True),
+    ("x = 3", "3", True),
+    ("2 or 3", "3", False),
+    ("3 \\cdot 2", "3", False),
+    ("\\sqrt{2}", "2", False),
+    ("41", "42", False),
+    ("", "42", False),
+    (None, "42", False),
+    ("7", ["6", "7"], True),
+    ("A", "A", True),
+    ("\\text{(B)}", "(B)", True),
 ]
 SYMBOLIC = [  # what needs math-verify
-    ("\\frac{\\sqrt{3}}{2}", "\\frac{3}{2\\sqrt{3}}", True), ("x^2+1", "1+x^2", True), ("2^{10}", "1024", True),
-    ("\\{1,2\\}", "\\{2,1\\}", True), ("5!", "120", True), ("\\pi", "3.14", False), ("x^2+2", "1+x^2", False),
+    ("\\frac{\\sqrt{3}}{2}", "\\frac{3}{2\\sqrt{3}}", True),
+    ("x^2+1", "1+x^2", True),
+    ("2^{10}", "1024", True),
+    ("\\{1,2\\}", "\\{2,1\\}", True),
+    ("5!", "120", True),
+    ("\\pi", "3.14", False),
+    ("x^2+2", "1+x^2", False),
 ]
 
 
@@ -82,8 +106,15 @@ def test_think_format():
 
 
 def test_integer_answer():
-    completions = ["<answer>42</answer>", "#### 1,200", "\\boxed{-7}", "\\boxed{2.5}", "\\boxed{\\frac{1}{2}}",
-                   "<answer>x</answer>", "nothing"]
+    completions = [
+        "<answer>42</answer>",
+        "#### 1,200",
+        "\\boxed{-7}",
+        "\\boxed{2.5}",
+        "\\boxed{\\frac{1}{2}}",
+        "<answer>x</answer>",
+        "nothing",
+    ]
     assert integer_answer([""] * 7, completions) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
@@ -117,11 +148,18 @@ def _raises(fn) -> bool:
 def test_explosive_answers_are_wrong_quickly_in_a_thread():
     """Answers sympy could spend for ever on are scored 0 without evaluating them; a hang here
     would otherwise hang training, so the check runs in a daemon thread with a deadline."""
-    completions = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{(10^{9999})^{10000}}", "\\boxed{999999999!}",
-                   "\\boxed{(x+1)^{100000}}", "\\boxed{" + "1+" * 500 + "1}", "\\boxed{\\binom{10^{9}}{5 \\cdot 10^{8}}}"]
+    completions = [
+        "\\boxed{9^{9^{9^{9}}}}",
+        "\\boxed{(10^{9999})^{10000}}",
+        "\\boxed{999999999!}",
+        "\\boxed{(x+1)^{100000}}",
+        "\\boxed{" + "1+" * 500 + "1}",
+        "\\boxed{\\binom{10^{9}}{5 \\cdot 10^{8}}}",
+    ]
     out = []
-    t = threading.Thread(target=lambda: out.append(math_answer([""] * 6, completions, ground_truth=["5"] * 6)),
-                         daemon=True)
+    t = threading.Thread(
+        target=lambda: out.append(math_answer([""] * 6, completions, ground_truth=["5"] * 6)), daemon=True
+    )
     start = time.perf_counter()
     t.start()
     t.join(timeout=30)
@@ -131,5 +169,11 @@ def test_explosive_answers_are_wrong_quickly_in_a_thread():
 
 def test_built_in_by_name_in_a_config():
     assert {"math_answer", "think_format", "integer_answer"} <= set(builtin_rewards())
-    rewards = make_rewards((RewardSpec(function="math_answer"), RewardSpec(function="think_format", weight=0.1), RewardSpec(function="integer_answer", weight=0)))
+    rewards = make_rewards(
+        (
+            RewardSpec(function="math_answer"),
+            RewardSpec(function="think_format", weight=0.1),
+            RewardSpec(function="integer_answer", weight=0),
+        )
+    )
     assert [(r.name, r.weight) for r in rewards] == [("math_answer", 1.0), ("think_format", 0.1), ("integer_answer", 0)]

@@ -12,18 +12,21 @@ import pytest
 from flax import nnx
 
 from grpo_core.config import memory
+from grpo_core.config.presets import get_preset
 from grpo_core.config.train import GRPOConfig, OptimizerConfig, RematPolicy, SamplingConfig, TrainConfig
+from grpo_core.nn.model import create_model
 from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.types import Batch
-from grpo_core.nn.model import create_model
-from grpo_core.config.presets import get_preset
 
 GiB = 2**30
 
 
 def train_config(p=2, g=8, n=32, beta=0.04, **kw):
-    return TrainConfig(grpo=GRPOConfig(num_generations=g, prompts_per_step=p, beta=beta, **kw.pop("grpo", {})),
-                       sampling=SamplingConfig(max_new_tokens=n), **kw)
+    return TrainConfig(
+        grpo=GRPOConfig(num_generations=g, prompts_per_step=p, beta=beta, **kw.pop("grpo", {})),
+        sampling=SamplingConfig(max_new_tokens=n),
+        **kw,
+    )
 
 
 def compiled_step_bytes(mc, train: TrainConfig, prompt_len: int, remat: RematPolicy, accum: int) -> int:
@@ -35,20 +38,27 @@ def compiled_step_bytes(mc, train: TrainConfig, prompt_len: int, remat: RematPol
     learner = Learner(graphdef, OptimizerConfig(), hp, 10)
     sd = jax.ShapeDtypeStruct
     p, b, n = g.prompts_per_step, g.batch_size, train.sampling.max_new_tokens
-    batch = Batch(prompt_tokens=sd((p, prompt_len), jnp.int32), prompt_valid=sd((p, prompt_len), bool),
-                  targets=sd((b, n), jnp.int32), **{k: sd((b, n), jnp.float32) for k in ("mask", "old_logp", "ref_logp")},
-                  advantages=sd((b,), jnp.float32))
+    batch = Batch(
+        prompt_tokens=sd((p, prompt_len), jnp.int32),
+        prompt_valid=sd((p, prompt_len), bool),
+        targets=sd((b, n), jnp.int32),
+        **{k: sd((b, n), jnp.float32) for k in ("mask", "old_logp", "ref_logp")},
+        advantages=sd((b,), jnp.float32),
+    )
     state = {"params": params, "opt_state": jax.eval_shape(learner.tx.init, params), "step": sd((), jnp.int32)}
     ma = learner.update.lower(state, batch, None).compile().memory_analysis()
     return ma.argument_size_in_bytes + ma.temp_size_in_bytes
 
 
-@pytest.mark.parametrize("preset, over, p, n, remat, accum", [
-    ("small", {"num_hidden_layers": 2}, 2, 32, RematPolicy.NONE, 1),
-    ("small", {"num_hidden_layers": 4, "vocab_size": 20000}, 4, 64, RematPolicy.DOTS, 1),
-    ("small", {"num_hidden_layers": 4, "vocab_size": 20000}, 4, 64, RematPolicy.FULL, 2),
-    ("small", {"num_hidden_layers": 2, "dtype": "bfloat16", "param_dtype": "bfloat16"}, 2, 96, RematPolicy.FULL, 1),
-])
+@pytest.mark.parametrize(
+    "preset, over, p, n, remat, accum",
+    [
+        ("small", {"num_hidden_layers": 2}, 2, 32, RematPolicy.NONE, 1),
+        ("small", {"num_hidden_layers": 4, "vocab_size": 20000}, 4, 64, RematPolicy.DOTS, 1),
+        ("small", {"num_hidden_layers": 4, "vocab_size": 20000}, 4, 64, RematPolicy.FULL, 2),
+        ("small", {"num_hidden_layers": 2, "dtype": "bfloat16", "param_dtype": "bfloat16"}, 2, 96, RematPolicy.FULL, 1),
+    ],
+)
 def test_estimate_tracks_the_compiled_step(preset, over, p, n, remat, accum):
     mc, train = get_preset(preset, **over), train_config(p=p, n=n)
     est = memory.estimate(mc, train, 16, remat=remat, grad_accum_steps=accum)
@@ -60,8 +70,9 @@ def test_estimate_tracks_the_compiled_step(preset, over, p, n, remat, accum):
 def test_terms_split_over_the_mesh_and_count_lora_adapters_only():
     mc, train = get_preset("qwen3-0.6b"), train_config(mesh={"data": 2, "fsdp": -1, "tensor": 2})
     one = memory.estimate(mc, train, 64, remat=RematPolicy.FULL, grad_accum_steps=1)
-    eight = memory.estimate(mc, train, 64, remat=RematPolicy.FULL, grad_accum_steps=1, layout=memory.Layout(2, 2, 2),
-                            backend="tpu")
+    eight = memory.estimate(
+        mc, train, 64, remat=RematPolicy.FULL, grad_accum_steps=1, layout=memory.Layout(2, 2, 2), backend="tpu"
+    )
     assert eight.terms["params"] == -(-one.terms["params"] // 4)  # fsdp=2 x tensor=2 split the weights
     assert eight.terms["kv_cache"] == -(-one.terms["kv_cache"] // 8)  # every axis splits the rows or heads
     assert eight.terms["programs"] == eight.terms["cpu_upcast"] == 0 < one.terms["cpu_upcast"]  # CPU-only terms
@@ -75,8 +86,9 @@ def test_terms_split_over_the_mesh_and_count_lora_adapters_only():
 def test_bfloat16_moments_halve_the_first_moment():
     mc = get_preset("small", param_dtype="float32")
     f32 = memory.estimate(mc, train_config(), 16, remat=RematPolicy.NONE, grad_accum_steps=1)
-    bf16 = memory.estimate(mc, train_config(optimizer=OptimizerConfig(mu_dtype="bfloat16")), 16,
-                           remat=RematPolicy.NONE, grad_accum_steps=1)
+    bf16 = memory.estimate(
+        mc, train_config(optimizer=OptimizerConfig(mu_dtype="bfloat16")), 16, remat=RematPolicy.NONE, grad_accum_steps=1
+    )
     assert bf16.terms["optimizer"] * 8 == f32.terms["optimizer"] * 6  # (2 + 4) bytes per parameter, not (4 + 4)
 
 
@@ -87,7 +99,9 @@ def test_auto_takes_the_fastest_choice_that_fits():
     assert (roomy.estimate.remat, roomy.estimate.grad_accum_steps) == (RematPolicy.DOTS, 1) and roomy.fits
     tpu = memory.plan(mc, train, 16, 64 * GiB, backend="tpu")  # compute-bound: no recomputation first
     assert (tpu.estimate.remat, tpu.estimate.grad_accum_steps) == (RematPolicy.NONE, 1)
-    need = {c: memory.estimate(mc, train, 16, remat=c[0], grad_accum_steps=c[1]).total for c in memory.candidates(train)}
+    need = {
+        c: memory.estimate(mc, train, 16, remat=c[0], grad_accum_steps=c[1]).total for c in memory.candidates(train)
+    }
     cheapest = memory.candidates(train)[0]
     tight = memory.plan(mc, train, 16, int(need[cheapest] / memory.HEADROOM) - 1)  # the cheapest choice just misses
     chosen = (tight.estimate.remat, tight.estimate.grad_accum_steps)
@@ -114,8 +128,23 @@ def test_nothing_fits_names_the_lever():
 
 
 def bench_child(workload: str, remat: str = "auto", steps: int = 1) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "bench.real_shapes", "--child", "--workload", workload,
-                           "--remat", remat, "--steps", str(steps)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.real_shapes",
+            "--child",
+            "--workload",
+            workload,
+            "--remat",
+            remat,
+            "--steps",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

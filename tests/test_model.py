@@ -4,22 +4,40 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.config.train import ConfigError, ModelConfig
-from grpo_core.nn.model import apply_rope, create_model, rope_inv_freq
+from grpo_core.config.model import ModelConfig
 from grpo_core.config.presets import PRESETS, get_preset
+from grpo_core.errors import ConfigError
+from grpo_core.nn.model import apply_rope, create_model, rope_inv_freq
 
-TINY = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=48)
+TINY = dict(
+    vocab_size=40,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=48,
+)
 
 
-@pytest.mark.parametrize("extra", [
-    {},  # Qwen3-like
-    {"qk_norm": True},
-    {"attention_bias": True, "tie_word_embeddings": False},  # Qwen2-like
-    {"head_dim": 24},  # head_dim unlike hidden / heads
-    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # Qwen3-like
+        {"qk_norm": True},
+        {"attention_bias": True, "tie_word_embeddings": False},  # Qwen2-like
+        {"head_dim": 24},  # head_dim unlike hidden / heads
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ],
+)
 def test_forward_shapes_and_param_count(extra):
     cfg = ModelConfig(**{**TINY, **extra})
     m = create_model(cfg)
@@ -39,10 +57,16 @@ def test_bf16_model_runs():
 def test_hf_parameter_names():
     m = create_model(ModelConfig(**TINY, attention_bias=True, qk_norm=True, tie_word_embeddings=False))
     flat = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(m))}
-    for name in ("model.embed_tokens.embedding", "model.layers.self_attn.q_proj.kernel",
-                 "model.layers.self_attn.q_proj.bias", "model.layers.self_attn.k_norm.weight",
-                 "model.layers.mlp.gate_proj.kernel", "model.layers.post_attention_layernorm.weight",
-                 "model.norm.weight", "lm_head.kernel"):
+    for name in (
+        "model.embed_tokens.embedding",
+        "model.layers.self_attn.q_proj.kernel",
+        "model.layers.self_attn.q_proj.bias",
+        "model.layers.self_attn.k_norm.weight",
+        "model.layers.mlp.gate_proj.kernel",
+        "model.layers.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.kernel",
+    ):
         assert name in flat, name
     # layer parameters are stacked: a leading axis of num_hidden_layers
     assert m.model.layers.self_attn.q_proj.kernel[...].shape == (2, 32, 4 * 16)
@@ -76,12 +100,15 @@ def test_presets_have_real_dimensions():
         get_preset("qwen9")
 
 
-@pytest.mark.parametrize("bad, msg", [
-    ({"num_key_value_heads": 3}, r"multiple of model.num_key_value_heads \(3\)"),
-    ({"hidden_size": 0}, "model.hidden_size must be >= 1, got 0"),
-    ({"head_dim": 15}, "head_dim must be even"),
-    ({"dtype": "float8"}, "model.dtype must be one of float32, bfloat16; got 'float8'"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ({"num_key_value_heads": 3}, r"multiple of model.num_key_value_heads \(3\)"),
+        ({"hidden_size": 0}, "model.hidden_size must be >= 1, got 0"),
+        ({"head_dim": 15}, "head_dim must be even"),
+        ({"dtype": "float8"}, "model.dtype must be one of float32, bfloat16; got 'float8'"),
+    ],
+)
 def test_model_config_errors(bad, msg):
     with pytest.raises(ConfigError, match=msg):
         ModelConfig(**{**TINY, **bad})

@@ -56,8 +56,16 @@ def test_clean_run_writes_every_output(baseline):
     root, s = baseline
     run = RunRoot(f"{root}/baseline")
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS
-    assert set(s) >= {"status", "steps", "reward_mean_first", "reward_mean_last", "eval_before", "eval_after",
-                      "checkpoint_uri", "export_uri"}
+    assert set(s) >= {
+        "status",
+        "steps",
+        "reward_mean_first",
+        "reward_mean_last",
+        "eval_before",
+        "eval_after",
+        "checkpoint_uri",
+        "export_uri",
+    }
     assert run.read_json("summary.json") == json.loads(json.dumps(s))
     assert s["checkpoint_uri"] == run.uri("checkpoints", str(NUM_STEPS))
     assert s["eval_before"]["step"] == 0 and s["eval_after"]["step"] == NUM_STEPS
@@ -81,8 +89,8 @@ def test_export_loads_in_transformers_with_the_trained_logits(baseline):
     transformers = pytest.importorskip("transformers")
     from flax import nnx
 
-    from grpo_core.stages.parts import open_run
     from grpo_core.config.run import RunConfig
+    from grpo_core.stages.parts import open_run
     from grpo_core.stages.worker import _policy_params
 
     root, _ = baseline
@@ -139,7 +147,9 @@ def task_runs(state) -> dict[str, int]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
     # Default run names carry a 3-hex suffix (prepare-dataset-c07); named ones do not.
     return {re.sub(r"-[0-9a-f]{3}$", "", r.name): r.run_count for r in runs}
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from grpo_core.config.train import ConfigError
 from grpo_core.config.run import DEFAULT, RunConfig, load_config
+from grpo_core.errors import ConfigError
 
 
 def test_defaults_and_run_placement(tmp_path):
@@ -43,21 +43,24 @@ def test_user_data_drops_the_synthetic_defaults():
     assert cfg.data.max_prompt_tokens != DEFAULT["data"]["max_prompt_tokens"]
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"trian": {}}, "unknown config section(s) ['trian']"),
-    ({"train": {"num_stepz": 3}}, "train: unknown field(s) ['num_stepz']"),
-    ({"train": {"grpo": {"num_generations": 1}}}, "grpo.num_generations must be >= 2, got 1"),
-    ({"pipeline": {"epochs": 0}}, "pipeline.epochs must be >= 1, got 0"),
-    ({"pipeline": {"train_timeout_s": -1}}, "pipeline.train_timeout_s must be > 0, got -1.0"),
-    ({"eval": {"num_samples": 0}}, "eval.num_samples must be >= 1, got 0"),
-    ({"rewards": []}, "rewards must be a non-empty list"),
-    ({"rewards": [{"fn": "x"}]}, "rewards[0]: unknown field(s) ['fn']"),
-    ({"model": {"preset": "huge"}}, "model.preset must be one of"),
-    ({"model": {"hidden_sise": 3}}, "hidden_sise"),
-    ({"run_name": "a/b"}, "run_name must be a single folder name, got 'a/b'"),
-    ({"storage": {"root": ""}}, "storage.root must be a folder or URL, got ''"),
-    ({"storage": {"bucket": "x"}}, "storage must be a mapping with 'root'"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"trian": {}}, "unknown config section(s) ['trian']"),
+        ({"train": {"num_stepz": 3}}, "train: unknown field(s) ['num_stepz']"),
+        ({"train": {"grpo": {"num_generations": 1}}}, "grpo.num_generations must be >= 2, got 1"),
+        ({"pipeline": {"epochs": 0}}, "pipeline.epochs must be >= 1, got 0"),
+        ({"pipeline": {"train_timeout_s": -1}}, "pipeline.train_timeout_s must be > 0, got -1.0"),
+        ({"eval": {"num_samples": 0}}, "eval.num_samples must be >= 1, got 0"),
+        ({"rewards": []}, "rewards must be a non-empty list"),
+        ({"rewards": [{"fn": "x"}]}, "rewards[0]: unknown field(s) ['fn']"),
+        ({"model": {"preset": "huge"}}, "model.preset must be one of"),
+        ({"model": {"hidden_sise": 3}}, "hidden_sise"),
+        ({"run_name": "a/b"}, "run_name must be a single folder name, got 'a/b'"),
+        ({"storage": {"root": ""}}, "storage.root must be a folder or URL, got ''"),
+        ({"storage": {"bucket": "x"}}, "storage must be a mapping with 'root'"),
+    ],
+)
 def test_errors_name_the_field(data, message):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(data)
@@ -79,8 +82,10 @@ def test_relative_local_paths_become_absolute(tmp_path, monkeypatch):
 
 
 def test_own_rewards_are_the_eval_rewards_and_decide_accuracy(tmp_path):
-    (tmp_path / "r.py").write_text("def fmt(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
-                                   "def right(prompts, completions, **_):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "r.py").write_text(
+        "def fmt(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
+        "def right(prompts, completions, **_):\n    return [1.0] * len(completions)\n"
+    )
     specs = [{"function": f"{tmp_path}/r.py:fmt", "weight": 0.0}, {"function": f"{tmp_path}/r.py:right"}]
     cfg = RunConfig.from_dict({"rewards": specs})
     assert [r.function for r in cfg.eval_rewards] == [s["function"] for s in specs]
@@ -91,15 +96,18 @@ def test_own_rewards_are_the_eval_rewards_and_decide_accuracy(tmp_path):
     assert default.eval.accuracy_reward == "exact_match" and len(default.eval.rewards) == 2
 
 
-@pytest.mark.parametrize("overrides", [
-    [],
-    ["model.lora=true"],
-    ["model.lora.rank=4", "model.lora.target_modules=.*(q_proj|v_proj).*"],
-    ["train.mesh.data=2", "train.mesh.rollout.data=-1", "train.mesh.rollout.fsdp=1"],
-    ["train.rollout.engine=http", "train.rollout.server=sglang-jax", "train.rollout.api=sglang"],
-    ["pipeline.launcher.kind=multiprocess", "pipeline.launcher.num_processes=2"],
-    ["data.source=train.jsonl", "data.format=gsm8k", "rewards=[{function: math_answer, weight: 1.0}]"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.lora=true"],
+        ["model.lora.rank=4", "model.lora.target_modules=.*(q_proj|v_proj).*"],
+        ["train.mesh.data=2", "train.mesh.rollout.data=-1", "train.mesh.rollout.fsdp=1"],
+        ["train.rollout.engine=http", "train.rollout.server=sglang-jax", "train.rollout.api=sglang"],
+        ["pipeline.launcher.kind=multiprocess", "pipeline.launcher.num_processes=2"],
+        ["data.source=train.jsonl", "data.format=gsm8k", "rewards=[{function: math_answer, weight: 1.0}]"],
+    ],
+)
 def test_the_cli_config_passes_the_flow_parameter_form(overrides, tmp_path, monkeypatch):
     """`grpo run` sends config.to_dict() as the flow's typed parameter: every field it writes
     must validate there and come back as the same config."""
@@ -114,51 +122,28 @@ def test_the_cli_config_passes_the_flow_parameter_form(overrides, tmp_path, monk
 # Stage hashes name run folders and decide what is finished: a refactor must not change them (a
 # run started before it would no longer resume). Values as computed when they were pinned.
 HASH_CONFIGS = {
- "default": {},
- "gsm8k": {"model": {"preset": "qwen3-0.6b"}, "data": {"source": "/data/gsm8k.jsonl", "format": "gsm8k"}, "rewards": [{"function": "math_answer"}],
-           "train": {"grpo": {"beta": 0.04, "loss_aggregation": "bnpo", "grad_accum_steps": 2}}},
- "lora": {"model": {"preset": "small", "lora": {"rank": 4}}, "train": {"grpo": {"num_generations": 4}, "sampling": {"max_new_tokens": 12}}},
- "sglang": {"train": {"rollout": {"engine": "sglang"}}},
- "http": {"train": {"rollout": {"engine": "http", "server": "sglang-jax", "sync_every": 2}}},
- "accum": {"train": {"grpo": {"grad_accum_steps": 4, "prompts_per_step": 16}}},
+    "default": {},
+    "gsm8k": {
+        "model": {"preset": "qwen3-0.6b"},
+        "data": {"source": "/data/gsm8k.jsonl", "format": "gsm8k"},
+        "rewards": [{"function": "math_answer"}],
+        "train": {"grpo": {"beta": 0.04, "loss_aggregation": "bnpo", "grad_accum_steps": 2}},
+    },
+    "lora": {
+        "model": {"preset": "small", "lora": {"rank": 4}},
+        "train": {"grpo": {"num_generations": 4}, "sampling": {"max_new_tokens": 12}},
+    },
+    "sglang": {"train": {"rollout": {"engine": "sglang"}}},
+    "http": {"train": {"rollout": {"engine": "http", "server": "sglang-jax", "sync_every": 2}}},
+    "accum": {"train": {"grpo": {"grad_accum_steps": 4, "prompts_per_step": 16}}},
 }
 PINNED_HASHES = {
-    "default": [
-        "c56fddb0e548",
-        "97eb0009667b",
-        "bf4e622b8a84",
-        "tiny-c56fddb0"
-    ],
-    "gsm8k": [
-        "dc143d33a5bd",
-        "da192d853895",
-        "8ee7561791a6",
-        "qwen3-0.6b-dc143d33"
-    ],
-    "lora": [
-        "15be92a150af",
-        "97eb0009667b",
-        "c686ee029a2c",
-        "small-15be92a1"
-    ],
-    "sglang": [
-        "438bddbf428e",
-        "97eb0009667b",
-        "bf4e622b8a84",
-        "tiny-438bddbf"
-    ],
-    "http": [
-        "f328d1dc4fa9",
-        "97eb0009667b",
-        "bf4e622b8a84",
-        "tiny-f328d1dc"
-    ],
-    "accum": [
-        "c56fddb0e548",
-        "97eb0009667b",
-        "bf4e622b8a84",
-        "tiny-c56fddb0"
-    ]
+    "default": ["c56fddb0e548", "97eb0009667b", "bf4e622b8a84", "tiny-c56fddb0"],
+    "gsm8k": ["dc143d33a5bd", "da192d853895", "8ee7561791a6", "qwen3-0.6b-dc143d33"],
+    "lora": ["15be92a150af", "97eb0009667b", "c686ee029a2c", "small-15be92a1"],
+    "sglang": ["438bddbf428e", "97eb0009667b", "bf4e622b8a84", "tiny-438bddbf"],
+    "http": ["f328d1dc4fa9", "97eb0009667b", "bf4e622b8a84", "tiny-f328d1dc"],
+    "accum": ["c56fddb0e548", "97eb0009667b", "bf4e622b8a84", "tiny-c56fddb0"],
 }
 
 

@@ -4,13 +4,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.config.train import ConfigError, ModelConfig
-from grpo_core.rl.learner import completion_logprobs
+from grpo_core.config.model import ModelConfig
+from grpo_core.errors import ConfigError
 from grpo_core.nn.model import create_model
+from grpo_core.rl.learner import completion_logprobs
 from grpo_core.rl.sampler import SamplerOptions, bucket_length, generate, pad_prompts, sample_logits, step_key
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=48, qk_norm=True)
+CFG = ModelConfig(
+    vocab_size=40,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=48,
+    qk_norm=True,
+)
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12]]
 
 
@@ -31,10 +40,10 @@ def test_greedy_equals_argmax_of_full_forward(model):
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))  # causal: right padding is harmless
     for i, p in enumerate(PROMPTS):
         seq = np.zeros((1, 16), np.int32)
-        seq[0, :len(p)] = p
+        seq[0, : len(p)] = p
         for j in range(len(p), len(p) + 7):
             seq[0, j] = int(jnp.argmax(forward(params, seq)[0, j - 1]))
-        assert list(np.asarray(out.tokens[i])) == seq[0, len(p):len(p) + 7].tolist()
+        assert list(np.asarray(out.tokens[i])) == seq[0, len(p) : len(p) + 7].tolist()
 
 
 def test_kv_cache_logprobs_match_full_forward(model):
@@ -54,7 +63,7 @@ def test_eos_stops_rows_and_reports_lengths(model):
     row = np.asarray(out.tokens[0])
     first = list(np.asarray(greedy.tokens[0])).index(eos)
     assert int(out.lengths[0]) == first + 1 and not bool(out.truncated[0])
-    assert (row[first + 1:] == 39).all()
+    assert (row[first + 1 :] == 39).all()
     for i in range(3):
         toks = list(np.asarray(greedy.tokens[i]))
         if eos not in toks:
@@ -96,6 +105,7 @@ def test_buckets_pad_left_to_the_smallest_fit():
 
 def test_one_compile_per_bucket(model):
     from grpo_core.rl import sampler
+
     graphdef, params = nnx.split(model)
     key = jax.random.key(0)
     before = sampler.decode._cache_size()

@@ -12,11 +12,13 @@ import sys
 
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
-from grpo_core.config.train import ConfigError, MeshConfig, TrainConfig
-from grpo_core.runtime.mesh import fit
+from grpo_core.config.train import MeshConfig, TrainConfig
+from grpo_core.errors import ConfigError
 from grpo_core.nn.model import KV_CACHE_AXES, partition_axes
+from grpo_core.runtime.mesh import fit
 
 STEPS = 3
 
@@ -25,13 +27,17 @@ def test_mesh_config_validates_and_resolves():
     assert MeshConfig().sizes(1) == (1, 1, 1) and MeshConfig().sizes(8) == (1, 8, 1)
     assert MeshConfig(data=2, fsdp=2, tensor=2).sizes(8) == (2, 2, 2)
     assert MeshConfig(data=-1, tensor=2, fsdp=1).sizes(8) == (4, 1, 2)
-    with pytest.raises(ConfigError, match=r"train.mesh \{data: 2, fsdp: 2, tensor: 2\} needs 8 devices, but this run has 4"):
+    with pytest.raises(
+        ConfigError, match=r"train.mesh \{data: 2, fsdp: 2, tensor: 2\} needs 8 devices, but this run has 4"
+    ):
         MeshConfig(data=2, fsdp=2, tensor=2).sizes(4)
     with pytest.raises(ConfigError, match="6 devices do not divide"):
         MeshConfig(data=4).sizes(6)
     with pytest.raises(ConfigError, match="at most one mesh axis may be -1, got train.mesh.data and train.mesh.fsdp"):
         MeshConfig(data=-1)
-    with pytest.raises(ConfigError, match=r"train.mesh.rollout.tensor must be a positive integer or -1 \(the rest\), got 0"):
+    with pytest.raises(
+        ConfigError, match=r"train.mesh.rollout.tensor must be a positive integer or -1 \(the rest\), got 0"
+    ):
         TrainConfig.from_dict({"mesh": {"rollout": {"tensor": 0}}})
     with pytest.raises(ConfigError, match=r"train.mesh.reference: unknown field\(s\) \['pipeline'\]"):
         TrainConfig.from_dict({"mesh": {"reference": {"pipeline": 2}}})
@@ -51,7 +57,9 @@ def test_layout_rules():
     assert rule("model", "layers", "mlp", "up_proj", "lora_b", shape=(2, 8, 256)) == P(None, None, "tensor")
     assert rule("model", "layers", "input_layernorm", "weight", shape=(2, 128)) == P()
     # An AdamW moment's path ends with its parameter's: it is split the same way.
-    assert rule("1", "0", "mu", "model", "layers", "mlp", "up_proj", "kernel", shape=(2, 128, 256)) == P(None, "fsdp", "tensor")
+    assert rule("1", "0", "mu", "model", "layers", "mlp", "up_proj", "kernel", shape=(2, 128, 256)) == P(
+        None, "fsdp", "tensor"
+    )
     assert rule("0", "count", shape=()) == P()
     assert rule("model", "embed_tokens", "embedding", shape=(51, 128)) == P(None, "fsdp")  # 51 rows stay whole
     assert fit(KV_CACHE_AXES, (2, 8, 10, 2, 32), mesh) == P(None, ("data", "fsdp"), None, "tensor")
@@ -73,7 +81,9 @@ def test_readiness_counts_memory_per_device_and_checks_the_mesh():
     ok = _mesh_check(train, 8)
     assert ok["ok"] and ok["detail"] == "train data=2 x fsdp=2 x tensor=2 over 8 devices"
     bad = _mesh_check(TrainConfig.from_dict({"mesh": {"rollout": {"data": 3, "fsdp": 1}}}), 8)
-    assert not bad["ok"] and bad["detail"].startswith("train.mesh.rollout {data: 3, fsdp: 1, tensor: 1} needs 3 devices")
+    assert not bad["ok"] and bad["detail"].startswith(
+        "train.mesh.rollout {data: 3, fsdp: 1, tensor: 1} needs 3 devices"
+    )
 
 
 def child(mesh: dict | None, out: str, lora: bool = False) -> None:
@@ -85,9 +95,9 @@ def child(mesh: dict | None, out: str, lora: bool = False) -> None:
     import jax
     from flax import nnx
 
-    from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
     from grpo_core.rl.sampler import prefill, step_key
     from grpo_core.rl.trainer import GRPOTrainer
+    from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
 
     cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
     cfg["train"].update(num_steps=STEPS, mesh=mesh or {})
@@ -105,18 +115,31 @@ def child(mesh: dict | None, out: str, lora: bool = False) -> None:
     mu = tr.state["opt_state"][1][0].mu["model"]["layers"]["mlp"]  # clip_by_global_norm, then adamw's ScaleByAdamState
     up = tr.params["model"]["layers"]["mlp"]["up_proj"]
     ptok = np.full((4, 8), 3, np.int32)
-    cache, *_ = prefill(tr.graphdef, pl.rollout_params(tr.params), *pl.put_batch((ptok, ptok > 0), pl.rollout),
-                        step_key(0, 0), opts=tr.opts, num_samples=4, mesh=pl.rollout)
-    layout = {"devices": jax.device_count(), "mesh": dict(pl.train.shape), "rollout_mesh": dict(pl.rollout.shape),
-              "q_proj": spec(tr.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]),
-              "embedding": spec(tr.params["model"]["embed_tokens"]["embedding"][...]),
-              "norm": spec(tr.params["model"]["norm"]["weight"][...]),
-              "mu_down_proj": spec(mu["down_proj"]["lora_b" if lora else "kernel"][...]),
-              **({"lora_a_up": spec(up["lora_a"][...]), "lora_b_up": spec(up["lora_b"][...])} if lora else {}),
-              "ref_q_proj": spec(tr.ref_params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]),
-              "kv_cache": spec(cache[0]), "kv_cache_rows": int(cache[0].shape[1]),
-              "q_proj_shard": list(tr.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]
-                                   .addressable_shards[0].data.shape)}
+    cache, *_ = prefill(
+        tr.graphdef,
+        pl.rollout_params(tr.params),
+        *pl.put_batch((ptok, ptok > 0), pl.rollout),
+        step_key(0, 0),
+        opts=tr.opts,
+        num_samples=4,
+        mesh=pl.rollout,
+    )
+    layout = {
+        "devices": jax.device_count(),
+        "mesh": dict(pl.train.shape),
+        "rollout_mesh": dict(pl.rollout.shape),
+        "q_proj": spec(tr.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]),
+        "embedding": spec(tr.params["model"]["embed_tokens"]["embedding"][...]),
+        "norm": spec(tr.params["model"]["norm"]["weight"][...]),
+        "mu_down_proj": spec(mu["down_proj"]["lora_b" if lora else "kernel"][...]),
+        **({"lora_a_up": spec(up["lora_a"][...]), "lora_b_up": spec(up["lora_b"][...])} if lora else {}),
+        "ref_q_proj": spec(tr.ref_params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]),
+        "kv_cache": spec(cache[0]),
+        "kv_cache_rows": int(cache[0].shape[1]),
+        "q_proj_shard": list(
+            tr.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...].addressable_shards[0].data.shape
+        ),
+    }
     if mesh and not lora:  # resume on another layout of the same devices: Orbax reads onto the new shardings
         from grpo_core.rl.checkpoint import Checkpointer
 
@@ -139,8 +162,14 @@ def _run_child(tmp_path, name: str, devices: int, mesh: dict | None, lora: bool 
     out = str(tmp_path / name)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     code = f"import tests.test_sharding as t; t.child({mesh!r}, {out!r}, {lora!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out + ".json") as f:
         res = json.load(f)
@@ -215,8 +244,10 @@ def load_child(folder: str, out: str) -> None:
             "as_placed": a.sharding == pl.param_sharding(path, a.shape),
             "equal": bool(np.array_equal(np.asarray(a), np.asarray(plain[path][...]))),
             "spec": [list(x) if isinstance(x, tuple) else x for x in a.sharding.spec],
-            "shape": list(a.shape), "shard": list(a.addressable_shards[0].data.shape),
-            "devices": len(a.sharding.device_set)}
+            "shape": list(a.shape),
+            "shard": list(a.addressable_shards[0].data.shape),
+            "devices": len(a.sharding.device_set),
+        }
     with open(out, "w") as f:
         json.dump({"devices": jax.device_count(), "params": rows}, f)
 
@@ -224,16 +255,22 @@ def load_child(folder: str, out: str) -> None:
 def test_checkpoint_loads_straight_onto_the_mesh(tmp_path):
     """model.path weights go to their shards as they are read (no whole copy on one device),
     and equal what an unsharded load gives."""
+    from grpo_core.config.presets import get_preset
     from grpo_core.nn.hf import save_hf_model
     from grpo_core.nn.model import create_model
-    from grpo_core.config.presets import get_preset
 
     folder, out = str(tmp_path / "model"), str(tmp_path / "load.json")
     save_hf_model(create_model(get_preset("tiny", vocab_size=64), 0), folder)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     code = f"import tests.test_sharding as t; t.load_child({folder!r}, {out!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out) as f:
         res = json.load(f)
@@ -241,5 +278,9 @@ def test_checkpoint_loads_straight_onto_the_mesh(tmp_path):
     params = res["params"]
     assert all(p["as_placed"] and p["equal"] and p["devices"] == 8 for p in params.values()), params
     q = params["model.layers.self_attn.q_proj.kernel"]
-    assert q["spec"] == [None, "fsdp", "tensor"] and q["shard"] == [q["shape"][0], q["shape"][1] // 2, q["shape"][2] // 2]
+    assert q["spec"] == [None, "fsdp", "tensor"] and q["shard"] == [
+        q["shape"][0],
+        q["shape"][1] // 2,
+        q["shape"][2] // 2,
+    ]
     assert params["model.embed_tokens.embedding"]["spec"] == ["tensor", "fsdp"]

@@ -15,11 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from grpo_core.config.train import ConfigError  # noqa: E402
-from grpo_core.nn.hf import load_hf_model  # noqa: E402
 from grpo_core.config.run import RunConfig  # noqa: E402
-from grpo_core.store.sources import HFTokenizer, read_config, resolve  # noqa: E402
+from grpo_core.errors import ConfigError  # noqa: E402
+from grpo_core.nn.hf import load_hf_model  # noqa: E402
 from grpo_core.store.root import RunRoot  # noqa: E402
+from grpo_core.store.sources import HFTokenizer, read_config, resolve  # noqa: E402
 from tests.hf_models import build_hf_model  # noqa: E402
 
 
@@ -79,8 +79,9 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
-                            ).save_pretrained(str(tmp_path))
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    ).save_pretrained(str(tmp_path))
     with pytest.raises(ConfigError, match="no EOS token"):
         HFTokenizer(str(tmp_path))
 
@@ -94,7 +95,8 @@ def test_gcs_folder_is_fetched_once_and_loads_the_same(qwen, gcs_emulator, tmp_p
         root.put_file(str(folder / name), name)
     small = resolve(url, weights=False)  # what the Prefect process fetches: no weights
     assert os.path.exists(os.path.join(small, "tokenizer.json")) and not os.path.exists(
-        os.path.join(small, "model.safetensors"))
+        os.path.join(small, "model.safetensors")
+    )
     local = resolve(url)
     assert local == small and os.path.exists(os.path.join(local, "model.safetensors"))
     ids = np.random.default_rng(0).integers(0, 60, (2, 9))
@@ -129,14 +131,22 @@ def test_hub_id_resolves_through_snapshot_download_offline(qwen, tmp_path):
     folder, _, _ = qwen
     snap = _hub_cache(tmp_path / "hub", "acme/tiny-qwen3", folder)
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
-    code = ("import json, sys; from grpo_core.store.sources import resolve, read_config, load_tokenizer\n"
-            "from grpo_core.config.train import ConfigError\nfrom grpo_core.store.root import StorageError\n"
-            "out = {'folder': resolve('acme/tiny-qwen3'), 'layers': read_config('acme/tiny-qwen3')['num_hidden_layers'],"
-            " 'stops': load_tokenizer('acme/tiny-qwen3').stop_ids}\n"
-            "try:\n    resolve('acme/absent')\nexcept StorageError as e:\n    out['absent'] = str(e)\n"
-            "print(json.dumps(out))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    code = (
+        "import json, sys; from grpo_core.store.sources import resolve, read_config, load_tokenizer\n"
+        "from grpo_core.errors import ConfigError\nfrom grpo_core.store.root import StorageError\n"
+        "out = {'folder': resolve('acme/tiny-qwen3'), 'layers': read_config('acme/tiny-qwen3')['num_hidden_layers'],"
+        " 'stops': load_tokenizer('acme/tiny-qwen3').stop_ids}\n"
+        "try:\n    resolve('acme/absent')\nexcept StorageError as e:\n    out['absent'] = str(e)\n"
+        "print(json.dumps(out))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert os.path.realpath(out["folder"]) == os.path.realpath(snap)

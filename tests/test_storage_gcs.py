@@ -48,9 +48,10 @@ def test_marker_last_metrics_and_probe(gs_root):
 
 
 def _tree(step):
-    return {"params": {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) * step,
-                       "b": np.full(3, step, np.float32)},
-            "opt": {"count": jnp.asarray(step, jnp.int32), "mu": jnp.ones((4,), jnp.bfloat16) * step}}
+    return {
+        "params": {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) * step, "b": np.full(3, step, np.float32)},
+        "opt": {"count": jnp.asarray(step, jnp.int32), "mu": jnp.ones((4,), jnp.bfloat16) * step},
+    }
 
 
 def _assert_tree_equal(got, want):
@@ -112,8 +113,13 @@ print(json.dumps({{"step": step, "meta": meta, "done": RunRoot({gs_root.url!r}).
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"step": 5, "meta": {"seed": 1, "step": 5}, "done": {"step": 5},
-                   "w": np.asarray(_tree(5)["params"]["w"]).tolist(), "mu": "bfloat16"}
+    assert got == {
+        "step": 5,
+        "meta": {"seed": 1, "step": 5},
+        "done": {"step": 5},
+        "w": np.asarray(_tree(5)["params"]["w"]).tolist(),
+        "mu": "bfloat16",
+    }
 
 
 def test_binary_objects_keep_every_byte(gs_root):

@@ -85,7 +85,7 @@ def _memory_cgroup(tmp_path, limit_bytes: int):
     except OSError:
         return None
     wrapper = tmp_path / "python-in-cgroup"
-    wrapper.write_text(f"#!/bin/sh\necho $$ > {group}/cgroup.procs\nexec {sys.executable} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\necho $$ > {group}/cgroup.procs\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     return group, str(wrapper)
 
@@ -101,8 +101,13 @@ def test_a_worker_the_kernel_kills_for_memory_is_reported_as_such_and_not_retrie
     seen = []
     try:
         with pytest.raises(StageError, match="ran out of memory: the kernel killed it") as err:
-            run_worker(["grpo_core.stages.worker", "train", "--root", run, "--until-step", "2"], timeout_s=300,
-                       on_event=seen.append, what="training epoch 0", python=python)
+            run_worker(
+                ["grpo_core.stages.worker", "train", "--root", run, "--until-step", "2"],
+                timeout_s=300,
+                on_event=seen.append,
+                what="training epoch 0",
+                python=python,
+            )
     finally:
         os.rmdir(group)  # empty again: its only process was killed
     assert not err.value.retryable  # the same settings would be killed again

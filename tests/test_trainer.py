@@ -7,10 +7,10 @@ import optax
 import pytest
 
 from grpo_core.config.train import GRPOConfig, LossAggregation, OptimizerConfig
-from grpo_core.rl.learner import Learner, LossParams
-from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
 from grpo_core.rewards.functions import Reward
+from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.trainer import GRPOTrainer, NonFiniteError
+from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
 
 
 def make(steps=3, rewards=None, **train):
@@ -22,10 +22,29 @@ def make(steps=3, rewards=None, **train):
     return GRPOTrainer(run.model, run.train, run.tokenizer, rewards or run.rewards, run.task), run
 
 
-TRL_KEYS = ["reward", "reward_std", "rewards/char_match/mean", "rewards/char_match/std", "frac_reward_zero_std",
-            "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-            "kl", "entropy", "clip_ratio_low", "clip_ratio_high", "grad_norm", "learning_rate", "rollout_tokens_per_s",
-            "time/rollout", "time/rewards", "time/reference", "time/update", "time/step"]
+TRL_KEYS = [
+    "reward",
+    "reward_std",
+    "rewards/char_match/mean",
+    "rewards/char_match/std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "kl",
+    "entropy",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "grad_norm",
+    "learning_rate",
+    "rollout_tokens_per_s",
+    "time/rollout",
+    "time/rewards",
+    "time/reference",
+    "time/update",
+    "time/step",
+]
 
 
 def test_metrics_and_no_reference_when_beta_is_zero():
@@ -69,12 +88,14 @@ def test_nan_is_reported_with_step_and_metric():
 def test_dynamic_sampling_drops_zero_variance_groups():
     # Prompts that start with 'a' always score 1: their groups have zero variance.
     def flat_for_a(prompts, completions, answer, **_):
-        return [1.0 if p.startswith("a") else float(c == a) + 0.1 * len(c) for p, c, a in zip(prompts, completions, answer)]
+        return [
+            1.0 if p.startswith("a") else float(c == a) + 0.1 * len(c) for p, c, a in zip(prompts, completions, answer)
+        ]
 
     tr, _ = make(steps=1, rewards=[Reward(flat_for_a)], grpo={"dynamic_sampling": True, "max_sampling_rounds": 4})
     ro, info = tr.rollout(0)
     g = tr.cfg.grpo.num_generations
-    zero = [np.ptp(ro.rewards[i * g:(i + 1) * g]) == 0 for i in range(len(ro.rows))]
+    zero = [np.ptp(ro.rewards[i * g : (i + 1) * g]) == 0 for i in range(len(ro.rows))]
     starts_a = [r["prompt"].startswith("a") for r in ro.rows]
     assert info["sampling_rounds"] >= 2 or not any(starts_a)
     # zero-variance groups only fill up what the rounds could not
@@ -92,8 +113,9 @@ def _learner_batch(tr):
     return tr._batch(ro)
 
 
-@pytest.mark.parametrize("agg", [LossAggregation.TOKEN_MEAN, LossAggregation.SEQ_MEAN_TOKEN_MEAN,
-                                 LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM])
+@pytest.mark.parametrize(
+    "agg", [LossAggregation.TOKEN_MEAN, LossAggregation.SEQ_MEAN_TOKEN_MEAN, LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM]
+)
 def test_gradient_accumulation_matches_one_big_batch(agg):
     tr, _ = make(steps=1)
     batch = _learner_batch(tr)
@@ -126,8 +148,16 @@ def test_second_iteration_is_off_policy():
 
 
 def test_iterations_and_minibatches_run_every_update():
-    tr, _ = make(steps=2, grpo={"num_iterations": 2, "minibatches_per_rollout": 2, "grad_accum_steps": 2,
-                                "mask_truncated_completions": True, "ratio_level": "sequence"})
+    tr, _ = make(
+        steps=2,
+        grpo={
+            "num_iterations": 2,
+            "minibatches_per_rollout": 2,
+            "grad_accum_steps": 2,
+            "mask_truncated_completions": True,
+            "ratio_level": "sequence",
+        },
+    )
     hist = tr.train()
     assert int(tr.state["step"]) == 2 * 2 * 2  # steps x iterations x minibatches optimizer updates
     assert np.isfinite(hist[-1]["loss"])

@@ -10,22 +10,29 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import prepare_dataset
 from grpo_core.data.tokenizer import make_tokenizer
-from grpo_core.store.runs import init_run_root
-from grpo_core.config.run import RunConfig
+from grpo_core.rl.checkpoint import Checkpointer
 from grpo_core.store.root import RunRoot
+from grpo_core.store.runs import init_run_root
 
 pytestmark = pytest.mark.slow
 
 
 def make_run(root: str, name: str, **extra) -> str:
     """A run folder as the pipeline leaves it before training: config.json and prepared data."""
-    cfg = RunConfig.from_dict({
-        "run_name": name, "storage": {"root": root}, "data": {"eval_rows": 8, "synthetic_rows": 64},
-        "train": {"num_steps": 6, "grpo": {"prompts_per_step": 4}, "optimizer": {"learning_rate": 1e-2}},
-        "eval": {"num_samples": 2}, "pipeline": {"checkpoint_every": 2}, **extra})
+    cfg = RunConfig.from_dict(
+        {
+            "run_name": name,
+            "storage": {"root": root},
+            "data": {"eval_rows": 8, "synthetic_rows": 64},
+            "train": {"num_steps": 6, "grpo": {"prompts_per_step": 4}, "optimizer": {"learning_rate": 1e-2}},
+            "eval": {"num_samples": 2},
+            "pipeline": {"checkpoint_every": 2},
+            **extra,
+        }
+    )
     run = init_run_root(cfg)
     prepare_dataset(cfg.data, make_tokenizer(cfg), run, cfg.tokenizer_id)
     return cfg.run_url
@@ -33,8 +40,12 @@ def make_run(root: str, name: str, **extra) -> str:
 
 def worker(root, until=None, steps=None):
     args = ["train", "--until-step", str(until)] if steps is None else ["eval", "--steps", steps]
-    return subprocess.Popen([sys.executable, "-m", "grpo_core.stages.worker", *args, "--root", root],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpo_core.stages.worker", *args, "--root", root],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def events(proc):
@@ -79,9 +90,14 @@ def test_kill_resume_equals_uninterrupted(tmp_path):
     a, b = RunRoot(straight).read_metrics(), RunRoot(killed).read_metrics()
     assert [r["step"] for r in b] == list(range(6))  # none missing, none doubled
     for x, y in zip(a, b):
-        assert y["reward"] == pytest.approx(x["reward"], abs=1e-6) and y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-7)
-    jax.tree.map(lambda p, q: np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6),
-                 final_params(straight), final_params(killed))
+        assert y["reward"] == pytest.approx(x["reward"], abs=1e-6) and y["loss"] == pytest.approx(
+            x["loss"], rel=1e-4, abs=1e-7
+        )
+    jax.tree.map(
+        lambda p, q: np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6),
+        final_params(straight),
+        final_params(killed),
+    )
 
 
 def test_epoch_boundary_and_finished_runs(tmp_path):
@@ -105,8 +121,11 @@ def test_error_exit_codes(tmp_path):
     proc = worker(root, 99)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert json.loads(out.splitlines()[-1]) == {"event": "error", "kind": "config",
-                                                 "message": "--until-step 99 is past train.num_steps (6)"}
+    assert json.loads(out.splitlines()[-1]) == {
+        "event": "error",
+        "kind": "config",
+        "message": "--until-step 99 is past train.num_steps (6)",
+    }
     proc = worker(root, steps="4")  # no such checkpoint
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "no checkpoint for step 4" in json.loads(out.splitlines()[-1])["message"]
@@ -117,11 +136,15 @@ def test_error_exit_codes(tmp_path):
 
 def test_reward_error_exit_code(tmp_path):
     bad = tmp_path / "bad_reward.py"
-    bad.write_text("def boom(prompts, completions, answer, **kw):\n"
-                   "    return [0.0 if c == '#' else 1 / 0 for c, a in zip(completions, answer)]\n")
+    bad.write_text(
+        "def boom(prompts, completions, answer, **kw):\n"
+        "    return [0.0 if c == '#' else 1 / 0 for c, a in zip(completions, answer)]\n"
+    )
     root = make_run(str(tmp_path), "r", rewards=[{"function": f"{bad}:boom"}])
     proc = worker(root, 2)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3
     err = json.loads(out.splitlines()[-1])
-    assert err["kind"] == "reward" and "'boom' raised ZeroDivisionError" in err["message"] and "on row" in err["message"]
+    assert (
+        err["kind"] == "reward" and "'boom' raised ZeroDivisionError" in err["message"] and "on row" in err["message"]
+    )

@@ -137,8 +137,11 @@ def within(value: Any, bounds: dict[str, Any]) -> bool:
         return False
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return True
-    return all({"ge": value >= b, "gt": value > b, "le": value <= b, "lt": value < b}[k]
-               for k, b in bounds.items() if k in _RULES)
+    return all(
+        {"ge": value >= b, "gt": value > b, "le": value <= b, "lt": value < b}[k]
+        for k, b in bounds.items()
+        if k in _RULES
+    )
 
 
 class Section:
@@ -192,7 +195,9 @@ class Section:
         try:  # a section used at another place (train.mesh.rollout is a train.mesh shape): name that place
             return cls(**data)
         except ConfigError as exc:
-            raise ConfigError(str(exc).replace(cls.section_path, path) if cls.section_path else f"{path}: {exc}") from None
+            raise ConfigError(
+                str(exc).replace(cls.section_path, path) if cls.section_path else f"{path}: {exc}"
+            ) from None
 
     @classmethod
     def describe(cls) -> list[tuple[str, Any, dataclasses.Field]]:
@@ -203,9 +208,11 @@ class Section:
 
 def section(cls=None, *, path: str = ""):
     """Declare a Section: a frozen keyword-only dataclass at `path` in the run config."""
+
     def wrap(c):
         c.section_path = path
         return dataclasses.dataclass(frozen=True, kw_only=True)(c)
+
     return wrap if cls is None else wrap(cls)
 
 

@@ -28,7 +28,8 @@ import math
 import os
 from typing import Any
 
-from grpo_core.config.train import DType, ModelConfig, RematPolicy, TrainConfig
+from grpo_core.config.model import DType, ModelConfig
+from grpo_core.config.train import RematPolicy, TrainConfig
 
 GiB = 2**30
 _BYTES = {DType.FLOAT32: 4, DType.BFLOAT16: 2}
@@ -39,8 +40,10 @@ _BYTES = {DType.FLOAT32: 4, DType.BFLOAT16: 2}
 # measured fastest: update seconds none / dots / full on 2 cores, same run (bench.real_shapes):
 # tiny 0.07 / 0.06 / 0.07, small 2.19 / 2.07 / 2.56, shape (a) 24.4 / 22.9 / 23.4. Each extra
 # micro-batch reads every weight once more.
-_REMAT_COST = {"cpu": {RematPolicy.DOTS: 0.97, RematPolicy.NONE: 1.0, RematPolicy.FULL: 1.1},
-               "accelerator": {RematPolicy.NONE: 1.0, RematPolicy.DOTS: 1.1, RematPolicy.FULL: 1.33}}
+_REMAT_COST = {
+    "cpu": {RematPolicy.DOTS: 0.97, RematPolicy.NONE: 1.0, RematPolicy.FULL: 1.1},
+    "accelerator": {RematPolicy.NONE: 1.0, RematPolicy.DOTS: 1.1, RematPolicy.FULL: 1.33},
+}
 _ACCUM_COST = 0.05
 # A plan fits when its estimate is at most this share of the memory: the estimate is held to
 # within 25% of measured peaks, and a host also runs the Prefect process and the OS.
@@ -110,9 +113,18 @@ class Shapes:
         return cls(g.prompts_per_step, g.batch_size, tp, s.max_new_tokens, g.minibatches_per_rollout)
 
 
-def estimate(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, *, remat: RematPolicy,
-             grad_accum_steps: int, trainable: int | None = None, layout: Layout = Layout(),
-             backend: str = "cpu", runtime_bytes: int = 0) -> Estimate:
+def estimate(
+    model: ModelConfig,
+    train: TrainConfig,
+    max_prompt_tokens: int,
+    *,
+    remat: RematPolicy,
+    grad_accum_steps: int,
+    trainable: int | None = None,
+    layout: Layout = Layout(),
+    backend: str = "cpu",
+    runtime_bytes: int = 0,
+) -> Estimate:
     """The bytes each device needs with these choices. `trainable`: the number of trained
     parameters under LoRA (f32 adapters; the base is frozen and is the reference); None: full
     fine-tuning. `runtime_bytes`: the process before any array exists (CPU: its RSS)."""
@@ -129,7 +141,6 @@ def estimate(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, *, 
     rows = lambda x: int(math.ceil(x / r))
     micro_p = max(1, sh.prompts // (sh.minibatches * grad_accum_steps))
     micro_b = micro_p * g.num_generations
-    tokens = micro_p * sh.prompt_len + micro_b * sh.new_tokens
     head_tokens = micro_b * sh.new_tokens
     chunk_words = -(-m.vocab_size // num_chunks(m.vocab_size, head_tokens, train.logits_chunk_mib))
     # XLA:CPU runs bfloat16 matmuls in f32: bf16 weights get f32 copies; f32 master weights get the
@@ -144,20 +155,27 @@ def estimate(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, *, 
         "gradients": per(trained * tb),
         "grad_accumulator": per(trained * tb) if grad_accum_steps > 1 else 0,  # the sum beside each micro-batch's
         "optimizer_update": per(trained * tb),
-        "activations": rows(_activations(m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens,
-                                         4 if backend == "cpu" else cb)),
+        "activations": rows(
+            _activations(m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens, 4 if backend == "cpu" else cb)
+        ),
         # a vocabulary chunk's logits and their gradient, and the tokens' hidden state and gradient
         "logprob_chunks": rows(CHUNK_BUFFERS * head_tokens * chunk_words * 4 + 2 * head_tokens * m.hidden_size * 4),
         "cpu_upcast": per(upcast),
-        "kv_cache": rows(2 * m.num_hidden_layers * sh.rows * (sh.prompt_len + sh.new_tokens)
-                         * m.num_key_value_heads * m.head_dim * cb),
+        "kv_cache": rows(
+            2
+            * m.num_hidden_layers
+            * sh.rows
+            * (sh.prompt_len + sh.new_tokens)
+            * m.num_key_value_heads
+            * m.head_dim
+            * cb
+        ),
         "sampler_logits": rows(4 * sh.rows * m.vocab_size * 4),  # logits, log-softmax, exp, cumsum of one decode step
     }
     t = terms
     phases = {
         "rollout": t["kv_cache"] + t["sampler_logits"] + t["cpu_upcast"],
-        "backward": t["gradients"] + t["grad_accumulator"] + t["activations"] + t["logprob_chunks"]
-                    + t["cpu_upcast"],
+        "backward": t["gradients"] + t["grad_accumulator"] + t["activations"] + t["logprob_chunks"] + t["cpu_upcast"],
         "optimizer": t["gradients"] + t["optimizer_update"],
     }
     resident = t["params"] + t["optimizer"] + t["reference"] + t["runtime"] + t["programs"]
@@ -169,8 +187,13 @@ def _activations(m: ModelConfig, remat: RematPolicy, p: int, b: int, tp: int, n:
     plus the working set of the one layer whose backward runs. Prompt tokens run once per group (model.GroupedInputs):
     p*tp + b*n tokens; attention scores are b*n*(tp+n) + p*tp*tp per head. `act_bytes`: bytes of
     an activation element (XLA:CPU keeps bfloat16 work in f32)."""
-    e, q, kv, i, L = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, \
-        m.intermediate_size, m.num_hidden_layers
+    e, q, kv, i, L = (  # noqa: N806  (L: layers, as in the formula)
+        m.hidden_size,
+        m.num_attention_heads * m.head_dim,
+        m.num_key_value_heads * m.head_dim,
+        m.intermediate_size,
+        m.num_hidden_layers,
+    )
     tokens = p * tp + b * n
     scores = m.num_attention_heads * (b * n * (tp + n) + p * tp * tp)
     k = _PER_TOKEN
@@ -206,40 +229,56 @@ class Plan:
     def report(self) -> dict[str, Any]:
         """The readiness report's `memory` section."""
         e = self.estimate
-        return {"terms_bytes": dict(e.terms), "phases_bytes": dict(e.phases), "peak_phase": e.peak_phase,
-                "total_bytes": e.total, "total_gib": round(e.total / GiB, 3), "available_bytes": self.available,
-                "fits": self.fits, "largest": e.largest, "remat": e.remat.value,
-                "grad_accum_steps": e.grad_accum_steps, "logits_chunk_mib": e.chunk_mib,
-                "chosen": list(self.auto)}
+        return {
+            "terms_bytes": dict(e.terms),
+            "phases_bytes": dict(e.phases),
+            "peak_phase": e.peak_phase,
+            "total_bytes": e.total,
+            "total_gib": round(e.total / GiB, 3),
+            "available_bytes": self.available,
+            "fits": self.fits,
+            "largest": e.largest,
+            "remat": e.remat.value,
+            "grad_accum_steps": e.grad_accum_steps,
+            "logits_chunk_mib": e.chunk_mib,
+            "chosen": list(self.auto),
+        }
 
     def describe(self) -> str:
         e = self.estimate
         have = "unknown" if self.available is None else f"{self.available / GiB:.2f} GiB (plans use {HEADROOM:.0%})"
         chosen = f" (auto: {', '.join(self.auto)})" if self.auto else ""
-        return (f"needs ~{e.total / GiB:.2f} GiB of {have} at its peak ({e.peak_phase}) with train.remat={e.remat.value}, "
-                f"train.grpo.grad_accum_steps={e.grad_accum_steps}{chosen}")
+        return (
+            f"needs ~{e.total / GiB:.2f} GiB of {have} at its peak ({e.peak_phase}) with train.remat={e.remat.value}, "
+            f"train.grpo.grad_accum_steps={e.grad_accum_steps}{chosen}"
+        )
 
     def lever(self, train: TrainConfig) -> str:
         """What to change when it does not fit, naming the term that dominates."""
         e, g, s = self.estimate, train.grpo, train.sampling
         need, have = e.total / GiB, (self.available or 0) / GiB
-        phase_terms = {"rollout": ("kv_cache", "sampler_logits"), "backward": ("activations", "logprob_chunks"),
-                       "optimizer": ("gradients",)}[e.peak_phase]
+        phase_terms = {
+            "rollout": ("kv_cache", "sampler_logits"),
+            "backward": ("activations", "logprob_chunks"),
+            "optimizer": ("gradients",),
+        }[e.peak_phase]
         resident = ("params", "optimizer", "reference")
         big = max(phase_terms + resident, key=e.terms.get)
         head = f"needs {need:.2f} GiB, devices have {have:.2f} GiB; largest term {big}: "
-        weights = ("use a smaller model, bfloat16 parameters (model.param_dtype=bfloat16), LoRA (model.lora: "
-                   "gradients and optimizer state for the adapters only), or shard over more devices "
-                   "(train.mesh: fsdp and tensor split the weights)")
+        weights = (
+            "use a smaller model, bfloat16 parameters (model.param_dtype=bfloat16), LoRA (model.lora: "
+            "gradients and optimizer state for the adapters only), or shard over more devices "
+            "(train.mesh: fsdp and tensor split the weights)"
+        )
         return head + {
             "kv_cache": f"lower train.grpo.prompts_per_step (now {g.prompts_per_step}), train.sampling.max_new_tokens "
-                        f"(now {s.max_new_tokens}) or data.max_prompt_tokens",
+            f"(now {s.max_new_tokens}) or data.max_prompt_tokens",
             "sampler_logits": f"lower train.grpo.prompts_per_step (now {g.prompts_per_step})",
             "activations": "set train.remat=full and train.grpo.grad_accum_steps=auto (fewer rows per micro-batch), "
-                           f"or lower train.sampling.max_new_tokens (now {s.max_new_tokens})",
+            f"or lower train.sampling.max_new_tokens (now {s.max_new_tokens})",
             "logprob_chunks": f"lower train.logits_chunk_mib (now {train.logits_chunk_mib})",
             "reference": "set train.grpo.beta=0 (no reference copy), use LoRA (model.lora: the base is the "
-                         "reference), or use a smaller model",
+            "reference), or use a smaller model",
             "optimizer": "set train.optimizer.mu_dtype=bfloat16, or " + weights,
         }.get(big, weights)
 
@@ -254,15 +293,22 @@ def candidates(train: TrainConfig, backend: str = "cpu") -> list[tuple[RematPoli
     return sorted(out, key=lambda c: (cost[c[0]] * (1 + _ACCUM_COST * (c[1] - 1)), c[1]))
 
 
-def plan(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, available: int | None,
-         **kw: Any) -> Plan:
+def plan(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, available: int | None, **kw: Any) -> Plan:
     """The cheapest (remat, accumulation) that fits `available` bytes per device; when nothing
     does, the one that needs least (its Plan says it does not fit). With memory unknown, the
     cheapest. `kw`: estimate's trainable, layout, backend, runtime_bytes."""
-    auto = tuple(f for f, is_auto in (("train.remat", train.remat is RematPolicy.AUTO),
-                                      ("train.grpo.grad_accum_steps", train.grpo.grad_accum_steps == "auto")) if is_auto)
-    ests = [estimate(model, train, max_prompt_tokens, remat=r, grad_accum_steps=a, **kw)
-            for r, a in candidates(train, kw.get("backend", "cpu"))]
+    auto = tuple(
+        f
+        for f, is_auto in (
+            ("train.remat", train.remat is RematPolicy.AUTO),
+            ("train.grpo.grad_accum_steps", train.grpo.grad_accum_steps == "auto"),
+        )
+        if is_auto
+    )
+    ests = [
+        estimate(model, train, max_prompt_tokens, remat=r, grad_accum_steps=a, **kw)
+        for r, a in candidates(train, kw.get("backend", "cpu"))
+    ]
     if available is not None:
         fitting = [e for e in ests if e.total <= HEADROOM * available]
         return Plan(fitting[0] if fitting else min(ests, key=lambda e: e.total), available, auto)
@@ -274,12 +320,11 @@ def resolve(train: TrainConfig, p: Plan) -> TrainConfig:
     return train.replace(remat=p.estimate.remat, grpo=train.grpo.replace(grad_accum_steps=p.estimate.grad_accum_steps))
 
 
-def plan_on(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, facts: dict[str, Any],
-            lora=None) -> Plan:
+def plan_on(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, facts: dict[str, Any], lora=None) -> Plan:
     """`plan` for the devices `device_facts` (or the readiness report) describes: on CPU the run
     counts once against the host (its devices share the memory), elsewhere per device as
     train.mesh splits it. `lora`: a grpo_core.nn.lora.LoraConfig (only the adapters train)."""
-    from grpo_core.config.train import ConfigError
+    from grpo_core.errors import ConfigError
 
     trainable = None
     if lora is not None:
@@ -292,8 +337,16 @@ def plan_on(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, fact
             layout = Layout(*train.mesh.sizes(facts["devices"]))
         except ConfigError:  # the mesh check reports it; count everything on one device
             pass
-    return plan(model, train, max_prompt_tokens, facts["available"], trainable=trainable, layout=layout,
-                backend=facts["backend"], runtime_bytes=facts.get("runtime", 0))
+    return plan(
+        model,
+        train,
+        max_prompt_tokens,
+        facts["available"],
+        trainable=trainable,
+        layout=layout,
+        backend=facts["backend"],
+        runtime_bytes=facts.get("runtime", 0),
+    )
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -388,5 +441,9 @@ def device_facts(jax_module=None) -> dict[str, Any]:
         return {"backend": backend, "available": host_memory_bytes(), "runtime": rss_bytes(), "devices": len(devices)}
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
-    return {"backend": backend, "available": None if limit is None else int(limit), "runtime": 0,
-            "devices": len(devices)}
+    return {
+        "backend": backend,
+        "available": None if limit is None else int(limit),
+        "runtime": 0,
+        "devices": len(devices),
+    }

@@ -32,13 +32,13 @@ class ModelConfig(Section):
     rms_norm_eps: float = field(1e-6, doc="RMSNorm epsilon", gt=0)
     rope_theta: float = field(1_000_000.0, doc="RoPE base frequency", gt=0)
     tie_word_embeddings: bool = field(True)
-    attention_bias: bool = field(False, doc='Qwen2: bias on q/k/v projections')
-    qk_norm: bool = field(False, doc='Qwen3: RMSNorm over each head of q and k')
+    attention_bias: bool = field(False, doc="Qwen2: bias on q/k/v projections")
+    qk_norm: bool = field(False, doc="Qwen3: RMSNorm over each head of q and k")
     max_position_embeddings: int = field(32768)
     # Llama 3 "rope_scaling" = {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: tuple[tuple[str, Any], ...] | None = field(None)
-    dtype: DType = field(DType.FLOAT32, doc='compute dtype')
+    dtype: DType = field(DType.FLOAT32, doc="compute dtype")
     param_dtype: DType = field(DType.FLOAT32)
 
     def __post_init__(self) -> None:
@@ -47,9 +47,11 @@ class ModelConfig(Section):
         super().__post_init__()
 
     def validate(self) -> None:
-        check(self.num_attention_heads % self.num_key_value_heads == 0,
-               f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-               f"model.num_key_value_heads ({self.num_key_value_heads})")
+        check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+            f"model.num_key_value_heads ({self.num_key_value_heads})",
+        )
         check(self.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {self.head_dim}")
 
     def num_params(self) -> int:
@@ -66,9 +68,18 @@ class ModelConfig(Section):
 
 
 # The linears of a decoder layer (grpo_core.nn.model), as `re.search` sees them.
-LAYER_LINEARS = tuple(f"model.layers.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                                     "mlp.down_proj"))
+LAYER_LINEARS = tuple(
+    f"model.layers.{m}"
+    for m in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+)
 
 
 @section(path="model.lora")
@@ -76,12 +87,24 @@ class LoraConfig(Section):
     """The `model.lora` section: rank, alpha (the update is scaled by alpha / rank) and the
     regex of target modules. dropout exists so that a PEFT-style config gets a clear answer."""
 
-    rank: int = field(8, doc='Adapter rank r', ge=1)
-    alpha: float = field(16.0, doc='The update x A B is scaled by alpha / rank', gt=0)
-    target_modules: str = field(".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*", doc="Regular expression searched in each decoder linear's path (model.layers.self_attn.q_proj, ..., model.layers.mlp.down_proj), e.g. .*(q_proj|v_proj).*", min_length=1)
+    rank: int = field(8, doc="Adapter rank r", ge=1)
+    alpha: float = field(16.0, doc="The update x A B is scaled by alpha / rank", gt=0)
+    target_modules: str = field(
+        ".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj).*",
+        doc=(
+            "Regular expression searched in each decoder linear's path (model.layers.self_attn.q_proj, ..., "
+            "model.layers.mlp.down_proj), e.g. .*(q_proj|v_proj).*"
+        ),
+        min_length=1,
+    )
     # GRPO's ratio compares the policy with the log-probs it sampled with (no dropout); dropout
     # in the update alone would bias every ratio and the clipping with it.
-    dropout: float = field(0.0, doc="Adapter dropout: only 0, since dropout in the update alone would bias GRPO's importance ratios", ge=0, le=0)
+    dropout: float = field(
+        0.0,
+        doc="Adapter dropout: only 0, since dropout in the update alone would bias GRPO's importance ratios",
+        ge=0,
+        le=0,
+    )
 
     def validate(self) -> None:
         check(math.isfinite(self.alpha), f"model.lora.alpha must be finite, got {self.alpha}")
@@ -96,11 +119,15 @@ class LoraConfig(Section):
         try:
             pattern = re.compile(self.target_modules)
         except re.error as exc:
-            raise ConfigError(f"model.lora.target_modules {self.target_modules!r} is not a valid regular "
-                              f"expression: {exc}") from None
+            raise ConfigError(
+                f"model.lora.target_modules {self.target_modules!r} is not a valid regular expression: {exc}"
+            ) from None
         chosen = [p for p in paths if pattern.search(p)]
-        check(bool(chosen), f"model.lora.target_modules {self.target_modules!r} matches none of the modules "
-                             f"{', '.join(p.rsplit('.', 1)[-1] for p in paths)} (it is searched in paths like {paths[0]})")
+        check(
+            bool(chosen),
+            f"model.lora.target_modules {self.target_modules!r} matches none of the modules "
+            f"{', '.join(p.rsplit('.', 1)[-1] for p in paths)} (it is searched in paths like {paths[0]})",
+        )
         return chosen
 
     @classmethod
@@ -110,8 +137,11 @@ class LoraConfig(Section):
             return value
         if value is True:
             value = {}
-        check(isinstance(value, dict), f"model.lora must be a mapping like {{rank: 8, alpha: 16, target_modules: "
-                                        f"'.*(q_proj|v_proj).*'}}, got {value!r}")
+        check(
+            isinstance(value, dict),
+            f"model.lora must be a mapping like {{rank: 8, alpha: 16, target_modules: "
+            f"'.*(q_proj|v_proj).*'}}, got {value!r}",
+        )
         return cls.from_dict(value)
 
 
@@ -127,23 +157,37 @@ class ModelSection(Section):
     checkpoint's own with a path), no preset beside a path, empty optional keys dropped."""
 
     preset: str | None = field(None, doc="Model size and architecture when model.path is empty")
-    path: str | None = field(None, doc="Start from a Hugging Face checkpoint (Qwen2, Qwen3, Llama): a Hub id like "
-                                       "Qwen/Qwen3-0.6B, a folder or a gs:// folder. Empty: a preset with random weights")
+    path: str | None = field(
+        None,
+        doc="Start from a Hugging Face checkpoint (Qwen2, Qwen3, Llama): a Hub id like "
+        "Qwen/Qwen3-0.6B, a folder or a gs:// folder. Empty: a preset with random weights",
+    )
     revision: str | None = field(None, doc="Hub revision (branch, tag or commit) of model.path")
     seed: int = field(0, doc="Seed of the starting weights of a preset", ge=0)
-    tokenizer: str = field("char", doc="Empty: the checkpoint's own tokenizer with model.path, else 'char' (the "
-                                       "built-in character tokenizer); or a Hugging Face tokenizer id/folder")
-    lora: LoraConfig | None = field(None, doc="LoRA instead of full fine-tuning: only the adapters train and are "
-                                              "checkpointed, the KL reference is the base with adapters off, the "
-                                              "export has them merged. Empty: full fine-tuning")
-    overrides: dict = field(factory=dict, doc="ModelConfig fields over the preset's (Hugging Face names: "
-                                              "hidden_size, dtype, ...); with model.path only dtype and param_dtype")
+    tokenizer: str = field(
+        "char",
+        doc="Empty: the checkpoint's own tokenizer with model.path, else 'char' (the "
+        "built-in character tokenizer); or a Hugging Face tokenizer id/folder",
+    )
+    lora: LoraConfig | None = field(
+        None,
+        doc="LoRA instead of full fine-tuning: only the adapters train and are "
+        "checkpointed, the KL reference is the base with adapters off, the "
+        "export has them merged. Empty: full fine-tuning",
+    )
+    overrides: dict = field(
+        factory=dict,
+        doc="ModelConfig fields over the preset's (Hugging Face names: "
+        "hidden_size, dtype, ...); with model.path only dtype and param_dtype",
+    )
 
     def validate(self) -> None:
         check(isinstance(self.overrides, dict), f"model overrides must be a mapping, got {self.overrides!r}")
         if self.path is None:
             check(self.revision is None, "model.revision applies to a Hugging Face id in model.path, which is not set")
-            check(self.tokenizer != "auto", "model.tokenizer 'auto' means the tokenizer of model.path, which is not set")
+            check(
+                self.tokenizer != "auto", "model.tokenizer 'auto' means the tokenizer of model.path, which is not set"
+            )
 
     @classmethod
     def from_value(cls, value: Any) -> "ModelSection":
@@ -151,21 +195,30 @@ class ModelSection(Section):
         if isinstance(value, ModelSection):
             return value
         check(isinstance(value, dict), f"model must be a mapping like {{preset: tiny}}, got {value!r}")
-        given = {k: v for k, v in value.items() if not (k in ("path", "revision", "tokenizer", "lora") and v in (None, ""))}
+        given = {
+            k: v for k, v in value.items() if not (k in ("path", "revision", "tokenizer", "lora") and v in (None, ""))
+        }
         if given.get("lora") is False:
             del given["lora"]
         own = {k: given.pop(k) for k in MODEL_KEYS if k in given}
-        check(isinstance(own.get("seed", 0), int) and not isinstance(own.get("seed", 0), bool),
-              f"model.seed must be an integer, got {own.get('seed')!r}")
+        check(
+            isinstance(own.get("seed", 0), int) and not isinstance(own.get("seed", 0), bool),
+            f"model.seed must be an integer, got {own.get('seed')!r}",
+        )
         if "lora" in own:
             own["lora"] = LoraConfig.from_value(own["lora"])
         if own.get("path") is not None:
-            check(isinstance(own["path"], str), f"model.path must be a Hugging Face id, folder or URL, got {own['path']!r}")
+            check(
+                isinstance(own["path"], str),
+                f"model.path must be a Hugging Face id, folder or URL, got {own['path']!r}",
+            )
             own.pop("preset", None)
             own.setdefault("tokenizer", "auto")
         else:
-            check(isinstance(own.get("tokenizer", "char"), str),
-                  f"model.tokenizer must be 'char' or a tokenizer id/folder, got {own.get('tokenizer')!r}")
+            check(
+                isinstance(own.get("tokenizer", "char"), str),
+                f"model.tokenizer must be 'char' or a tokenizer id/folder, got {own.get('tokenizer')!r}",
+            )
         return cls(**own, overrides=given)
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,3 +230,78 @@ class ModelSection(Section):
             out["lora"] = self.lora.to_dict()
         out.update(self.overrides)
         return out
+
+
+# -- Hugging Face config.json, both ways ------------------------------------------------------
+
+SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+def model_config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides) -> ModelConfig:
+    """Our ModelConfig from a Hugging Face config.json (transformers 4 or 5 layout)."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps rope_theta and scaling here
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10_000.0))
+    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=True if kind == "qwen2" else bool(hf.get("attention_bias", False)),
+        qk_norm=kind == "qwen3",
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        rope_scaling=scaling or None,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture that holds exactly these features."""
+    if cfg.qk_norm:
+        return "qwen3"
+    return "qwen2" if cfg.attention_bias else "llama"
+
+
+_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json for `cfg`, readable by transformers 4 and 5."""
+    kind = hf_model_type(cfg)
+    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    out = {
+        "architectures": [_ARCH[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": cfg.param_dtype.value,
+        "dtype": cfg.param_dtype.value,
+    }
+    if kind != "qwen2":
+        out["attention_bias"] = cfg.attention_bias
+    return out

@@ -26,8 +26,8 @@ from typing import Any
 from grpo_core.config.fields import Section, apply_overrides, check, field, section
 from grpo_core.config.model import PATH_OVERRIDES, ModelConfig, ModelSection
 from grpo_core.config.train import TrainConfig
-from grpo_core.errors import ConfigError
 from grpo_core.data.prepare import DataConfig, data_hash
+from grpo_core.errors import ConfigError
 from grpo_core.launch.launchers import LauncherConfig
 from grpo_core.store.root import config_hash
 
@@ -35,8 +35,12 @@ DEFAULT: dict[str, Any] = {
     "run_name": None,
     "storage": {"root": "runs"},
     "model": {"preset": "tiny", "seed": 0, "tokenizer": "char"},
-    "data": {"source": "synthetic", "synthetic": {"alphabet": "abcde", "min_len": 3, "max_len": 3, "seed": 0},
-             "max_prompt_tokens": 16, "eval_rows": 128},
+    "data": {
+        "source": "synthetic",
+        "synthetic": {"alphabet": "abcde", "min_len": 3, "max_len": 3, "seed": 0},
+        "max_prompt_tokens": 16,
+        "eval_rows": 128,
+    },
     # char_match is optimised; exact_match (weight 0) is reported as a training metric.
     "rewards": [{"function": "char_match", "weight": 1.0}, {"function": "exact_match", "weight": 0.0}],
     "train": {
@@ -46,8 +50,11 @@ DEFAULT: dict[str, Any] = {
         "sampling": {"max_new_tokens": 6, "temperature": 1.0},
         "optimizer": {"learning_rate": 5e-4, "warmup_steps": 5, "max_grad_norm": 1.0},
     },
-    "eval": {"rewards": [{"function": "exact_match"}, {"function": "char_match"}], "accuracy_reward": "exact_match",
-             "num_samples": 4},
+    "eval": {
+        "rewards": [{"function": "exact_match"}, {"function": "char_match"}],
+        "accuracy_reward": "exact_match",
+        "num_samples": 4,
+    },
     "pipeline": {"epochs": 4, "checkpoint_every": 50},
 }
 
@@ -55,10 +62,10 @@ DEFAULT: dict[str, Any] = {
 # The fields of the run config that are not in a section.
 RUN_DOCS = {
     "run_name": "Folder of this run under storage.root. Empty: named by the preset and the config hash, so the same "
-                "config resumes its own run",
+    "config resumes its own run",
     "storage.root": "Where runs live: a local folder, gs://bucket/prefix or memory://...",
     "rewards": "Reward functions: a built-in name (char_match, exact_match, math_answer, think_format, integer_answer) "
-               "or path/to/file.py:function or module:function, with their weights (0: reported, not optimised)",
+    "or path/to/file.py:function or module:function, with their weights (0: reported, not optimised)",
 }
 
 
@@ -71,13 +78,17 @@ class RewardSpec(Section):
     weight: float = field(1.0, doc="weight in the total reward (0: reported, not optimised)")
 
     def validate(self) -> None:
-        check(isinstance(self.function, str) and bool(self.function),
-              f"rewards[].function must be a name or 'file.py:function', got {self.function!r}")
+        check(
+            isinstance(self.function, str) and bool(self.function),
+            f"rewards[].function must be a name or 'file.py:function', got {self.function!r}",
+        )
 
 
 def _reward_specs(value: Any, field: str) -> tuple[RewardSpec, ...]:
-    check(isinstance(value, (list, tuple)) and len(value) > 0,
-           f"{field} must be a non-empty list of {{function, weight}}, got {value!r}")
+    check(
+        isinstance(value, (list, tuple)) and len(value) > 0,
+        f"{field} must be a non-empty list of {{function, weight}}, got {value!r}",
+    )
     out = []
     for i, item in enumerate(value):
         if isinstance(item, RewardSpec):
@@ -95,15 +106,17 @@ class EvalConfig(Section):
     """Evaluation of the starting policy and of each epoch's checkpoint on the eval split."""
 
     # RewardSpecs; empty: the training rewards (the default when the config sets rewards)
-    rewards: tuple = field((), doc='Rewards evaluation reports; empty: the training rewards')
+    rewards: tuple = field((), doc="Rewards evaluation reports; empty: the training rewards")
     # The eval reward whose greedy mean is "accuracy"; unset with your own rewards: the first
     # with a weight above 0.
-    accuracy_reward: str = field("exact_match", doc="The eval reward whose greedy mean is 'accuracy' and which decides pass@k")
+    accuracy_reward: str = field(
+        "exact_match", doc="The eval reward whose greedy mean is 'accuracy' and which decides pass@k"
+    )
     # sampled completions per prompt for pass@k (1: greedy only)
-    num_samples: int = field(4, doc='Samples per prompt for pass@k (1: greedy only)', ge=1)
+    num_samples: int = field(4, doc="Samples per prompt for pass@k (1: greedy only)", ge=1)
     # for the pass@k samples
-    temperature: float = field(1.0, doc='Temperature of the pass@k samples', gt=0)
-    batch_size: int = field(64, doc='Prompts per evaluation batch', ge=1)
+    temperature: float = field(1.0, doc="Temperature of the pass@k samples", gt=0)
+    batch_size: int = field(64, doc="Prompts per evaluation batch", ge=1)
 
     def validate(self) -> None:
         object.__setattr__(self, "rewards", _reward_specs(self.rewards, "eval.rewards") if self.rewards else ())
@@ -114,28 +127,37 @@ class PipelineConfig(Section):
     """How the stages run. Nothing here changes a result, so none of it is in a stage hash."""
 
     # training stages; train.num_steps is split evenly across them
-    epochs: int = field(4, doc='Training stages; train.num_steps is split evenly across them', ge=1)
+    epochs: int = field(4, doc="Training stages; train.num_steps is split evenly across them", ge=1)
     # steps between checkpoints (and metric shards)
-    checkpoint_every: int = field(50, doc='Steps between checkpoints', ge=1)
+    checkpoint_every: int = field(50, doc="Steps between checkpoints", ge=1)
     # readiness fails unless the worker sees a TPU
-    require_tpu: bool = field(False, doc='Fail readiness unless the worker sees a TPU')
+    require_tpu: bool = field(False, doc="Fail readiness unless the worker sees a TPU")
     # task retries of crashes, preemption and storage errors
-    retries: int = field(2, doc='Task retries of crashes, preemption and storage errors', ge=0)
-    retry_delay_s: float = field(2.0, doc='Seconds between task retries', ge=0)
-    flow_retries: int = field(1, doc='Retries of the whole flow run', ge=0)
+    retries: int = field(2, doc="Task retries of crashes, preemption and storage errors", ge=0)
+    retry_delay_s: float = field(2.0, doc="Seconds between task retries", ge=0)
+    flow_retries: int = field(1, doc="Retries of the whole flow run", ge=0)
     # hard limit per training-epoch attempt: the worker is killed
-    train_timeout_s: float = field(3600.0, doc='Hard limit per training-epoch attempt, seconds', gt=0)
-    eval_timeout_s: float = field(1800.0, doc='Hard limit per evaluation attempt, seconds', gt=0)
-    check_timeout_s: float = field(600.0, doc='Hard limit for the device checks, seconds', gt=0)
+    train_timeout_s: float = field(3600.0, doc="Hard limit per training-epoch attempt, seconds", gt=0)
+    eval_timeout_s: float = field(1800.0, doc="Hard limit per evaluation attempt, seconds", gt=0)
+    check_timeout_s: float = field(600.0, doc="Hard limit for the device checks, seconds", gt=0)
     # write the final policy as a Hugging Face folder, export/{step}/
-    export: bool = field(True, doc='Write the final policy as a Hugging Face folder (safetensors, config, tokenizer) under export/{step}/')
-    export_timeout_s: float = field(1800.0, doc='Hard limit for the export, seconds', gt=0)
+    export: bool = field(
+        True,
+        doc="Write the final policy as a Hugging Face folder (safetensors, config, tokenizer) under export/{step}/",
+    )
+    export_timeout_s: float = field(1800.0, doc="Hard limit for the export, seconds", gt=0)
     # The interpreter of training workers; null: this one, or the sglang-jax environment
     # (GRPO_SGLANG_PYTHON, else .venv-sglang/bin/python) when train.rollout.engine is sglang.
-    worker_python: str | None = field(None, doc="Interpreter of the training workers; empty: this one, or .venv-sglang's with train.rollout.engine=sglang")
+    worker_python: str | None = field(
+        None,
+        doc="Interpreter of the training workers; empty: this one, or .venv-sglang's with train.rollout.engine=sglang",
+    )
     # How workers start: here (local), as N processes on this machine (multiprocess), on every
     # host of a Ray cluster (ray) or of a TPU VM slice (tpu-vm); see grpo_core.launch.launchers.
-    launcher: LauncherConfig = field(factory=LauncherConfig, doc='How workers start: one process here, N processes on this machine, a Ray cluster or a TPU VM slice')
+    launcher: LauncherConfig = field(
+        factory=LauncherConfig,
+        doc="How workers start: one process here, N processes on this machine, a Ray cluster or a TPU VM slice",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,31 +188,50 @@ class RunConfig:
             base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("rewards", "accuracy_reward")}
         d = _merge(base, data)
         storage = d["storage"]
-        check(isinstance(storage, dict) and set(storage) <= {"root"},
-               f"storage must be a mapping with 'root', got {storage!r}")
+        check(
+            isinstance(storage, dict) and set(storage) <= {"root"},
+            f"storage must be a mapping with 'root', got {storage!r}",
+        )
         root = storage.get("root")
         check(isinstance(root, str) and bool(root), f"storage.root must be a folder or URL, got {root!r}")
         name = d["run_name"]
-        check(name is None or (isinstance(name, str) and name.strip("/") and "/" not in name.strip("/")),
-               f"run_name must be a single folder name, got {name!r}")
-        cfg = cls(run_name=name, storage_root=root, model=_model_section(d["model"]),
-                  data=_section(DataConfig, d["data"], "data"), rewards=_reward_specs(d["rewards"], "rewards"),
-                  train=_section(TrainConfig, d["train"], "train"), eval=_section(EvalConfig, d["eval"], "eval"),
-                  pipeline=_section(PipelineConfig, d["pipeline"], "pipeline"))
+        check(
+            name is None or (isinstance(name, str) and name.strip("/") and "/" not in name.strip("/")),
+            f"run_name must be a single folder name, got {name!r}",
+        )
+        cfg = cls(
+            run_name=name,
+            storage_root=root,
+            model=_model_section(d["model"]),
+            data=_section(DataConfig, d["data"], "data"),
+            rewards=_reward_specs(d["rewards"], "rewards"),
+            train=_section(TrainConfig, d["train"], "train"),
+            eval=_section(EvalConfig, d["eval"], "eval"),
+            pipeline=_section(PipelineConfig, d["pipeline"], "pipeline"),
+        )
         if "accuracy_reward" not in (d["eval"] if isinstance(d["eval"], dict) else {}):
             specs = cfg.eval_rewards
             first = next((r for r in specs if r.weight > 0), specs[0])
             cfg = dataclasses.replace(cfg, eval=cfg.eval.replace(accuracy_reward=first.function.rsplit(":", 1)[-1]))
         names = [r.function.rsplit(":", 1)[-1] for r in cfg.eval_rewards]
-        check(cfg.eval.accuracy_reward in names, f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of "
-                                                  f"the eval rewards {names}")
+        check(
+            cfg.eval.accuracy_reward in names,
+            f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards {names}",
+        )
         cfg.model_config()  # validate the model section now, not in a worker
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_name": self.run_name, "storage": {"root": self.storage_root}, "model": self.model.to_dict(),
-                "data": self.data.to_dict(), "rewards": [r.to_dict() for r in self.rewards],
-                "train": self.train.to_dict(), "eval": self.eval.to_dict(), "pipeline": self.pipeline.to_dict()}
+        return {
+            "run_name": self.run_name,
+            "storage": {"root": self.storage_root},
+            "model": self.model.to_dict(),
+            "data": self.data.to_dict(),
+            "rewards": [r.to_dict() for r in self.rewards],
+            "train": self.train.to_dict(),
+            "eval": self.eval.to_dict(),
+            "pipeline": self.pipeline.to_dict(),
+        }
 
     # -- derived ---------------------------------------------------------------------------
 
@@ -220,14 +261,18 @@ class RunConfig:
 
         fields = dict(self.model.overrides)
         if self.model_path:
-            from grpo_core.nn.hf import model_config_from_hf
+            from grpo_core.config.model import model_config_from_hf
             from grpo_core.store.sources import read_config
 
             fixed = sorted(set(fields) - set(PATH_OVERRIDES))
-            check(not fixed, f"model.{', model.'.join(fixed)}: set by the checkpoint at model.path "
-                              f"{self.model_path!r}; only {', '.join(PATH_OVERRIDES)} may be overridden")
-            return model_config_from_hf(read_config(self.model_path, self.model.revision),
-                                        f"{self.model_path}/config.json", **fields)
+            check(
+                not fixed,
+                f"model.{', model.'.join(fixed)}: set by the checkpoint at model.path "
+                f"{self.model_path!r}; only {', '.join(PATH_OVERRIDES)} may be overridden",
+            )
+            return model_config_from_hf(
+                read_config(self.model_path, self.model.revision), f"{self.model_path}/config.json", **fields
+            )
         if vocab_size is not None:
             fields.setdefault("vocab_size", vocab_size)
         try:
@@ -242,13 +287,25 @@ class RunConfig:
 
     @property
     def train_hash(self) -> str:
-        return config_hash({"model": self.model.to_dict(), "data": self.data_hash,
-                            "rewards": [r.to_dict() for r in self.rewards], "train": self.train.hash_fields()})
+        return config_hash(
+            {
+                "model": self.model.to_dict(),
+                "data": self.data_hash,
+                "rewards": [r.to_dict() for r in self.rewards],
+                "train": self.train.hash_fields(),
+            }
+        )
 
     @property
     def eval_hash(self) -> str:
-        return config_hash({"eval": self.eval.to_dict(), "data": self.data_hash, "model": self.model.to_dict(),
-                            "max_new_tokens": self.train.sampling.max_new_tokens})
+        return config_hash(
+            {
+                "eval": self.eval.to_dict(),
+                "data": self.data_hash,
+                "model": self.model.to_dict(),
+                "max_new_tokens": self.train.sampling.max_new_tokens,
+            }
+        )
 
     @property
     def eval_rewards(self) -> tuple[RewardSpec, ...]:
@@ -315,8 +372,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        check(isinstance(loaded, dict) or loaded is None,
-               f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
+        check(
+            isinstance(loaded, dict) or loaded is None,
+            f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}",
+        )
         data = loaded or {}
     return RunConfig.from_dict(_absolute_paths(apply_overrides(data, overrides or [])))
 

@@ -9,38 +9,45 @@ import enum
 import typing
 from typing import Any
 
-from grpo_core.config.fields import Section, apply_overrides, check, field, section  # noqa: F401
-from grpo_core.config.model import DType, ModelConfig  # noqa: F401  (the model's architecture; imported from here by older callers)
-from grpo_core.errors import ConfigError  # noqa: F401  (raised by every section; imported from here by callers)
-
+from grpo_core.config.fields import Section, check, field, section
+from grpo_core.config.model import DType
 
 # ----------------------------------------------------------------------------------------------
 # Sampling
+
+
+# fmt: off
+PROMPT_BUCKETS = (4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024,
+                  1280, 1536, 2048, 2560, 3072, 4096)
+# fmt: on
 
 
 @section(path="train.sampling")
 class SamplingConfig(Section):
     """How completions are drawn. temperature 0 means greedy."""
 
-    max_new_tokens: int = field(32, doc='Longest completion', ge=1)
-    temperature: float = field(1.0, doc='Sampling temperature (0: greedy, refused for training)', ge=0)
+    max_new_tokens: int = field(32, doc="Longest completion", ge=1)
+    temperature: float = field(1.0, doc="Sampling temperature (0: greedy, refused for training)", ge=0)
     # 0 = off
-    top_k: int = field(0, doc='Top-k (0: off)', ge=0)
+    top_k: int = field(0, doc="Top-k (0: off)", ge=0)
     # 1.0 = off
-    top_p: float = field(1.0, doc='Top-p (1: off)', gt=0, le=1)
+    top_p: float = field(1.0, doc="Top-p (1: off)", gt=0, le=1)
     # Prompts are left-padded to the smallest bucket that holds them: one compiled program per
     # bucket, and at most ~25% padding instead of padding everything to the longest prompt.
     prompt_buckets: tuple[int, ...] = field(
-        (4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280,
-         1536, 2048, 2560, 3072, 4096),
-        doc="Prompt lengths to pad to (one compiled program each)", min_length=1)
+        PROMPT_BUCKETS,
+        doc="Prompt lengths to pad to (one compiled program each)",
+        min_length=1,
+    )
     # benchmarks force every completion to max_new_tokens
-    ignore_eos: bool = field(False, doc='Always generate max_new_tokens (benchmarks)')
+    ignore_eos: bool = field(False, doc="Always generate max_new_tokens (benchmarks)")
 
     def validate(self) -> None:
         b = tuple(self.prompt_buckets)
-        check(len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b) and list(b) == sorted(set(b)),
-               f"sampling.prompt_buckets must be increasing positive integers, got {b}")
+        check(
+            len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b) and list(b) == sorted(set(b)),
+            f"sampling.prompt_buckets must be increasing positive integers, got {b}",
+        )
         object.__setattr__(self, "prompt_buckets", b)
 
     @property
@@ -97,43 +104,56 @@ class GRPOConfig(Section):
     """The GRPO objective and its rollout batch."""
 
     # G, completions per prompt
-    num_generations: int = field(8, doc='Completions per prompt (G)', ge=2)
-    prompts_per_step: int = field(8, doc='Prompts per step (P)', ge=1)
-    advantage: AdvantageEstimator = field(AdvantageEstimator.GRPO, doc='grpo: (r - mean)/std; dr_grpo: r - mean; rloo: leave-one-out')
-    scale_rewards: RewardScaling = field(RewardScaling.GROUP, doc='Divide advantages by the std of the group, the batch, or not at all')
-    advantage_eps: float = field(1e-4, doc='Added to the std', gt=0)
-    epsilon_low: float = field(0.2, doc='Lower clip range', ge=0, lt=1)
+    num_generations: int = field(8, doc="Completions per prompt (G)", ge=2)
+    prompts_per_step: int = field(8, doc="Prompts per step (P)", ge=1)
+    advantage: AdvantageEstimator = field(
+        AdvantageEstimator.GRPO, doc="grpo: (r - mean)/std; dr_grpo: r - mean; rloo: leave-one-out"
+    )
+    scale_rewards: RewardScaling = field(
+        RewardScaling.GROUP, doc="Divide advantages by the std of the group, the batch, or not at all"
+    )
+    advantage_eps: float = field(1e-4, doc="Added to the std", gt=0)
+    epsilon_low: float = field(0.2, doc="Lower clip range", ge=0, lt=1)
     # DAPO's clip-higher: raise to 0.28
-    epsilon_high: float = field(0.2, doc='Upper clip range (DAPO clip-higher: 0.28)', ge=0)
+    epsilon_high: float = field(0.2, doc="Upper clip range (DAPO clip-higher: 0.28)", ge=0)
     # e.g. 3.0: caps the loss of negative advantages at c·|A|
-    dual_clip: float | None = field(None, doc='Dual-clip constant (> 1); empty: off', gt=1)
-    ratio_level: RatioLevel = field(RatioLevel.TOKEN, doc='Importance ratio per token (GRPO) or per sequence (GSPO)')
-    loss_aggregation: LossAggregation = field(LossAggregation.SEQ_MEAN_TOKEN_MEAN, doc='token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO), bnpo')
+    dual_clip: float | None = field(None, doc="Dual-clip constant (> 1); empty: off", gt=1)
+    ratio_level: RatioLevel = field(RatioLevel.TOKEN, doc="Importance ratio per token (GRPO) or per sequence (GSPO)")
+    loss_aggregation: LossAggregation = field(
+        LossAggregation.SEQ_MEAN_TOKEN_MEAN,
+        doc="token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO), bnpo",
+    )
     # KL coefficient; 0 = no reference model at all
-    beta: float = field(0.0, doc='KL coefficient; 0: no reference model', ge=0)
-    kl_estimator: KLEstimator = field(KLEstimator.K3, doc='KL estimator')
+    beta: float = field(0.0, doc="KL coefficient; 0: no reference model", ge=0)
+    kl_estimator: KLEstimator = field(KLEstimator.K3, doc="KL estimator")
     # passes over each rollout batch (mu); > 1 is off-policy
-    num_iterations: int = field(1, doc='Passes over each rollout batch', ge=1)
+    num_iterations: int = field(1, doc="Passes over each rollout batch", ge=1)
     # optimizer updates per pass
-    minibatches_per_rollout: int = field(1, doc='Optimizer updates per pass', ge=1)
+    minibatches_per_rollout: int = field(1, doc="Optimizer updates per pass", ge=1)
     # micro-batches summed into one update; "auto": the fewest that fit the devices (grpo_core.config.memory)
-    grad_accum_steps: int | typing.Literal["auto"] = field("auto", doc='Micro-batches summed into one update; auto: the fewest that fit the devices', ge=1)
+    grad_accum_steps: int | typing.Literal["auto"] = field(
+        "auto", doc="Micro-batches summed into one update; auto: the fewest that fit the devices", ge=1
+    )
     # DAPO: no loss on completions cut at max_new_tokens
-    mask_truncated_completions: bool = field(False, doc='No loss on completions cut at max_new_tokens')
+    mask_truncated_completions: bool = field(False, doc="No loss on completions cut at max_new_tokens")
     # DAPO: drop zero-variance groups and refill
-    dynamic_sampling: bool = field(False, doc='Drop groups whose rewards are all equal and sample again')
+    dynamic_sampling: bool = field(False, doc="Drop groups whose rewards are all equal and sample again")
     # bound on extra rollouts to refill a dynamic-sampling batch
-    max_sampling_rounds: int = field(3, doc='Bound on sampling rounds per step', ge=1)
+    max_sampling_rounds: int = field(3, doc="Bound on sampling rounds per step", ge=1)
 
     def validate(self) -> None:
-        check(not (self.advantage is AdvantageEstimator.DR_GRPO and self.scale_rewards is not RewardScaling.NONE),
-               "grpo.advantage=dr_grpo does not divide by a std; set grpo.scale_rewards=none "
-               f"(got {self.scale_rewards.value}) or use grpo.advantage=grpo")
+        check(
+            not (self.advantage is AdvantageEstimator.DR_GRPO and self.scale_rewards is not RewardScaling.NONE),
+            "grpo.advantage=dr_grpo does not divide by a std; set grpo.scale_rewards=none "
+            f"(got {self.scale_rewards.value}) or use grpo.advantage=grpo",
+        )
         accum = 1 if self.grad_accum_steps == "auto" else self.grad_accum_steps
         per_update = self.minibatches_per_rollout * accum
-        check(self.prompts_per_step % per_update == 0,
-               f"grpo.prompts_per_step ({self.prompts_per_step}) must divide evenly into "
-               f"minibatches_per_rollout * grad_accum_steps ({per_update}) micro-batches of whole groups")
+        check(
+            self.prompts_per_step % per_update == 0,
+            f"grpo.prompts_per_step ({self.prompts_per_step}) must divide evenly into "
+            f"minibatches_per_rollout * grad_accum_steps ({per_update}) micro-batches of whole groups",
+        )
 
     def accumulation_choices(self) -> list[int]:
         """The grad_accum_steps values this batch allows (micro-batches of whole groups), fewest first."""
@@ -158,19 +178,20 @@ class GRPOConfig(Section):
 class OptimizerConfig(Section):
     """AdamW with linear warmup and cosine decay, and global-norm gradient clipping."""
 
-    learning_rate: float = field(1e-6, doc='Peak learning rate (AdamW)', gt=0)
-    warmup_steps: int = field(0, doc='Linear warmup steps', ge=0)
+    learning_rate: float = field(1e-6, doc="Peak learning rate (AdamW)", gt=0)
+    warmup_steps: int = field(0, doc="Linear warmup steps", ge=0)
     # None: cosine over the whole run; 0: constant after warmup
-    decay_steps: int | None = field(None, doc='Cosine decay steps; empty: the whole run, 0: constant', ge=0)
-    min_lr_ratio: float = field(0.1, doc='Final learning rate as a fraction of the peak', ge=0, le=1)
-    b1: float = field(0.9, doc='Adam beta1', ge=0, lt=1)
-    b2: float = field(0.99, doc='Adam beta2', ge=0, lt=1)
-    eps: float = field(1e-8, doc='Adam epsilon', gt=0)
-    weight_decay: float = field(0.0, doc='Decoupled weight decay', ge=0)
-    max_grad_norm: float | None = field(1.0, doc='Global-norm gradient clipping; empty: off', gt=0)
+    decay_steps: int | None = field(None, doc="Cosine decay steps; empty: the whole run, 0: constant", ge=0)
+    min_lr_ratio: float = field(0.1, doc="Final learning rate as a fraction of the peak", ge=0, le=1)
+    b1: float = field(0.9, doc="Adam beta1", ge=0, lt=1)
+    b2: float = field(0.99, doc="Adam beta2", ge=0, lt=1)
+    eps: float = field(1e-8, doc="Adam epsilon", gt=0)
+    weight_decay: float = field(0.0, doc="Decoupled weight decay", ge=0)
+    max_grad_norm: float | None = field(1.0, doc="Global-norm gradient clipping; empty: off", gt=0)
     # dtype of Adam's first moment (optax mu_dtype); null: the parameters' dtype. bfloat16 halves it.
-    mu_dtype: DType | None = field(None, doc="dtype of Adam's first moment (bfloat16 halves it); empty: the parameters'")
-
+    mu_dtype: DType | None = field(
+        None, doc="dtype of Adam's first moment (bfloat16 halves it); empty: the parameters'"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,73 +220,110 @@ class RolloutConfig(Section):
     Every wait on an engine has a time limit whose error names what was waited for: the engine
     or server start, one generate call (per HTTP request, with retries), one weight sync."""
 
-    engine: RolloutEngineKind = field(RolloutEngineKind.JAX, doc="Rollout engine: jax (built-in sampler, multi-host), sglang (sglang-jax in the worker's process: one host, TPU v4+; the worker runs in .venv-sglang) or http (an OpenAI-compatible server)")
+    engine: RolloutEngineKind = field(
+        RolloutEngineKind.JAX,
+        doc=(
+            "Rollout engine: jax (built-in sampler, multi-host), sglang (sglang-jax in the worker's process: one host,"
+            " TPU v4+; the worker runs in .venv-sglang) or http (an OpenAI-compatible server)"
+        ),
+    )
     # in-process engine start, or an owned server's start
     start_timeout_s: float = field(900.0, doc="Limit on an engine's or a server's start, seconds", gt=0)
     # one rollout (HTTP: one request)
-    generate_timeout_s: float = field(900.0, doc='Limit on one rollout (http: one request), seconds', gt=0)
+    generate_timeout_s: float = field(900.0, doc="Limit on one rollout (http: one request), seconds", gt=0)
     # one weight sync (in memory, or export + server reload)
-    sync_timeout_s: float = field(600.0, doc='Limit on one weight sync (http: export + reload), seconds', gt=0)
+    sync_timeout_s: float = field(600.0, doc="Limit on one weight sync (http: export + reload), seconds", gt=0)
     # old_logp rescored by the learner instead of the engine's own: null = wherever the sampler's
     # numbers can differ from the learner's (sglang and http engines: other kernels; the built-in
     # sampler in bfloat16: decoding with a KV cache rounds differently from the learner's forward).
     # The built-in sampler in float32 keeps its own: they agree to ~1e-6 (tests/test_learner.py).
-    recompute_logprobs: bool | None = field(None, doc="old_logp rescored by the learner instead of the engine's; empty: sglang, http and bfloat16 yes, the built-in sampler in float32 no")
+    recompute_logprobs: bool | None = field(
+        None,
+        doc=(
+            "old_logp rescored by the learner instead of the engine's; empty: sglang, http and bfloat16 yes, the "
+            "built-in sampler in float32 no"
+        ),
+    )
     # sglang-jax: the in-process engine, and the servers the http engine starts (server: sglang-jax)
     # engine weights/compute; null: the policy's compute dtype
     dtype: str | None = field(None, doc="sglang/http engine dtype (float32, bfloat16); empty: the policy's")
     # share of device memory for weights + KV cache
-    mem_fraction_static: float | None = field(None, doc='sglang: share of device memory for its weights and KV cache', gt=0, lt=1)
+    mem_fraction_static: float | None = field(
+        None, doc="sglang: share of device memory for its weights and KV cache", gt=0, lt=1
+    )
     # KV cache tokens; null: sglang's choice (CPU: a small default)
     max_total_tokens: int | None = field(None, doc="sglang: KV-cache tokens; empty: sglang's choice", ge=1)
     # null: the model's max_position_embeddings
     context_length: int | None = field(None, doc="sglang: longest prompt + completion; empty: the model's", ge=1)
     # null: one rollout batch (prompts x generations)
-    max_running_requests: int | None = field(None, doc='sglang: concurrent rows; empty: one rollout batch', ge=1)
+    max_running_requests: int | None = field(None, doc="sglang: concurrent rows; empty: one rollout batch", ge=1)
     # skip sglang's start-up compilation (faster start, slower first batches)
-    disable_precompile: bool = field(False, doc='sglang: skip start-up compilation (faster start, slower first rollouts)')
+    disable_precompile: bool = field(
+        False, doc="sglang: skip start-up compilation (faster start, slower first rollouts)"
+    )
     attention_backend: str | None = field(None, doc='null: "native" on CPU, sglang\'s default elsewhere')
-    deterministic: bool = field(True, doc='seeded per-row sampling: a resumed run redraws the same completions')
+    deterministic: bool = field(True, doc="seeded per-row sampling: a resumed run redraws the same completions")
     # sglang-jax's overlap scheduler (CPU scheduling of the next batch during the current one).
     # Off by default: with it on, 3 of 6 sglang-jax 0.1.0rc0 servers started on CPU returned wrong
     # greedy tokens for the whole of their life (0 of 6 with it off, and 0 in process).
     overlap_schedule: bool = field(False)
     # http
     # an already running server (not restarted here), e.g. http://10.0.0.2:30000
-    url: str | None = field(None, doc='http: a running server (with train.rollout.reload_route)')
+    url: str | None = field(None, doc="http: a running server (with train.rollout.reload_route)")
     api: HttpApi = field(HttpApi.OPENAI)
     model_name: str | None = field(None, doc='the "model" of each request; null: the server\'s first /v1/models entry')
     # "sglang-jax": start (and restart on each refresh) a server on 127.0.0.1
-    server: str | None = field(None, doc="http: 'sglang-jax' starts and restarts a server on 127.0.0.1 with each export")
-    server_args: tuple[str, ...] = field((), doc='extra command-line arguments of that server')
+    server: str | None = field(
+        None, doc="http: 'sglang-jax' starts and restarts a server on 127.0.0.1 with each export"
+    )
+    server_args: tuple[str, ...] = field((), doc="extra command-line arguments of that server")
     # or any server this run starts and restarts itself, e.g. ["vllm", "serve", "{model}", "--port",
     # "{port}"]: {model} (the exported folder), {port}, {host} and {python} are filled in
     server_command: tuple[str, ...] = field(())
-    reload_route: str | None = field(None, doc='POST {"model_path": folder} to reload weights (SGLang: /update_weights_from_disk)')
+    reload_route: str | None = field(
+        None, doc='POST {"model_path": folder} to reload weights (SGLang: /update_weights_from_disk)'
+    )
     # http: steps between exports of the policy to the server
-    sync_every: int = field(1, doc='http: steps between exports of the policy to the server', ge=1)
-    export_dir: str | None = field(None, doc='http: where exports go (must be readable by the server); null: a temp folder')
-    request_retries: int = field(2, doc='http: retries of a failed or timed-out request', ge=0)
+    sync_every: int = field(1, doc="http: steps between exports of the policy to the server", ge=1)
+    export_dir: str | None = field(
+        None, doc="http: where exports go (must be readable by the server); null: a temp folder"
+    )
+    request_retries: int = field(2, doc="http: retries of a failed or timed-out request", ge=0)
 
     def validate(self) -> None:
-        check(self.dtype in (None, "float32", "bfloat16"),
-              f"train.rollout.dtype must be float32, bfloat16 or null, got {self.dtype!r}")
-        check(self.server in (None, "sglang-jax"),
-               f"train.rollout.server must be 'sglang-jax' or null (use url for another server), got {self.server!r}")
-        check(self.reload_route is None or self.reload_route.startswith("/"),
-               f"train.rollout.reload_route must be a path like /update_weights_from_disk, got {self.reload_route!r}")
+        check(
+            self.dtype in (None, "float32", "bfloat16"),
+            f"train.rollout.dtype must be float32, bfloat16 or null, got {self.dtype!r}",
+        )
+        check(
+            self.server in (None, "sglang-jax"),
+            f"train.rollout.server must be 'sglang-jax' or null (use url for another server), got {self.server!r}",
+        )
+        check(
+            self.reload_route is None or self.reload_route.startswith("/"),
+            f"train.rollout.reload_route must be a path like /update_weights_from_disk, got {self.reload_route!r}",
+        )
         if self.engine is RolloutEngineKind.HTTP:
             given = [n for n in ("url", "server", "server_command") if getattr(self, n)]
-            check(len(given) == 1,
-                   "train.rollout.engine=http needs exactly one of train.rollout.url (a running server), "
-                   "train.rollout.server=sglang-jax or train.rollout.server_command (a server started here); "
-                   f"got {given or 'none'}")
-            check(not self.server_command or "{model}" in " ".join(self.server_command),
-                   f"train.rollout.server_command must name the model folder as {{model}}, got {list(self.server_command)}")
-            check(self.url is None or self.reload_route is not None,
-                   f"train.rollout.url={self.url!r} is a server this run cannot restart: set train.rollout.reload_route "
-                   "(SGLang: /update_weights_from_disk) so it serves each exported policy, or use "
-                   "train.rollout.server=sglang-jax")
+            check(
+                len(given) == 1,
+                "train.rollout.engine=http needs exactly one of train.rollout.url (a running server), "
+                "train.rollout.server=sglang-jax or train.rollout.server_command (a server started here); "
+                f"got {given or 'none'}",
+            )
+            check(
+                not self.server_command or "{model}" in " ".join(self.server_command),
+                (
+                    f"train.rollout.server_command must name the model folder as {{model}}, got "
+                    f"{list(self.server_command)}"
+                ),
+            )
+            check(
+                self.url is None or self.reload_route is not None,
+                f"train.rollout.url={self.url!r} is a server this run cannot restart: set train.rollout.reload_route "
+                "(SGLang: /update_weights_from_disk) so it serves each exported policy, or use "
+                "train.rollout.server=sglang-jax",
+            )
 
     def learner_logprobs(self, compute_dtype: DType = DType.FLOAT32) -> bool:
         """Whether the learner rescores old_logp (see recompute_logprobs) for a policy computing in `compute_dtype`."""
@@ -299,9 +357,18 @@ class MeshShape(Section):
     attention heads, the MLP width and the vocabulary. -1 on one axis: every device the other
     axes leave, so the default runs on any number of devices."""
 
-    data: int = field(1, doc='Mesh axis that splits batches only; -1: the devices the other axes leave', ge=-1)
-    fsdp: int = field(-1, doc='Mesh axis that splits batches and every parameter and optimizer moment (ZeRO-3); -1: the devices the other axes leave', ge=-1)
-    tensor: int = field(1, doc='Mesh axis that splits heads, MLP width and vocabulary (Megatron-style); -1: the rest', ge=-1)
+    data: int = field(1, doc="Mesh axis that splits batches only; -1: the devices the other axes leave", ge=-1)
+    fsdp: int = field(
+        -1,
+        doc=(
+            "Mesh axis that splits batches and every parameter and optimizer moment (ZeRO-3); -1: the devices the "
+            "other axes leave"
+        ),
+        ge=-1,
+    )
+    tensor: int = field(
+        1, doc="Mesh axis that splits heads, MLP width and vocabulary (Megatron-style); -1: the rest", ge=-1
+    )
 
     def validate(self) -> None:
         for name in MESH_AXES:
@@ -318,11 +385,16 @@ class MeshShape(Section):
             fixed *= v if v > 0 else 1
         shown = ", ".join(f"{n}: {v}" for n, v in given.items())
         if -1 not in given.values():
-            check(fixed == num_devices, f"{field} {{{shown}}} needs {fixed} devices, but this run has {num_devices}; "
-                                         f"set one axis to -1 to take the rest")
+            check(
+                fixed == num_devices,
+                f"{field} {{{shown}}} needs {fixed} devices, but this run has {num_devices}; "
+                f"set one axis to -1 to take the rest",
+            )
             return tuple(given.values())
-        check(num_devices % fixed == 0, f"{field} {{{shown}}}: {num_devices} devices do not divide into axes "
-                                         f"of the fixed sizes (product {fixed})")
+        check(
+            num_devices % fixed == 0,
+            f"{field} {{{shown}}}: {num_devices} devices do not divide into axes of the fixed sizes (product {fixed})",
+        )
         return tuple(v if v > 0 else num_devices // fixed for v in given.values())
 
 
@@ -334,8 +406,16 @@ class MeshConfig(MeshShape):
     mesh, and no second copy of the weights. Not part of the training hash: a run resumes on
     another mesh (Orbax restores onto the new shardings)."""
 
-    rollout: MeshShape | None = field(None, doc="Another layout of the same devices for the sampler ({data, fsdp, tensor}); empty: the learner's mesh and no second copy of the weights")
-    reference: MeshShape | None = field(None, doc="Another layout of the same devices for the KL reference; empty: the learner's")
+    rollout: MeshShape | None = field(
+        None,
+        doc=(
+            "Another layout of the same devices for the sampler ({data, fsdp, tensor}); empty: the learner's mesh and "
+            "no second copy of the weights"
+        ),
+    )
+    reference: MeshShape | None = field(
+        None, doc="Another layout of the same devices for the KL reference; empty: the learner's"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,19 +431,31 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     rollout: RolloutConfig = field(factory=RolloutConfig)
     mesh: MeshConfig = field(factory=MeshConfig)
-    num_steps: int = field(100, doc='GRPO steps in the whole run', ge=1)
+    num_steps: int = field(100, doc="GRPO steps in the whole run", ge=1)
     seed: int = field(0, doc="Seed of every step's sampling", ge=0)
-    log_every: int | None = field(None, doc="Steps between the training task's metric log lines; empty: about ten per epoch", ge=1)
+    log_every: int | None = field(
+        None, doc="Steps between the training task's metric log lines; empty: about ten per epoch", ge=1
+    )
     # Memory at real shapes (grpo_core.config.memory): the decoder layers' rematerialisation, and the size
     # of one vocabulary chunk's f32 logits when log-probs are computed (grpo_core.rl.logprobs). Neither
     # changes a result: not in the training hash.
-    remat: RematPolicy = field(RematPolicy.AUTO, doc='What each decoder layer keeps for the backward pass: none (all, fastest), dots (the matmul outputs), full (its input only); auto: the fastest that fits the devices')
-    logits_chunk_mib: int = field(64, doc="Size of one vocabulary chunk's f32 logits when log-probs are computed (MiB)", ge=1)
+    remat: RematPolicy = field(
+        RematPolicy.AUTO,
+        doc=(
+            "What each decoder layer keeps for the backward pass: none (all, fastest), dots (the matmul outputs), full"
+            " (its input only); auto: the fastest that fits the devices"
+        ),
+    )
+    logits_chunk_mib: int = field(
+        64, doc="Size of one vocabulary chunk's f32 logits when log-probs are computed (MiB)", ge=1
+    )
 
     def validate(self) -> None:
-        check(not self.sampling.greedy,
-              "train.sampling.temperature must be > 0 for training: greedy decoding gives all "
-               f"{self.grpo.num_generations} completions of a group the same reward, so every advantage is 0")
+        check(
+            not self.sampling.greedy,
+            "train.sampling.temperature must be > 0 for training: greedy decoding gives all "
+            f"{self.grpo.num_generations} completions of a group the same reward, so every advantage is 0",
+        )
 
     def hash_fields(self) -> dict[str, Any]:
         """to_dict() less what changes no result (see RolloutConfig.result_fields)."""

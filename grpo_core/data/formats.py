@@ -29,8 +29,11 @@ class DataFormat(enum.Enum):
 
 
 def is_messages(value: Any) -> bool:
-    return (isinstance(value, list) and len(value) > 0
-            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
 
 
 def _verl_truth(row: dict[str, Any]) -> tuple[bool, Any]:
@@ -80,8 +83,9 @@ def apply_format(fmt: DataFormat, row: dict[str, Any], prompt_column: str) -> tu
     if fmt is DataFormat.VERL:
         found, truth = _verl_truth(row)
         if not found:
-            raise ValueError("has no 'ground_truth' column nor reward_model.ground_truth (data.format=verl); "
-                             f"columns: {sorted(row)}")
+            raise ValueError(
+                f"has no 'ground_truth' column nor reward_model.ground_truth (data.format=verl); columns: {sorted(row)}"
+            )
         if isinstance(truth, (int, float)) and not isinstance(truth, bool):
             truth = str(truth)  # one type per column; the math rewards read text
         return dict(row, ground_truth=truth), prompt_column
@@ -93,8 +97,9 @@ def chat_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, Any]
     unless the messages bring their own."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not is_messages(messages):
-        raise ValueError("a chat prompt must be text or a non-empty list of {role, content} messages, got "
-                         f"{_short(prompt)}")
+        raise ValueError(
+            f"a chat prompt must be text or a non-empty list of {{role, content}} messages, got {_short(prompt)}"
+        )
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system_prompt}, *messages]
     return messages

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from grpo_core.config.train import ConfigError
+from grpo_core.errors import ConfigError
 
 
 class CharTokenizer:
@@ -82,7 +82,9 @@ class ReverseTask:
 
     def __post_init__(self):
         if not (1 <= self.min_len <= self.max_len):
-            raise ConfigError(f"task.min_len/max_len must satisfy 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+            raise ConfigError(
+                f"task.min_len/max_len must satisfy 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}"
+            )
         if len(self.alphabet) < 2:
             raise ConfigError(f"task.alphabet needs at least 2 letters, got {self.alphabet!r}")
 

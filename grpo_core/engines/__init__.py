@@ -33,6 +33,7 @@ import sys
 import threading
 from typing import Any, Callable, Protocol, Sequence
 
+import jax
 import numpy as np
 
 from grpo_core.errors import ExitCode, RolloutError, RolloutTimeout
@@ -58,8 +59,14 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-def finish_rows(rows: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], n: int, eos_ids: Sequence[int],
-                pad_id: int, who: str) -> Completions:
+def finish_rows(
+    rows: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    n: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    who: str,
+) -> Completions:
     """Pad per-row completions from an external engine to the sampler's layout: each row ends
     at its first stop token (kept, as the sampler keeps it) and is truncated without one."""
     b = len(rows)
@@ -85,7 +92,6 @@ def finish_rows(rows: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float
 
 def row_seeds(key, rows: int) -> np.ndarray:
     """Per-row sampling seeds (int32 range) from a step's PRNG key: a resumed step draws the same."""
-    import jax
 
     data = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel()
     return np.random.default_rng(data.tolist()).integers(1, 2**31 - 1, size=rows)
@@ -119,7 +125,7 @@ def wait_for(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     return box.get("value")
 
 
-class watchdog:
+class watchdog:  # noqa: N801  (used like a function: `with watchdog(seconds, what):`)
     """`with watchdog(seconds, what):` for waits that must run in the main thread and cannot be
     interrupted (sglang-jax's engine start installs signal handlers, so it cannot move to a
     helper thread). If the block outlives its limit, the message goes to stderr and the process
@@ -145,19 +151,18 @@ class watchdog:
         return False
 
 
-def sglang_python(repo_root: str | None = None) -> str | None:
-    """The sglang-jax environment's interpreter: GRPO_SGLANG_PYTHON, else .venv-sglang/bin/python
-    of the project checkout (where `make sglang-env` builds it), else None."""
-    env = os.environ.get("GRPO_SGLANG_PYTHON")
-    if env:
-        return env
-    root = repo_root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, ".venv-sglang", "bin", "python")
-    return path if os.path.exists(path) else None
-
-
-def make_engine(cfg, *, graphdef, params_fn: Callable[[], Any], model_config, opts, batch_size: int,
-                tokenizer=None, seed: int = 0, placement=None) -> RolloutEngine:
+def make_engine(
+    cfg,
+    *,
+    graphdef,
+    params_fn: Callable[[], Any],
+    model_config,
+    opts,
+    batch_size: int,
+    tokenizer=None,
+    seed: int = 0,
+    placement=None,
+) -> RolloutEngine:
     """The engine `cfg` (a RolloutConfig) names. params_fn returns the policy's current params
     (the built-in engine reads them at each call; the others are sent them by `sync`).
     `placement` (grpo_core.runtime.mesh): the built-in engine's rollout mesh."""

@@ -36,10 +36,22 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from grpo_core.engines import (Completions, RolloutError, RolloutTimeout, finish_rows, prompt_lists, row_seeds,
-                               sglang_python, wait_for)
+import jax
+from flax import nnx
+
+from grpo_core.engines import (
+    Completions,
+    RolloutError,
+    RolloutTimeout,
+    finish_rows,
+    prompt_lists,
+    row_seeds,
+    wait_for,
+)
 from grpo_core.engines.sglang import sampling_params, sglang_jax_args
-from grpo_core.launch.processes import free_port, stop_process_groups
+from grpo_core.launch.processes import free_port, sglang_python, stop_process_groups
+from grpo_core.nn.hf import save_hf_model
+from grpo_core.nn.model import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +106,22 @@ class OwnedServer:
         self.log_path = os.path.join(self.log_dir, f"server-{self.starts}.log")
         t = time.perf_counter()
         with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **self.env},
+            )
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RolloutError(f"the rollout server exited with code {self.proc.returncode} while starting: "
-                                   f"{' '.join(cmd)}\n{self.tail()}")
+                raise RolloutError(
+                    f"the rollout server exited with code {self.proc.returncode} while starting: "
+                    f"{' '.join(cmd)}\n{self.tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
                     if resp.status == 200:
@@ -110,8 +130,10 @@ class OwnedServer:
                 pass
             if time.monotonic() >= deadline:
                 self.stop()
-                raise RolloutTimeout(f"waited {self.start_timeout_s:g} s for the rollout server to answer {self.url}/health "
-                                     f"(train.rollout.start_timeout_s): {' '.join(cmd)}\n{self.tail()}")
+                raise RolloutTimeout(
+                    f"waited {self.start_timeout_s:g} s for the rollout server to answer {self.url}/health "
+                    f"(train.rollout.start_timeout_s): {' '.join(cmd)}\n{self.tail()}"
+                )
             time.sleep(0.25)
 
     def tail(self, n: int = 3000) -> str:
@@ -134,10 +156,21 @@ def sglang_jax_command(cfg, device: str, dtype: str, batch_size: int, max_new_to
     `--flag value` (a true switch as `--flag`, a false one left out), then cfg.server_args."""
     python = sglang_python()
     if python is None:
-        raise RolloutError("train.rollout.server=sglang-jax needs the sglang-jax environment: run `make sglang-env` "
-                           "(builds .venv-sglang) or set GRPO_SGLANG_PYTHON to its python")
-    args = sglang_jax_args(cfg, "{model}", device=device, dtype=dtype, batch_size=batch_size,
-                           max_new_tokens=max_new_tokens, seed=seed, host="{host}", port="{port}")
+        raise RolloutError(
+            "train.rollout.server=sglang-jax needs the sglang-jax environment: run `make sglang-env` "
+            "(builds .venv-sglang) or set GRPO_SGLANG_PYTHON to its python"
+        )
+    args = sglang_jax_args(
+        cfg,
+        "{model}",
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        host="{host}",
+        port="{port}",
+    )
     cmd = [python, "-m", "sgl_jax.launch_server"]
     for name, value in args.items():
         if isinstance(value, bool):
@@ -151,10 +184,6 @@ class HttpEngine:
     name = "http"
 
     def __init__(self, cfg, graphdef, model_config, opts, batch_size: int, tokenizer=None, seed: int = 0):
-        import jax
-        from flax import nnx
-
-        from grpo_core.nn.model import CausalLM
 
         self.cfg, self.opts, self.batch_size, self.tokenizer = cfg, opts, batch_size, tokenizer
         self.model_config = model_config
@@ -174,8 +203,11 @@ class HttpEngine:
         device = "cpu" if jax.default_backend() == "cpu" else "tpu"
         dtype = cfg.dtype or model_config.dtype.value
         if cfg.server or cfg.server_command:
-            cmd = (sglang_jax_command(cfg, device, dtype, batch_size, opts.max_new_tokens, seed) if cfg.server
-                   else list(cfg.server_command))
+            cmd = (
+                sglang_jax_command(cfg, device, dtype, batch_size, opts.max_new_tokens, seed)
+                if cfg.server
+                else list(cfg.server_command)
+            )
             env = {"JAX_PLATFORMS": "cpu"} if device == "cpu" else {}
             self.server = OwnedServer(cmd, env, self.export_root, cfg.start_timeout_s)
 
@@ -185,9 +217,6 @@ class HttpEngine:
     # -- weights ---------------------------------------------------------------------------
 
     def _export(self, params, step: int) -> str:
-        from flax import nnx
-
-        from grpo_core.nn.hf import save_hf_model
 
         folder = os.path.join(self.export_root, f"step-{step}")
         shutil.rmtree(folder, ignore_errors=True)
@@ -208,9 +237,14 @@ class HttpEngine:
             self.server.start(folder)
             self.base_url = self.server.url
         else:
-            request_json("POST", f"{self.base_url}{self.cfg.reload_route}", {"model_path": folder},
-                         self.cfg.sync_timeout_s, self.cfg.request_retries,
-                         f"reloading the weights of step {step} (train.rollout.sync_timeout_s)")
+            request_json(
+                "POST",
+                f"{self.base_url}{self.cfg.reload_route}",
+                {"model_path": folder},
+                self.cfg.sync_timeout_s,
+                self.cfg.request_retries,
+                f"reloading the weights of step {step} (train.rollout.sync_timeout_s)",
+            )
         if self.folder and self.folder != folder and self._own_export:
             shutil.rmtree(self.folder, ignore_errors=True)
         self.folder, self.served_step = folder, step
@@ -224,17 +258,31 @@ class HttpEngine:
     # -- generation ------------------------------------------------------------------------
 
     def _call(self, path: str, body: dict, what: str) -> Any:
-        return request_json("POST", f"{self.base_url}{path}", body, self.cfg.generate_timeout_s,
-                            self.cfg.request_retries, f"{what} (train.rollout.generate_timeout_s)")
+        return request_json(
+            "POST",
+            f"{self.base_url}{path}",
+            body,
+            self.cfg.generate_timeout_s,
+            self.cfg.request_retries,
+            f"{what} (train.rollout.generate_timeout_s)",
+        )
 
     def model_name(self) -> str:
         if self._model_name is None:
-            listed = request_json("GET", f"{self.base_url}/v1/models", None, self.cfg.generate_timeout_s,
-                                  self.cfg.request_retries, "the served model's name")
+            listed = request_json(
+                "GET",
+                f"{self.base_url}/v1/models",
+                None,
+                self.cfg.generate_timeout_s,
+                self.cfg.request_retries,
+                "the served model's name",
+            )
             try:
                 self._model_name = listed["data"][0]["id"]
             except (KeyError, IndexError, TypeError):
-                raise RolloutError(f"{self.base_url}/v1/models lists no model ({listed!r}): set train.rollout.model_name")
+                raise RolloutError(
+                    f"{self.base_url}/v1/models lists no model ({listed!r}): set train.rollout.model_name"
+                )
         return self._model_name
 
     def generate(self, prompt_tokens, prompt_valid, key, num_samples: int) -> Completions:
@@ -244,15 +292,26 @@ class HttpEngine:
         o = self.opts
         if self.cfg.api.value == "sglang":
             seeds = row_seeds(key, len(ids)) if self.cfg.deterministic else None
-            out = self._call("/generate", {"input_ids": ids, "sampling_params": sampling_params(o, len(ids), seeds),
-                                           "return_logprob": True}, f"{len(ids)} completions")
+            out = self._call(
+                "/generate",
+                {"input_ids": ids, "sampling_params": sampling_params(o, len(ids), seeds), "return_logprob": True},
+                f"{len(ids)} completions",
+            )
             out = out if isinstance(out, list) else [out]
             rows = [r["output_ids"] for r in out]
             lps = [[float(p[0]) for p in r["meta_info"]["output_token_logprobs"]] for r in out]
         else:
-            body = {"model": self.model_name(), "prompt": ids, "max_tokens": o.max_new_tokens, "temperature": o.temperature,
-                    "top_p": o.top_p, "logprobs": 1, "n": 1, "skip_special_tokens": False,
-                    "return_tokens_as_token_ids": True}  # vLLM: ids as "token_id:N"; others ignore it
+            body = {
+                "model": self.model_name(),
+                "prompt": ids,
+                "max_tokens": o.max_new_tokens,
+                "temperature": o.temperature,
+                "top_p": o.top_p,
+                "logprobs": 1,
+                "n": 1,
+                "skip_special_tokens": False,
+                "return_tokens_as_token_ids": True,
+            }  # vLLM: ids as "token_id:N"; others ignore it
             if o.top_k > 0:
                 body["top_k"] = o.top_k
             if o.eos_ids:
@@ -262,7 +321,9 @@ class HttpEngine:
             out = self._call("/v1/completions", body, f"{len(ids)} completions")
             choices = sorted(out.get("choices", []), key=lambda c: c["index"])
             if len(choices) != len(ids):
-                raise RolloutError(f"{self.base_url}/v1/completions answered {len(choices)} choices for {len(ids)} prompts")
+                raise RolloutError(
+                    f"{self.base_url}/v1/completions answered {len(choices)} choices for {len(ids)} prompts"
+                )
             rows, lps = [], []
             for c in choices:
                 lp = c.get("logprobs") or {}
@@ -274,16 +335,18 @@ class HttpEngine:
 
     def _token_ids(self, tokens: list[str]) -> list[int]:
         if tokens and all(t.startswith("token_id:") for t in tokens):
-            return [int(t[len("token_id:"):]) for t in tokens]
+            return [int(t[len("token_id:") :]) for t in tokens]
         texts = self._decodings()
         out = []
         for t in tokens:
             ids = texts.get(t, [])
             if len(ids) != 1:
-                raise RolloutError(f"the rollout server returned token text {t!r}, which the tokenizer decodes from "
-                                   f"{'no id' if not ids else f'{len(ids)} ids'}: token ids cannot be recovered from "
-                                   "/v1/completions here; use train.rollout.api=sglang (/generate returns ids) or a "
-                                   "server that returns ids (vLLM: return_tokens_as_token_ids)")
+                raise RolloutError(
+                    f"the rollout server returned token text {t!r}, which the tokenizer decodes from "
+                    f"{'no id' if not ids else f'{len(ids)} ids'}: token ids cannot be recovered from "
+                    "/v1/completions here; use train.rollout.api=sglang (/generate returns ids) or a "
+                    "server that returns ids (vLLM: return_tokens_as_token_ids)"
+                )
             out.append(ids[0])
         return out
 

@@ -10,9 +10,9 @@ completions come back whole to every process.
 
 from __future__ import annotations
 
-from grpo_core.runtime.mesh import to_host
 from grpo_core.rl.sampler import SamplerOptions, compile_jobs, generate
 from grpo_core.rl.types import Completions
+from grpo_core.runtime.mesh import to_host
 
 
 class JaxEngine:
@@ -27,7 +27,11 @@ class JaxEngine:
         pl = self.placement
         if pl is None:
             return self.params_fn(), prompt_tokens, prompt_valid, None
-        return (pl.rollout_params(self.params_fn()), *pl.put_batch((prompt_tokens, prompt_valid), pl.rollout), pl.rollout)
+        return (
+            pl.rollout_params(self.params_fn()),
+            *pl.put_batch((prompt_tokens, prompt_valid), pl.rollout),
+            pl.rollout,
+        )
 
     def compile_jobs(self, prompt_tokens, prompt_valid, key, num_samples: int):
         params, ptok, pval, mesh = self._inputs(prompt_tokens, prompt_valid)

@@ -23,20 +23,43 @@ Prints one JSON report (and writes it to --json); exit 0 when every check passed
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 import time
 
+import jax
+import numpy as np
+from flax import nnx
+
+from grpo_core.config.model import ModelConfig
+from grpo_core.config.train import RolloutConfig
+from grpo_core.nn import lora
+from grpo_core.nn.model import create_model
+from grpo_core.rl.learner import score_completions
+from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key
+from grpo_core.rl.trainer import GRPOTrainer
+from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def policy_config(**overrides):
-    from grpo_core.config.train import ModelConfig
 
-    fields = dict(vocab_size=64, hidden_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=128, intermediate_size=512, tie_word_embeddings=False, qk_norm=True,
-                  max_position_embeddings=512, rope_theta=10_000.0)
+    fields = dict(
+        vocab_size=64,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        intermediate_size=512,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        max_position_embeddings=512,
+        rope_theta=10_000.0,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -44,17 +67,12 @@ def policy_config(**overrides):
 def peaked_policy(cfg, seed: int):
     """A random policy whose matrices are scaled up, so greedy decoding has clear winners
     (near-ties would let two correct implementations pick different tokens)."""
-    import jax
-    from flax import nnx
-
-    from grpo_core.nn.model import create_model
 
     graphdef, params = nnx.split(create_model(cfg, seed))
     return graphdef, jax.tree.map(lambda p: p * 6.0 if p.ndim >= 2 else p, params)
 
 
 def _prompts(cfg, pad_id: int):
-    from grpo_core.rl.sampler import pad_prompts
 
     rows = [[5, 9, 11, 3], [17, 4], [30, 31, 32, 33, 34, 35]]
     return pad_prompts(rows, (8,), pad_id)
@@ -67,13 +85,8 @@ def _check(report: dict, name: str, ok: bool, **detail) -> None:
 
 
 def parity(report: dict, max_new_tokens: int = 12) -> None:
-    import jax
-    import numpy as np
 
-    from grpo_core.config.train import RolloutConfig
     from grpo_core.engines.sglang import SglangEngine
-    from grpo_core.rl.learner import score_completions
-    from grpo_core.rl.sampler import SamplerOptions, generate, step_key
 
     cfg = policy_config()
     graphdef, params_a = peaked_policy(cfg, 0)
@@ -86,12 +99,20 @@ def parity(report: dict, max_new_tokens: int = 12) -> None:
         c = generate(graphdef, params, ptok, pval, key, opts, g)
         return jax.device_get((c.tokens, c.logprobs, c.lengths, c.truncated))
 
-    rollout = RolloutConfig(engine="sglang", disable_precompile=True, max_total_tokens=4096, context_length=256,
-                            start_timeout_s=600, generate_timeout_s=300, sync_timeout_s=120)
+    rollout = RolloutConfig(
+        engine="sglang",
+        disable_precompile=True,
+        max_total_tokens=4096,
+        context_length=256,
+        start_timeout_s=600,
+        generate_timeout_s=300,
+        sync_timeout_s=120,
+    )
     t = time.perf_counter()
     engine = SglangEngine(rollout, cfg, greedy, batch_size=len(ptok) * g, seed=0)
     report["engine_start_s"] = round(time.perf_counter() - t, 3)
     try:
+
         def theirs(params=None, opts=None, key=step_key(0, 0)):
             if params is not None:
                 engine.sync(params, len(engine.sync_times))
@@ -103,19 +124,35 @@ def parity(report: dict, max_new_tokens: int = 12) -> None:
         got_a = theirs(params_a)
         same = lambda x, y: all(np.array_equal(u, v) for u, v in zip((x[0], x[2], x[3]), (y[0], y[2], y[3])))
         lp_diff = float(np.max(np.abs(got_a[1] - ref_a[1])))
-        _check(report, "greedy_matches_sampler", same(got_a, ref_a) and lp_diff < 2e-3, logprob_max_abs_diff=lp_diff,
-               engine=got_a[0].tolist(), sampler=ref_a[0].tolist())
+        _check(
+            report,
+            "greedy_matches_sampler",
+            same(got_a, ref_a) and lp_diff < 2e-3,
+            logprob_max_abs_diff=lp_diff,
+            engine=got_a[0].tolist(),
+            sampler=ref_a[0].tolist(),
+        )
         got_b = theirs(params_b)
-        _check(report, "sync_changes_outputs", same(got_b, ref_b) and not np.array_equal(got_b[0], got_a[0]),
-               engine=got_b[0].tolist(), sampler=ref_b[0].tolist())
+        _check(
+            report,
+            "sync_changes_outputs",
+            same(got_b, ref_b) and not np.array_equal(got_b[0], got_a[0]),
+            engine=got_b[0].tolist(),
+            sampler=ref_b[0].tolist(),
+        )
         _check(report, "sync_back_restores", same(theirs(params_a), ref_a))
 
         # A stop token: the first token greedy row 0 emits after its first step.
         eos = int(ref_a[0][0][1])
         stop = SamplerOptions(max_new_tokens, 0.0, 0, 1.0, (eos,), 0)
         ref_s, got_s = ours(params_a, stop), theirs(None, stop)
-        _check(report, "stop_token_matches", same(got_s, ref_s) and bool(np.any(~ref_s[3])),
-               lengths=got_s[2].tolist(), sampler_lengths=ref_s[2].tolist())
+        _check(
+            report,
+            "stop_token_matches",
+            same(got_s, ref_s) and bool(np.any(~ref_s[3])),
+            lengths=got_s[2].tolist(),
+            sampler_lengths=ref_s[2].tolist(),
+        )
 
         # Sampling: reproducible from the key; log-probs under softmax(logits / T), as the learner's.
         warm = SamplerOptions(max_new_tokens, 0.7, 20, 1.0, (), 0)
@@ -133,9 +170,6 @@ def parity(report: dict, max_new_tokens: int = 12) -> None:
         # generate what the sampler generates with the adapters on.
         lgd, lparams = lora_policy(graphdef, params_a)
         ref_l = jax.device_get(generate(lgd, lparams, ptok, pval, step_key(0, 0), greedy, g).tokens)
-        from flax import nnx
-
-        from grpo_core.nn import lora
 
         merged = nnx.state(lora.merge(nnx.merge(lgd, lparams)), nnx.Param)
         got_l = theirs(merged)
@@ -146,10 +180,6 @@ def parity(report: dict, max_new_tokens: int = 12) -> None:
 
 def lora_policy(graphdef, params):
     """The policy with LoRA adapters whose B is non-zero, so they change the outputs."""
-    import jax
-    from flax import nnx
-
-    from grpo_core.nn import lora
 
     model = lora.apply(nnx.merge(graphdef, params), lora.LoraConfig(rank=4, alpha=8.0))
     adapters = nnx.state(model, nnx.LoRAParam)
@@ -160,17 +190,17 @@ def lora_policy(graphdef, params):
 
 def train(report: dict, steps: int) -> None:
     """A few GRPO steps of the synthetic task with the sglang engine (head_dim 128 policy)."""
-    import copy
-
-    from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
-    from grpo_core.rl.trainer import GRPOTrainer
 
     cfg = copy.deepcopy(SYNTHETIC_DEFAULT)
     cfg["model"].update(num_attention_heads=2, num_key_value_heads=1, head_dim=128)
     cfg["train"].update(num_steps=steps)
     cfg["train"]["grpo"].update(prompts_per_step=4, num_generations=4)
-    cfg["train"]["rollout"] = {"engine": "sglang", "disable_precompile": True, "max_total_tokens": 2048,
-                               "context_length": 128}
+    cfg["train"]["rollout"] = {
+        "engine": "sglang",
+        "disable_precompile": True,
+        "max_total_tokens": 2048,
+        "context_length": 128,
+    }
     run = build_synthetic(cfg)
     tr = GRPOTrainer(run.model, run.train, run.tokenizer, run.rewards, run.task)
     try:
@@ -178,8 +208,10 @@ def train(report: dict, steps: int) -> None:
         for _ in range(steps):
             hist.append(tr.train_step())
             synced.append(tr.engine.synced_step)
-        report["train"] = [{k: round(m[k], 5) for k in ("reward", "loss", "ratio_mean", "time/rollout", "time/sync")
-                            if k in m} for m in hist]
+        report["train"] = [
+            {k: round(m[k], 5) for k in ("reward", "loss", "ratio_mean", "time/rollout", "time/sync") if k in m}
+            for m in hist
+        ]
         ok = all(abs(m["ratio_mean"] - 1.0) < 1e-4 for m in hist) and all(s == i + 1 for i, s in enumerate(synced))
         _check(report, "training_steps", ok and len(hist) == steps, synced_steps=synced)
     finally:

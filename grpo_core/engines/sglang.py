@@ -32,18 +32,27 @@ import tempfile
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from grpo_core.engines import (Completions, RolloutError, RolloutTimeout, finish_rows, prompt_lists, row_seeds,
-                               wait_for, watchdog)
+from grpo_core.engines import (
+    Completions,
+    RolloutError,
+    RolloutTimeout,
+    finish_rows,
+    prompt_lists,
+    row_seeds,
+    wait_for,
+    watchdog,
+)
 
 log = logging.getLogger(__name__)
 
 
 def leaf_names(model) -> list[str]:
     """Dotted paths of an NNX model's state leaves, in tree_flatten order."""
-    import jax
-    from flax import nnx
 
     _, state = nnx.split(model)
     names = []
@@ -93,21 +102,23 @@ def plan_sync(names: list[str], engine_leaves: list, ours: dict[tuple[str, ...],
             # Tensor parallelism wider than the k/v heads: the engine repeats each head's block.
             kv = path[-2] in ("k_proj", "v_proj") and src[:-1] == shape[:-1] and shape[-1] % src[-1] == 0
             if not kv:
-                raise RolloutError(f"sglang-jax parameter {name} has shape {shape}, the policy's {'.'.join(path)} "
-                                   f"gives {src}: the engine was built for another model")
+                raise RolloutError(
+                    f"sglang-jax parameter {name} has shape {shape}, the policy's {'.'.join(path)} "
+                    f"gives {src}: the engine was built for another model"
+                )
             reps = shape[-1] // src[-1]
         plan.append((path, layer, transpose, reps, str(leaf.dtype), shape))
     unused = sorted(".".join(p) for p in set(ours) - used)
     if unused:
-        raise RolloutError(f"policy parameters {unused[:5]} feed no sglang-jax parameter: the engine runs another model")
+        raise RolloutError(
+            f"policy parameters {unused[:5]} feed no sglang-jax parameter: the engine runs another model"
+        )
     return plan
 
 
 def make_converter(plan: list[tuple], head_dim: int):
     """A jitted function: our flat parameters -> the engine's new leaves (fresh buffers, except
     where a leaf is our array unchanged, which the caller copies)."""
-    import jax
-    import jax.numpy as jnp
 
     def convert(flat):
         out = []
@@ -130,8 +141,6 @@ def make_converter(plan: list[tuple], head_dim: int):
 
 def flat_params(params) -> dict[tuple[str, ...], Any]:
     """{path: array} of a plain policy's nnx.State (or pure dict)."""
-    import jax
-    from flax import nnx
 
     pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
     return {tuple(str(k.key) for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
@@ -140,9 +149,14 @@ def flat_params(params) -> dict[tuple[str, ...], Any]:
 def sampling_params(opts, rows: int, seeds: np.ndarray | None) -> list[dict[str, Any]] | dict[str, Any]:
     """Our SamplerOptions as sglang sampling params: stop ids kept in the output (no special-token
     skipping), top_k 0 -> -1 (off); with seeds, one dict per row."""
-    sp: dict[str, Any] = {"max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature,
-                          "top_p": opts.top_p, "top_k": opts.top_k if opts.top_k > 0 else -1,
-                          "skip_special_tokens": False, "no_stop_trim": True}
+    sp: dict[str, Any] = {
+        "max_new_tokens": opts.max_new_tokens,
+        "temperature": opts.temperature,
+        "top_p": opts.top_p,
+        "top_k": opts.top_k if opts.top_k > 0 else -1,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
     if opts.eos_ids:
         sp["stop_token_ids"] = [int(e) for e in opts.eos_ids]
     else:
@@ -152,8 +166,9 @@ def sampling_params(opts, rows: int, seeds: np.ndarray | None) -> list[dict[str,
     return [dict(sp, sampling_seed=int(s)) for s in seeds[:rows]]
 
 
-def sglang_jax_args(cfg, model_path: str, *, device: str, dtype: str, batch_size: int, max_new_tokens: int,
-                    seed: int, **own: Any) -> dict[str, Any]:
+def sglang_jax_args(
+    cfg, model_path: str, *, device: str, dtype: str, batch_size: int, max_new_tokens: int, seed: int, **own: Any
+) -> dict[str, Any]:
     """The arguments sglang-jax starts with for this policy, as its ServerArgs field names, in the
     order the server's command line lists them: one set for the in-process engine (keyword
     arguments of Engine) and the server the http engine starts (grpo_core.engines.http
@@ -164,9 +179,17 @@ def sglang_jax_args(cfg, model_path: str, *, device: str, dtype: str, batch_size
     backend and a bounded KV cache (sglang would size it by host RAM); a switch is always present,
     True or False; an optional setting only when set."""
     args: dict[str, Any] = dict(
-        model_path=model_path, **own, device=device, grammar_backend="none", disable_radix_cache=True,
-        skip_server_warmup=True, random_seed=int(seed), log_level="warning", dtype=dtype,
-        max_running_requests=cfg.max_running_requests or batch_size)
+        model_path=model_path,
+        **own,
+        device=device,
+        grammar_backend="none",
+        disable_radix_cache=True,
+        skip_server_warmup=True,
+        random_seed=int(seed),
+        log_level="warning",
+        dtype=dtype,
+        max_running_requests=cfg.max_running_requests or batch_size,
+    )
     if device == "cpu" or cfg.attention_backend:
         args["attention_backend"] = cfg.attention_backend or "native"
     if device == "cpu" or cfg.max_total_tokens:
@@ -174,14 +197,17 @@ def sglang_jax_args(cfg, model_path: str, *, device: str, dtype: str, batch_size
     for name in ("context_length", "mem_fraction_static"):
         if getattr(cfg, name) is not None:
             args[name] = getattr(cfg, name)
-    args.update(disable_precompile=cfg.disable_precompile, enable_deterministic_sampling=cfg.deterministic,
-                disable_overlap_schedule=not cfg.overlap_schedule)
+    args.update(
+        disable_precompile=cfg.disable_precompile,
+        enable_deterministic_sampling=cfg.deterministic,
+        disable_overlap_schedule=not cfg.overlap_schedule,
+    )
     return args
 
 
 def write_model_folder(model_config, dtype: str) -> str:
     """A folder holding only config.json: enough for sglang-jax to build the model with dummy weights."""
-    from grpo_core.nn.hf import hf_config
+    from grpo_core.config.model import hf_config
 
     folder = tempfile.mkdtemp(prefix="grpo-sglang-model-")
     cfg = dict(hf_config(model_config), torch_dtype=dtype, dtype=dtype)
@@ -194,28 +220,40 @@ class SglangEngine:
     name = "sglang"
 
     def __init__(self, cfg, model_config, opts, batch_size: int, seed: int = 0):
-        import jax
 
         try:
             from sgl_jax.srt.entrypoints.engine import Engine
         except ImportError as exc:
             import sys
 
-            raise RolloutError(f"train.rollout.engine=sglang needs sglang-jax, which {sys.executable} cannot import "
-                               f"({exc}): start the training worker with the .venv-sglang interpreter (make "
-                               "sglang-env; the pipeline does this itself, or set pipeline.worker_python / "
-                               "GRPO_SGLANG_PYTHON)") from None
+            raise RolloutError(
+                f"train.rollout.engine=sglang needs sglang-jax, which {sys.executable} cannot import "
+                f"({exc}): start the training worker with the .venv-sglang interpreter (make "
+                "sglang-env; the pipeline does this itself, or set pipeline.worker_python / "
+                "GRPO_SGLANG_PYTHON)"
+            ) from None
         self.cfg, self.opts, self.batch_size = cfg, opts, batch_size
         self.synced_step: int | None = None
         self.head_dim = model_config.head_dim
         backend = jax.default_backend()
         dtype = cfg.dtype or model_config.dtype.value
         self._folder = write_model_folder(model_config, dtype)
-        kw = sglang_jax_args(cfg, self._folder, device="cpu" if backend == "cpu" else "tpu", dtype=dtype,
-                             batch_size=batch_size, max_new_tokens=opts.max_new_tokens, seed=seed,
-                             load_format="dummy", skip_tokenizer_init=True, enable_single_process=True)
+        kw = sglang_jax_args(
+            cfg,
+            self._folder,
+            device="cpu" if backend == "cpu" else "tpu",
+            dtype=dtype,
+            batch_size=batch_size,
+            max_new_tokens=opts.max_new_tokens,
+            seed=seed,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            enable_single_process=True,
+        )
         t = time.perf_counter()
-        with watchdog(cfg.start_timeout_s, f"the sglang-jax engine to start on {backend} (train.rollout.start_timeout_s)"):
+        with watchdog(
+            cfg.start_timeout_s, f"the sglang-jax engine to start on {backend} (train.rollout.start_timeout_s)"
+        ):
             try:
                 self.engine = Engine(**kw)
             except Exception as exc:
@@ -224,18 +262,21 @@ class SglangEngine:
         self.runner = self.engine.scheduler_info["scheduler"].tp_worker.worker.model_runner
         self.names = leaf_names(self.runner.model)
         if len(self.names) != len(self.runner.model_state_leaves):
-            raise RolloutError(f"sglang-jax's model has {len(self.names)} state leaves but its runner holds "
-                               f"{len(self.runner.model_state_leaves)}: this sglang-jax version is not supported")
+            raise RolloutError(
+                f"sglang-jax's model has {len(self.names)} state leaves but its runner holds "
+                f"{len(self.runner.model_state_leaves)}: this sglang-jax version is not supported"
+            )
         self._plan = self._convert = None
         self.sync_times: list[float] = []
-        log.info("sglang-jax engine started in %.1f s (%s, %s, %d leaves)", self.start_s, backend, dtype, len(self.names))
+        log.info(
+            "sglang-jax engine started in %.1f s (%s, %s, %d leaves)", self.start_s, backend, dtype, len(self.names)
+        )
 
     def compile_jobs(self, prompt_tokens, prompt_valid, key, num_samples: int):
         return []  # sglang-jax compiles its own programs (at start unless disable_precompile)
 
     def sync(self, params, step: int) -> float:
         """Assign the policy's weights to the engine (between generate calls: none is in flight)."""
-        import jax
 
         t = time.perf_counter()
         flat = flat_params(params)
@@ -268,8 +309,6 @@ class SglangEngine:
     def _release_dummy(self, leaves) -> None:
         """Point the runner's model at the new arrays too, so the start-up dummy weights (or the
         previous step's) are freed instead of held by the module."""
-        import jax
-        from flax import nnx
 
         if getattr(self, "_state_def", None) is None:
             self._state_def = jax.tree_util.tree_structure(nnx.split(self.runner.model)[1])
@@ -289,8 +328,10 @@ class SglangEngine:
         try:
             out = self.engine.loop.run_until_complete(asyncio.wait_for(coro, limit))
         except asyncio.TimeoutError:
-            raise RolloutTimeout(f"waited {limit:g} s for sglang-jax to generate {len(ids)} completions of up to "
-                                 f"{self.opts.max_new_tokens} tokens (train.rollout.generate_timeout_s)") from None
+            raise RolloutTimeout(
+                f"waited {limit:g} s for sglang-jax to generate {len(ids)} completions of up to "
+                f"{self.opts.max_new_tokens} tokens (train.rollout.generate_timeout_s)"
+            ) from None
         out = out if isinstance(out, list) else [out]
         rows, lps = [], []
         for i, o in enumerate(out):

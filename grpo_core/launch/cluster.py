@@ -29,6 +29,7 @@ import json
 import logging
 import os
 from typing import Any, Mapping
+
 from grpo_core.errors import DistributedError
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ def from_env(env: Mapping[str, str] | None = None, requested: bool = False) -> C
             raise DistributedError(f"{name} must be >= {low}, got {value}")
         return value
 
-    timeouts = dict(init_timeout_s=integer(ENV_INIT_TIMEOUT, 300, 1), heartbeat_timeout_s=integer(ENV_HEARTBEAT_TIMEOUT, 100, 1))
+    timeouts = dict(
+        init_timeout_s=integer(ENV_INIT_TIMEOUT, 300, 1), heartbeat_timeout_s=integer(ENV_HEARTBEAT_TIMEOUT, 100, 1)
+    )
     coordinator = env.get(ENV_COORDINATOR) or None
     if coordinator is None:
         mode = env.get(ENV_DISTRIBUTED, "").lower()
@@ -94,21 +97,34 @@ def initialize(cluster: Cluster | None) -> None:
     if platforms.split(",")[0] == "cpu" and "jax_cpu_collectives_implementation" in jax.config.values:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # The coordinator (process 0) listens on the address the others dial, not on every interface.
-    kw: dict[str, Any] = dict(coordinator_address=cluster.coordinator, num_processes=cluster.num_processes,
-                              process_id=cluster.process_id, initialization_timeout=cluster.init_timeout_s,
-                              heartbeat_timeout_seconds=cluster.heartbeat_timeout_s,
-                              coordinator_bind_address=cluster.coordinator)
+    kw: dict[str, Any] = dict(
+        coordinator_address=cluster.coordinator,
+        num_processes=cluster.num_processes,
+        process_id=cluster.process_id,
+        initialization_timeout=cluster.init_timeout_s,
+        heartbeat_timeout_seconds=cluster.heartbeat_timeout_s,
+        coordinator_bind_address=cluster.coordinator,
+    )
     accepted = inspect.signature(jax.distributed.initialize).parameters
     kw = {k: v for k, v in kw.items() if k in accepted and (v is not None or k == "coordinator_address")}
     try:
         jax.distributed.initialize(**kw)
     except Exception as exc:  # noqa: BLE001 - JAX raises RuntimeError/XlaRuntimeError/ValueError here
-        who = f"process {cluster.process_id} of {cluster.num_processes} at {cluster.coordinator}" \
-            if cluster.coordinator else "auto-detected cluster"
-        raise DistributedError(f"jax.distributed.initialize failed ({who}, {cluster.init_timeout_s} s to join): "
-                               f"{exc}") from exc
-    log.info("process %d of %d; %d local / %d global devices", jax.process_index(), jax.process_count(),
-             jax.local_device_count(), jax.device_count())
+        who = (
+            f"process {cluster.process_id} of {cluster.num_processes} at {cluster.coordinator}"
+            if cluster.coordinator
+            else "auto-detected cluster"
+        )
+        raise DistributedError(
+            f"jax.distributed.initialize failed ({who}, {cluster.init_timeout_s} s to join): {exc}"
+        ) from exc
+    log.info(
+        "process %d of %d; %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def process_index() -> int:

@@ -38,9 +38,15 @@ import uuid
 from typing import Any, Sequence
 
 from grpo_core.config.fields import Section, check, field, section
-from grpo_core.errors import ConfigError  # noqa: F401
-from grpo_core.launch.cluster import (ENV_COORDINATOR, ENV_DISTRIBUTED, ENV_HEARTBEAT_TIMEOUT, ENV_INIT_TIMEOUT,
-                                   ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+from grpo_core.errors import ConfigError
+from grpo_core.launch.cluster import (
+    ENV_COORDINATOR,
+    ENV_DISTRIBUTED,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_INIT_TIMEOUT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 from grpo_core.launch.processes import free_port, stop_process_groups
 
 
@@ -55,42 +61,66 @@ class LauncherKind(enum.Enum):
 class LauncherConfig(Section):
     """The `pipeline.launcher` section. Changes no result, so it is in no stage hash."""
 
-    kind: LauncherKind = field(LauncherKind.LOCAL, doc='local (one process), multiprocess (N processes on 127.0.0.1 with CPU devices: multi-host code on one machine), ray (one task per host), tpu-vm (gcloud ssh --worker=all)')
+    kind: LauncherKind = field(
+        LauncherKind.LOCAL,
+        doc=(
+            "local (one process), multiprocess (N processes on 127.0.0.1 with CPU devices: multi-host code on one "
+            "machine), ray (one task per host), tpu-vm (gcloud ssh --worker=all)"
+        ),
+    )
     # multiprocess: processes here; ray: hosts, one task each
-    num_processes: int = field(2, doc='multiprocess: processes on this machine; ray: hosts, one task each', ge=1)
+    num_processes: int = field(2, doc="multiprocess: processes on this machine; ray: hosts, one task each", ge=1)
     # multiprocess: CPU devices of each process
-    devices_per_process: int = field(1, doc='multiprocess: CPU devices of each process', ge=1)
+    devices_per_process: int = field(1, doc="multiprocess: CPU devices of each process", ge=1)
     # multiprocess: 0 = a free port; ray: 0 = 8476 on host 0
-    coordinator_port: int = field(0, doc='Port of the jax.distributed coordinator (process 0); 0: a free port (multiprocess) or 8476 (ray)', ge=0, le=65535)
+    coordinator_port: int = field(
+        0,
+        doc="Port of the jax.distributed coordinator (process 0); 0: a free port (multiprocess) or 8476 (ray)",
+        ge=0,
+        le=65535,
+    )
     # ray: the cluster, as ray.init takes it ("auto", "ray://head:10001", "local")
-    address: str = field("auto", doc='ray: the cluster address as ray.init takes it (auto, ray://head:10001)')
+    address: str = field("auto", doc="ray: the cluster address as ray.init takes it (auto, ray://head:10001)")
     # ray: each task's resources, e.g. {TPU: 4}; null: {CPU: 1}
     resources_per_host: dict | None = field(None, doc="ray: each host task's resources, e.g. {TPU: 4}; empty: {CPU: 1}")
     # ray: one task per node; SPREAD or PACK to share nodes (tests)
-    placement_strategy: str = field("STRICT_SPREAD", doc='ray: STRICT_SPREAD puts one task on each node')
+    placement_strategy: str = field("STRICT_SPREAD", doc="ray: STRICT_SPREAD puts one task on each node")
     # tpu-vm
-    tpu_name: str | None = field(None, doc='tpu-vm: the TPU VM (slice) name')
+    tpu_name: str | None = field(None, doc="tpu-vm: the TPU VM (slice) name")
     # tpu-vm
-    zone: str | None = field(None, doc='tpu-vm: its zone')
+    zone: str | None = field(None, doc="tpu-vm: its zone")
     # tpu-vm; null: gcloud's configured project
     project: str | None = field(None, doc="tpu-vm: its project; empty: gcloud's configured one")
     # tpu-vm: the project checkout on every host
-    workdir: str = field("~/grpo-pipeline", doc='tpu-vm: the project checkout on every host')
+    workdir: str = field("~/grpo-pipeline", doc="tpu-vm: the project checkout on every host")
     # tpu-vm: its interpreter, relative to workdir (or absolute)
-    python: str = field(".venv/bin/python", doc='tpu-vm: the interpreter on every host, relative to workdir')
+    python: str = field(".venv/bin/python", doc="tpu-vm: the interpreter on every host, relative to workdir")
     # every process must join within this
-    init_timeout_s: int = field(300, doc='Seconds every process has to join the run', ge=1)
+    init_timeout_s: int = field(300, doc="Seconds every process has to join the run", ge=1)
     # a process silent this long fails the others
-    heartbeat_timeout_s: int = field(100, doc='Seconds a silent process is tolerated before the others fail', ge=1)
+    heartbeat_timeout_s: int = field(100, doc="Seconds a silent process is tolerated before the others fail", ge=1)
 
     def validate(self) -> None:
         f = self.section_path
-        check(self.resources_per_host is None or (isinstance(self.resources_per_host, dict) and all(
-            isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in self.resources_per_host.items())),
+        check(
+            self.resources_per_host is None
+            or (
+                isinstance(self.resources_per_host, dict)
+                and all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                    for k, v in self.resources_per_host.items()
+                )
+            ),
             f"{f}.resources_per_host must be a mapping of resource names to amounts like {{TPU: 4}}, "
-            f"got {self.resources_per_host!r}")
-        check(self.placement_strategy in ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
-               f"{f}.placement_strategy must be STRICT_SPREAD, SPREAD, PACK or STRICT_PACK, got {self.placement_strategy!r}")
+            f"got {self.resources_per_host!r}",
+        )
+        check(
+            self.placement_strategy in ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"),
+            (
+                f"{f}.placement_strategy must be STRICT_SPREAD, SPREAD, PACK or STRICT_PACK, got "
+                f"{self.placement_strategy!r}"
+            ),
+        )
         if self.kind is LauncherKind.TPU_VM:
             for name in ("tpu_name", "zone"):
                 check(bool(getattr(self, name)), f"{f}.{name} is required with {f}.kind=tpu-vm")
@@ -121,7 +151,7 @@ class Launched:
     cfg: LauncherConfig = field()
     specs: list[ProcessSpec] = field()
     procs: list[subprocess.Popen] = field()
-    stop_argv: list[str] | None = field(None, doc='tpu-vm: the remote kill')
+    stop_argv: list[str] | None = field(None, doc="tpu-vm: the remote kill")
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every local process group, then SIGKILL what is left; remote processes by
@@ -143,8 +173,13 @@ def _xla_flags(existing: str, devices: int) -> str:
     return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
 
 
-def plan(cfg: LauncherConfig, module_args: Sequence[str], env: dict[str, str] | None = None,
-         python: str | None = None, token: str | None = None) -> tuple[list[ProcessSpec], list[str] | None]:
+def plan(
+    cfg: LauncherConfig,
+    module_args: Sequence[str],
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+    token: str | None = None,
+) -> tuple[list[ProcessSpec], list[str] | None]:
     """The local processes `start` would start for `python -m <module_args>`, and the remote
     stop command (tpu-vm). Pure: the unit tests check it. `env`: extra variables for the worker."""
     env, python = dict(env or {}), python or sys.executable
@@ -153,25 +188,51 @@ def plan(cfg: LauncherConfig, module_args: Sequence[str], env: dict[str, str] | 
         return [ProcessSpec("worker", [python, "-m", *module_args], env)], None
     if cfg.kind is LauncherKind.MULTIPROCESS:
         port = cfg.coordinator_port or free_port()
-        base = dict(env, JAX_PLATFORMS="cpu", **_timeouts(cfg),
-                    XLA_FLAGS=_xla_flags(env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), cfg.devices_per_process))
+        base = dict(
+            env,
+            JAX_PLATFORMS="cpu",
+            **_timeouts(cfg),
+            XLA_FLAGS=_xla_flags(env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")), cfg.devices_per_process),
+        )
         n = cfg.num_processes
-        return [ProcessSpec(f"process {i}", [python, "-m", *module_args],
-                            dict(base, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(n),
-                                          ENV_PROCESS_ID: str(i)}))
-                for i in range(n)], None
+        return [
+            ProcessSpec(
+                f"process {i}",
+                [python, "-m", *module_args],
+                dict(base, **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(n), ENV_PROCESS_ID: str(i)}),
+            )
+            for i in range(n)
+        ], None
     if cfg.kind is LauncherKind.RAY:
-        argv = [python, "-m", "grpo_core.launch.launchers", "ray", "--address", cfg.address, "--hosts", str(cfg.num_processes),
-                "--port", str(cfg.coordinator_port or 8476), "--strategy", cfg.placement_strategy,
-                "--resources", json.dumps(cfg.resources_per_host or {"CPU": 1}, sort_keys=True),
-                "--env", json.dumps(dict(env, **_timeouts(cfg)), sort_keys=True), "--", *module_args]
+        argv = [
+            python,
+            "-m",
+            "grpo_core.launch.launchers",
+            "ray",
+            "--address",
+            cfg.address,
+            "--hosts",
+            str(cfg.num_processes),
+            "--port",
+            str(cfg.coordinator_port or 8476),
+            "--strategy",
+            cfg.placement_strategy,
+            "--resources",
+            json.dumps(cfg.resources_per_host or {"CPU": 1}, sort_keys=True),
+            "--env",
+            json.dumps(dict(env, **_timeouts(cfg)), sort_keys=True),
+            "--",
+            *module_args,
+        ]
         return [ProcessSpec("ray driver", argv, {})], None
     token = token or uuid.uuid4().hex[:12]
     pidfile = f"/tmp/grpo-worker-{token}.pid"
     remote_env = dict(env, **{ENV_DISTRIBUTED: "auto"}, **_timeouts(cfg))
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(remote_env.items()))
-    remote = (f"cd {cfg.workdir} && echo $$ > {pidfile} && exec env {assigns} "
-              f"{cfg.python} -m {' '.join(shlex.quote(a) for a in module_args)}")
+    remote = (
+        f"cd {cfg.workdir} && echo $$ > {pidfile} && exec env {assigns} "
+        f"{cfg.python} -m {' '.join(shlex.quote(a) for a in module_args)}"
+    )
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", cfg.tpu_name, f"--zone={cfg.zone}"]
     if cfg.project:
         ssh.append(f"--project={cfg.project}")
@@ -180,8 +241,9 @@ def plan(cfg: LauncherConfig, module_args: Sequence[str], env: dict[str, str] | 
     return [ProcessSpec("tpu-vm ssh", [*ssh, f"--command={remote}"], {})], stop
 
 
-def start(cfg: LauncherConfig | None, module_args: Sequence[str], env: dict[str, str] | None = None,
-          python: str | None = None) -> Launched:
+def start(
+    cfg: LauncherConfig | None, module_args: Sequence[str], env: dict[str, str] | None = None, python: str | None = None
+) -> Launched:
     """Start the stage's processes, each in its own process group (so stop() reaches their
     children too), stdout and stderr piped."""
     cfg = cfg or LauncherConfig()
@@ -190,9 +252,17 @@ def start(cfg: LauncherConfig | None, module_args: Sequence[str], env: dict[str,
     launched = Launched(cfg, specs, procs, stop_argv)
     try:
         for spec in specs:
-            procs.append(subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                          env={**os.environ, **spec.env}))
+            procs.append(
+                subprocess.Popen(
+                    spec.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                    env={**os.environ, **spec.env},
+                )
+            )
     except OSError as exc:
         launched.stop()
         raise ConfigError(f"pipeline.launcher kind {cfg.kind.value}: cannot start {spec.argv[0]!r}: {exc}") from None
@@ -219,9 +289,22 @@ def _host_task(index: int, count: int, coordinator: str, module_args: list[str],
     stdout lines go to `lines` (a ray.util.queue.Queue). Returns (exit code, stderr tail)."""
     import threading
 
-    full = {**os.environ, **env, ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(count), ENV_PROCESS_ID: str(index)}
-    proc = subprocess.Popen([sys.executable, "-m", *module_args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full, preexec_fn=_die_with_parent())
+    full = {
+        **os.environ,
+        **env,
+        ENV_COORDINATOR: coordinator,
+        ENV_NUM_PROCESSES: str(count),
+        ENV_PROCESS_ID: str(index),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *module_args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full,
+        preexec_fn=_die_with_parent(),
+    )
     tail: collections.deque[str] = collections.deque(maxlen=40)
     t = threading.Thread(target=lambda: [tail.append(x.rstrip("\n")) for x in proc.stderr], daemon=True)
     t.start()
@@ -268,19 +351,29 @@ def ray_main(argv: Sequence[str]) -> int:
     try:
         ray.get(pg.ready(), timeout=wait_s)
     except ray.exceptions.GetTimeoutError:
-        print(f"the Ray cluster at {args.address} found no room for {args.hosts} hosts with {resources} each "
-              f"({args.strategy}) within {wait_s:g} s: {ray.cluster_resources()}", file=sys.stderr, flush=True)
+        print(
+            f"the Ray cluster at {args.address} found no room for {args.hosts} hosts with {resources} each "
+            f"({args.strategy}) within {wait_s:g} s: {ray.cluster_resources()}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     on = lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
     res = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
-    task_kw = lambda i: dict(scheduling_strategy=on(i), num_cpus=resources.get("CPU", 0),
-                             num_gpus=resources.get("GPU", 0), resources=res or None)
+    task_kw = lambda i: dict(
+        scheduling_strategy=on(i),
+        num_cpus=resources.get("CPU", 0),
+        num_gpus=resources.get("GPU", 0),
+        resources=res or None,
+    )
     ip = ray.get(ray.remote(_node_ip).options(**task_kw(0)).remote())
     coordinator = f"{ip}:{args.port}"
     lines = Queue()
     host = ray.remote(max_retries=0)(_host_task)
-    refs = [host.options(**task_kw(i)).remote(i, args.hosts, coordinator, module_args, env, lines if i == 0 else None)
-            for i in range(args.hosts)]
+    refs = [
+        host.options(**task_kw(i)).remote(i, args.hosts, coordinator, module_args, env, lines if i == 0 else None)
+        for i in range(args.hosts)
+    ]
     index = {r: i for i, r in enumerate(refs)}
 
     def relay():
@@ -297,7 +390,9 @@ def ray_main(argv: Sequence[str]) -> int:
         for r in done:
             code, tail = ray.get(r)
             if code != 0:
-                print(f"process {index[r]} of {args.hosts} exited with code {code}:\n{tail}", file=sys.stderr, flush=True)
+                print(
+                    f"process {index[r]} of {args.hosts} exited with code {code}:\n{tail}", file=sys.stderr, flush=True
+                )
                 for other in pending:
                     ray.cancel(other, force=True)
                 pending, rc = [], code

@@ -74,3 +74,14 @@ def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float, *, wh
     if whole_group:
         for p in procs:
             p.wait(timeout=grace_s)
+
+
+def sglang_python(repo_root: str | None = None) -> str | None:
+    """The sglang-jax environment's interpreter: GRPO_SGLANG_PYTHON, else .venv-sglang/bin/python
+    of the project checkout (where `make sglang-env` builds it), else None."""
+    env = os.environ.get("GRPO_SGLANG_PYTHON")
+    if env:
+        return env
+    root = repo_root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, ".venv-sglang", "bin", "python")
+    return path if os.path.exists(path) else None

@@ -12,39 +12,21 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 from typing import Any, Iterator
 
+import jax
 import numpy as np
+from flax import nnx
+from safetensors.flax import save_file
 
-from grpo_core.config.train import ConfigError, ModelConfig
+from grpo_core.config.model import hf_config, model_config_from_hf
+from grpo_core.errors import ConfigError
+from grpo_core.nn.model import CausalLM
+from grpo_core.runtime.mesh import put
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("qwen2", "qwen3", "llama")
-
-
-def model_config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides) -> ModelConfig:
-    """Our ModelConfig from a Hugging Face config.json (transformers 4 or 5 layout)."""
-    kind = hf.get("model_type")
-    if kind not in SUPPORTED:
-        raise ConfigError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps rope_theta and scaling here
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10_000.0))
-    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        scaling = None
-    heads = hf["num_attention_heads"]
-    fields = dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=True if kind == "qwen2" else bool(hf.get("attention_bias", False)),
-        qk_norm=kind == "qwen3", max_position_embeddings=hf.get("max_position_embeddings", 32768),
-        rope_scaling=scaling or None)
-    fields.update(overrides)
-    return ModelConfig(**fields)
 
 
 def _files(folder: str) -> list[str]:
@@ -59,9 +41,20 @@ def _files(folder: str) -> list[str]:
     raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
 
 
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-           "F8_E5M2": "float8_e5m2"}
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 class _Tensors:
@@ -70,7 +63,6 @@ class _Tensors:
     what safetensors' numpy reader refuses) comes through ml_dtypes."""
 
     def __init__(self, folder: str):
-        import mmap
 
         self.where: dict[str, str] = {}
         self._maps: dict[str, tuple[mmap.mmap, int, dict[str, Any]]] = {}
@@ -79,7 +71,7 @@ class _Tensors:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             try:
                 n = int.from_bytes(mm[:8], "little")
-                header = json.loads(mm[8:8 + n])
+                header = json.loads(mm[8 : 8 + n])
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ConfigError(f"{path} is not a safetensors file: {exc}") from None
             header.pop("__metadata__", None)
@@ -92,7 +84,6 @@ class _Tensors:
         Without this every page read during the load stays mapped until the maps close: a
         second, file-backed copy of the model at the peak (2.05x instead of 1.15x the weights
         above the RSS before loading, for qwen3-0.6b in f32: bench/hf_load.py)."""
-        import mmap
 
         if hasattr(mmap, "MADV_DONTNEED"):  # a file-backed page dropped here re-reads from the cache
             for mm, _, _ in self._maps.values():
@@ -109,7 +100,9 @@ class _Tensors:
             raise ConfigError(f"parameter {name}: dtype {info['dtype']} is not supported")
         dtype = np.dtype(getattr(ml_dtypes, _DTYPES[info["dtype"]], None) or _DTYPES[info["dtype"]])
         begin, end = info["data_offsets"]
-        return np.frombuffer(mm, dtype, count=(end - begin) // dtype.itemsize, offset=base + begin).reshape(info["shape"])
+        return np.frombuffer(mm, dtype, count=(end - begin) // dtype.itemsize, offset=base + begin).reshape(
+            info["shape"]
+        )
 
 
 def _hf_names(path: tuple[str, ...], layer: int | None) -> str:
@@ -140,8 +133,10 @@ def _stream(tensors: _Tensors, flat: dict[tuple[str, ...], Any], num_layers: int
 
 def _check_shape(x: np.ndarray, want: tuple[int, ...], name: str) -> np.ndarray:
     if tuple(x.shape) != tuple(want):
-        raise ConfigError(f"parameter {name}: checkpoint has shape {tuple(x.shape)}, the model expects {tuple(want)} "
-                          "(transposed for kernels)")
+        raise ConfigError(
+            f"parameter {name}: checkpoint has shape {tuple(x.shape)}, the model expects {tuple(want)} "
+            "(transposed for kernels)"
+        )
     return x
 
 
@@ -151,10 +146,6 @@ def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overr
     With a `placement` (grpo_core.runtime.mesh.Placement), each parameter goes straight to its shards on
     the learner's mesh as it is read: no device ever holds a whole parameter the mesh splits,
     and on a multi-host slice each process sends only its own devices' shards."""
-    import jax
-    from flax import nnx
-
-    from grpo_core.nn.model import CausalLM
 
     cfg_path = os.path.join(folder, "config.json")
     try:
@@ -180,8 +171,6 @@ def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overr
         if placement is None:
             loaded[path] = jax.device_put(arr)  # host copy freed when `arr` goes
         else:
-            from grpo_core.runtime.mesh import put
-
             loaded[path] = put(arr, placement.param_sharding(path, arr.shape))
         tensors.drop_pages()
     nested: dict[str, Any] = {}
@@ -197,41 +186,9 @@ def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overr
 # -- out -----------------------------------------------------------------------------------
 
 
-def hf_model_type(cfg: ModelConfig) -> str:
-    """The Hugging Face architecture that holds exactly these features."""
-    if cfg.qk_norm:
-        return "qwen3"
-    return "qwen2" if cfg.attention_bias else "llama"
-
-
-_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-
-
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for `cfg`, readable by transformers 4 and 5."""
-    kind = hf_model_type(cfg)
-    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-    out = {
-        "architectures": [_ARCH[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **(scaling or {})},
-        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu", "torch_dtype": cfg.param_dtype.value, "dtype": cfg.param_dtype.value,
-    }
-    if kind != "qwen2":
-        out["attention_bias"] = cfg.attention_bias
-    return out
-
-
 def save_hf_model(model, folder: str) -> str:
     """Write `model` as a Hugging Face folder (config.json + model.safetensors) that transformers
     loads with the same logits. Layers are unstacked one parameter at a time."""
-    import jax
-    from flax import nnx
-    from safetensors.flax import save_file
 
     os.makedirs(folder, exist_ok=True)
     cfg = model.config

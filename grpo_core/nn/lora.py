@@ -18,8 +18,7 @@ Modules are chosen by a regular expression searched (`re.search`) in each linear
 `model.layers.self_attn.q_proj`, the way EasyDeL users write `.*(q_proj|gate_proj|up_proj).*`.
 The embedding and the LM head are never adapted.
 
-This module is imported by the run config, which the Prefect process reads: JAX and Flax are
-imported inside the functions that need them, never at import time.
+The section itself (LoraConfig, rank, targets) is JAX-free config: grpo_core.config.model.
 """
 
 from __future__ import annotations
@@ -28,7 +27,12 @@ import math
 import zlib
 from typing import Any, NamedTuple
 
-from grpo_core.config.model import LAYER_LINEARS, LoraConfig  # noqa: F401  (the section is JAX-free config)
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_core.config.model import LAYER_LINEARS, LoraConfig
+from grpo_core.nn.model import Linear
 
 
 def num_adapter_params(mc, cfg: LoraConfig) -> int:
@@ -45,9 +49,6 @@ def num_adapter_params(mc, cfg: LoraConfig) -> int:
 
 def _linears(model) -> dict[str, Any]:
     """The decoder layers' linears by path (stacked over layers: one module per kind)."""
-    from flax import nnx
-
-    from grpo_core.nn.model import Linear
 
     out = {}
     for path, node in nnx.iter_graph(model):
@@ -60,9 +61,6 @@ def _linears(model) -> dict[str, Any]:
 def apply(model, cfg: LoraConfig, seed: int = 0):
     """Add adapters to the linears of `model` that cfg.target_modules selects, in place; returns
     the model. A's init depends on (seed, module path) only, so every process builds the same."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     linears = _linears(model)
     if has_adapters(model):
@@ -80,8 +78,6 @@ def apply(model, cfg: LoraConfig, seed: int = 0):
 
 
 def has_adapters(model) -> bool:
-    import jax
-    from flax import nnx
 
     return bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
 
@@ -97,7 +93,6 @@ def split(model) -> LoraParts:
     """The model's graph with and without adapters, its base weights and its adapters.
     `nnx.merge(graphdef, base, adapters)` is the policy, `nnx.merge(base_graphdef, base)` the
     base: two graphs over the same arrays."""
-    from flax import nnx
 
     graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, ...)
     plain = nnx.merge(graphdef, base, adapters)  # new modules over the same Variables
@@ -116,8 +111,6 @@ def merge(model):
     """A new model whose targeted kernels are W + (alpha / rank) A @ B (in f32, cast back to W's
     dtype) and which has no adapters; `model` itself is left as it was. A model without adapters
     comes back as a copy of itself."""
-    import jax.numpy as jnp
-    from flax import nnx
 
     graphdef, state = nnx.split(model)
     out = nnx.merge(graphdef, state)  # new modules, but the Variables are shared: replace, never assign into
@@ -125,7 +118,9 @@ def merge(model):
         if lin.lora_a is None:
             continue
         w = lin.kernel[...]
-        delta = jnp.einsum("...ir,...ro->...io", lin.lora_a[...].astype(jnp.float32), lin.lora_b[...].astype(jnp.float32))
+        delta = jnp.einsum(
+            "...ir,...ro->...io", lin.lora_a[...].astype(jnp.float32), lin.lora_b[...].astype(jnp.float32)
+        )
         lin.kernel = nnx.Param((w.astype(jnp.float32) + lin.lora_scale * delta).astype(w.dtype))
         _drop(lin)
     return out
@@ -133,6 +128,5 @@ def merge(model):
 
 def num_params(adapters) -> int:
     """Number of adapter parameters in an nnx.State (what trains)."""
-    import jax
 
     return sum(int(x.size) for x in jax.tree.leaves(adapters))

@@ -3,9 +3,9 @@
 Module and parameter names follow Hugging Face (`model.layers.self_attn.q_proj`, ...) so a
 HF checkpoint maps onto it one to one; the layers are stored stacked (a leading axis of
 num_hidden_layers on every layer parameter) and applied with `lax.scan`, so XLA compiles one
-layer body instead of num_hidden_layers copies of it (a cold first step compiles ~3x faster). Covers Qwen2 (attention bias), Qwen3 (per-head q/k
-RMSNorm), Llama 3 (rope scaling), tied or untied embeddings and a head_dim independent of
-hidden_size / num_heads.
+layer body instead of num_hidden_layers copies of it (a cold first step compiles ~3x faster).
+Covers Qwen2 (attention bias), Qwen3 (per-head q/k RMSNorm), Llama 3 (rope scaling),
+tied or untied embeddings and a head_dim independent of hidden_size / num_heads.
 
 Shapes: B batch, T query length, S key length (cache slots), H query heads, K kv heads,
 G = H // K query heads per kv head, D head_dim, E hidden, V vocab.
@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_core.config.train import DType, ModelConfig, RematPolicy
+from grpo_core.config.model import DType, ModelConfig
+from grpo_core.config.train import RematPolicy
 
 # A KV cache: (k, v), each (L, B, S, K, D) for L layers.
 KVCache = tuple[jax.Array, jax.Array]
@@ -94,8 +95,15 @@ class Linear(nnx.Linear):
 
 
 def _linear(din, dout, bias, cfg, rngs):
-    return Linear(din, dout, use_bias=bias, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
-                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+    return Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=_dtype(cfg.dtype),
+        param_dtype=_dtype(cfg.param_dtype),
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
 
 
 class Attention(nnx.Module):
@@ -207,9 +215,14 @@ class Decoder(nnx.Module):
     """The transformer trunk (HF: `model.model`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=_dtype(cfg.dtype),
-                                      param_dtype=_dtype(cfg.param_dtype),
-                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=_dtype(cfg.dtype),
+            param_dtype=_dtype(cfg.param_dtype),
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
         # One DecoderLayer whose parameters carry a leading (num_hidden_layers,) axis.
         layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
@@ -240,7 +253,9 @@ class CausalLM(nnx.Module):
         (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(self.config.num_hidden_layers)))
         return self.model.norm(x), cache
 
-    def hidden_states_grouped(self, prompt_tokens, prompt_valid, completion_tokens, remat: RematPolicy = RematPolicy.NONE):
+    def hidden_states_grouped(
+        self, prompt_tokens, prompt_valid, completion_tokens, remat: RematPolicy = RematPolicy.NONE
+    ):
         """Prompts run once per group of G completions, not G times.
 
         prompt_tokens/valid: (P, Tp) left-padded; completion_tokens: (B = P*G, Tc), rows
@@ -259,7 +274,9 @@ class CausalLM(nnx.Module):
         x, _ = jax.lax.scan(_remat(layer, remat), x, stacked)
         x = self.model.norm(x)
         last_prompt = x[: p * tp].reshape(p, tp, -1)[:, -1:]  # left padding: every prompt ends at Tp-1
-        return jnp.concatenate([jnp.repeat(last_prompt, prefix.group_size, axis=0), x[p * tp:].reshape(b, tc, -1)], axis=1)
+        return jnp.concatenate(
+            [jnp.repeat(last_prompt, prefix.group_size, axis=0), x[p * tp :].reshape(b, tc, -1)], axis=1
+        )
 
     def head(self) -> tuple[jax.Array, bool]:
         """The LM head's weight and whether it is vocabulary-major: the tied embedding (V, E), or
@@ -291,8 +308,11 @@ def _remat(layer, policy: RematPolicy):
     is off as a scan body needs (the loop already stops XLA from merging the recomputation)."""
     if policy is RematPolicy.NONE:
         return layer
-    saveable = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if policy is RematPolicy.DOTS
-                else jax.checkpoint_policies.nothing_saveable)
+    saveable = (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if policy is RematPolicy.DOTS
+        else jax.checkpoint_policies.nothing_saveable
+    )
     return jax.checkpoint(layer, policy=saveable, prevent_cse=False)
 
 
@@ -357,9 +377,16 @@ def create_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
 # inputs, so a layer needs one reduction per block); norms whole. The stacked layer axis is never
 # split. mesh.fit keeps an axis only where its size divides the dimension, so every model runs on
 # every mesh (a 14-head model on tensor=4 keeps its heads whole).
-_IN_OUT = {"q_proj": ("fsdp", "tensor"), "k_proj": ("fsdp", "tensor"), "v_proj": ("fsdp", "tensor"),
-           "gate_proj": ("fsdp", "tensor"), "up_proj": ("fsdp", "tensor"), "lm_head": ("fsdp", "tensor"),
-           "o_proj": ("tensor", "fsdp"), "down_proj": ("tensor", "fsdp")}
+_IN_OUT = {
+    "q_proj": ("fsdp", "tensor"),
+    "k_proj": ("fsdp", "tensor"),
+    "v_proj": ("fsdp", "tensor"),
+    "gate_proj": ("fsdp", "tensor"),
+    "up_proj": ("fsdp", "tensor"),
+    "lm_head": ("fsdp", "tensor"),
+    "o_proj": ("tensor", "fsdp"),
+    "down_proj": ("tensor", "fsdp"),
+}
 KV_CACHE_AXES = (None, ("data", "fsdp"), None, "tensor", None)  # (L, B, S, K, D): rows and kv heads
 
 
@@ -374,7 +401,9 @@ def partition_axes(names: tuple[str, ...], ndim: int) -> tuple:
     else:
         lin = next((n for n in reversed(names) if n in _IN_OUT), None)
         i, o = _IN_OUT.get(lin, (None, None))
-        trailing = {"kernel": (i, o), "bias": (o,), "lora_a": (i, None), "lora_b": (None, o)}.get(leaf, ()) if lin else ()
+        trailing = (
+            {"kernel": (i, o), "bias": (o,), "lora_a": (i, None), "lora_b": (None, o)}.get(leaf, ()) if lin else ()
+        )
     if len(trailing) > ndim:
         return (None,) * ndim
     return (None,) * (ndim - len(trailing)) + trailing

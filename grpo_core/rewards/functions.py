@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
 from grpo_core.errors import RewardFunctionError
 
 RewardFn = Callable[..., Sequence[float | None]]
@@ -49,8 +50,9 @@ def _call_one(reward: Reward, prompts, completions, columns) -> np.ndarray:
     try:
         out = list(out)
     except TypeError:
-        raise RewardFunctionError(f"reward function {reward.name!r} returned {type(out).__name__}, "
-                                  f"expected a list of {n} floats (or None)") from None
+        raise RewardFunctionError(
+            f"reward function {reward.name!r} returned {type(out).__name__}, expected a list of {n} floats (or None)"
+        ) from None
     if len(out) != n:
         raise RewardFunctionError(f"reward function {reward.name!r} returned {len(out)} values for {n} completions")
     vals = np.empty(n, np.float64)
@@ -61,11 +63,15 @@ def _call_one(reward: Reward, prompts, completions, columns) -> np.ndarray:
         try:
             vals[i] = float(v)
         except (TypeError, ValueError):
-            raise RewardFunctionError(f"reward function {reward.name!r} returned {_short(v)} for row {i} "
-                                      f"(completion {_short(completions[i])}); expected a float or None") from None
+            raise RewardFunctionError(
+                f"reward function {reward.name!r} returned {_short(v)} for row {i} "
+                f"(completion {_short(completions[i])}); expected a float or None"
+            ) from None
         if not math.isfinite(vals[i]):
-            raise RewardFunctionError(f"reward function {reward.name!r} returned {v} for row {i} "
-                                      f"(completion {_short(completions[i])}); use None to skip a row")
+            raise RewardFunctionError(
+                f"reward function {reward.name!r} returned {v} for row {i} "
+                f"(completion {_short(completions[i])}); use None to skip a row"
+            )
     return vals
 
 
@@ -73,11 +79,15 @@ def _find_bad_row(reward, prompts, completions, columns, exc) -> str:
     """Re-run the failing function row by row to name the first row it raises on."""
     for i in range(len(completions)):
         try:
-            reward.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+            reward.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
         except Exception as row_exc:  # noqa: BLE001
-            return (f"reward function {reward.name!r} raised {type(row_exc).__name__}: {row_exc} on row {i} "
-                    f"(prompt {_short(prompts[i])}, completion {_short(completions[i])})")
-    return f"reward function {reward.name!r} raised {type(exc).__name__}: {exc} (on the whole batch of {len(completions)})"
+            return (
+                f"reward function {reward.name!r} raised {type(row_exc).__name__}: {row_exc} on row {i} "
+                f"(prompt {_short(prompts[i])}, completion {_short(completions[i])})"
+            )
+    return (
+        f"reward function {reward.name!r} raised {type(exc).__name__}: {exc} (on the whole batch of {len(completions)})"
+    )
 
 
 @dataclasses.dataclass
@@ -86,8 +96,12 @@ class RewardResult:
     per_function: dict[str, np.ndarray]  # name -> (B,) raw values, NaN where None
 
 
-def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequence[Any],
-          columns: dict[str, Sequence[Any]] | None = None) -> RewardResult:
+def score(
+    rewards: Sequence[Reward],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    columns: dict[str, Sequence[Any]] | None = None,
+) -> RewardResult:
     columns = {k: list(v) for k, v in (columns or {}).items()}
     for k, v in columns.items():
         if len(v) != len(completions):
@@ -116,10 +130,15 @@ def load_reward(spec: str) -> RewardFn:
         raise ValueError(f"reward spec {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
     module = _load_file(where, spec) if where.endswith(".py") else _import(where, spec)
     if not hasattr(module, name):
-        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                         and getattr(v, "__module__", None) == module.__name__)
-        raise AttributeError(f"reward {spec!r}: {where} has no function {name!r}"
-                             + (f"; it defines {', '.join(defined)}" if defined else ""))
+        defined = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
+        raise AttributeError(
+            f"reward {spec!r}: {where} has no function {name!r}"
+            + (f"; it defines {', '.join(defined)}" if defined else "")
+        )
     fn = getattr(module, name)
     if not callable(fn):
         raise TypeError(f"reward {spec!r}: {where}.{name} is a {type(fn).__name__}, not a function")
@@ -130,20 +149,23 @@ def load_reward(spec: str) -> RewardFn:
     params = sig.parameters.values()
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        raise TypeError(f"reward {spec!r} must accept (prompts, completions, **columns); "
-                        f"its signature is {name}{sig}")
+        raise TypeError(f"reward {spec!r} must accept (prompts, completions, **columns); its signature is {name}{sig}")
     stuck = [p.name for p in positional[2:] if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
     if stuck:
-        raise TypeError(f"reward {spec!r}: {name}{sig} takes {', '.join(stuck)} positionally only, but dataset "
-                        "columns arrive as keywords")
+        raise TypeError(
+            f"reward {spec!r}: {name}{sig} takes {', '.join(stuck)} positionally only, but dataset "
+            "columns arrive as keywords"
+        )
     return fn
 
 
 def _load_file(where: str, spec: str):
     path = pathlib.Path(where)
     if not path.is_file():
-        raise FileNotFoundError(f"reward file {where!r} (from {spec!r}) does not exist"
-                                + (f" (relative to {pathlib.Path.cwd()})" if not path.is_absolute() else ""))
+        raise FileNotFoundError(
+            f"reward file {where!r} (from {spec!r}) does not exist"
+            + (f" (relative to {pathlib.Path.cwd()})" if not path.is_absolute() else "")
+        )
     # One module per file (two rewards.py in different folders stay apart), registered while it
     # runs because dataclasses and pickle look a module up by name.
     mod_name = f"_grpo_reward_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
@@ -163,8 +185,10 @@ def _import(where: str, spec: str):
         return importlib.import_module(where)
     except ModuleNotFoundError as exc:
         if exc.name == where or where.startswith(f"{exc.name}."):
-            raise ImportError(f"reward module {where!r} (from {spec!r}) is not installed or not on sys.path "
-                              "(for a file give its path ending in .py)") from exc
+            raise ImportError(
+                f"reward module {where!r} (from {spec!r}) is not installed or not on sys.path "
+                "(for a file give its path ending in .py)"
+            ) from exc
         raise ImportError(f"reward module {where!r} (from {spec!r}) fails to import: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a user's module: whatever its top level raises
         try:
@@ -178,6 +202,9 @@ def _why(exc: Exception, filename: str | None) -> str:
     """'SyntaxError: invalid syntax (rewards.py line 3)', 'NameError: ... (line 7)': the user's line."""
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({pathlib.Path(exc.filename or '?').name} line {exc.lineno})"
-    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__)
-             if filename and pathlib.Path(f.filename).resolve() == pathlib.Path(filename).resolve()]
+    lines = [
+        f.lineno
+        for f in traceback.extract_tb(exc.__traceback__)
+        if filename and pathlib.Path(f.filename).resolve() == pathlib.Path(filename).resolve()
+    ]
     return f"{type(exc).__name__}: {exc}" + (f" (line {lines[-1]})" if lines else "")

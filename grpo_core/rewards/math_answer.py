@@ -69,7 +69,7 @@ def _last_boxed(text: str) -> tuple[bool, str | None]:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return False, None
-    rest = text[start + (6 if text.startswith("\\boxed", start) else 5):]
+    rest = text[start + (6 if text.startswith("\\boxed", start) else 5) :]
     if not rest.startswith("{"):
         m = re.match(r"\s+([^\s$]+)", rest)
         return True, (m.group(1).rstrip(".,;") or None) if m else None
@@ -199,8 +199,15 @@ def _tame(parsed: Sequence[Any]) -> bool:
     evaluating an exponent to check it is itself cheap."""
     import sympy
 
-    combinatorial = (sympy.factorial, sympy.factorial2, sympy.subfactorial, sympy.binomial, sympy.gamma,
-                     sympy.RisingFactorial, sympy.FallingFactorial)
+    combinatorial = (
+        sympy.factorial,
+        sympy.factorial2,
+        sympy.subfactorial,
+        sympy.binomial,
+        sympy.gamma,
+        sympy.RisingFactorial,
+        sympy.FallingFactorial,
+    )
     for item in parsed:
         if not isinstance(item, sympy.Basic):
             continue
@@ -234,13 +241,13 @@ def _missing(g: Any) -> bool:
     return g is None or (isinstance(g, str) and not g.strip()) or (isinstance(g, (list, tuple)) and not g)
 
 
-def math_answer(prompts: Sequence[Any], completions: Sequence[Any], ground_truth: Sequence[Any] | None = None,
-                **_) -> list[float | None]:
+def math_answer(
+    prompts: Sequence[Any], completions: Sequence[Any], ground_truth: Sequence[Any] | None = None, **_
+) -> list[float | None]:
     """1.0 when the final answer equals ground_truth, 0.0 when not, None where a row has none."""
     if ground_truth is None:
         return [None] * len(completions)
-    return [None if _missing(g) else float(is_correct(extract_answer(c), g))
-            for c, g in zip(completions, ground_truth)]
+    return [None if _missing(g) else float(is_correct(extract_answer(c), g)) for c, g in zip(completions, ground_truth)]
 
 
 _THINK_ANSWER = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)

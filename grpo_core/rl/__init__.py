@@ -1,1 +1,2 @@
-"""GRPO itself: the objective (algo), log-probs, the sampler, the learner, the trainer loop, evaluation and checkpoints. Needs JAX."""
+"""GRPO itself: the objective (algo), log-probs, the sampler, the learner, the trainer loop,
+evaluation and checkpoints. Needs JAX."""

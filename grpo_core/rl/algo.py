@@ -32,8 +32,9 @@ def _nan_std(x, axis=None, keepdims=False):
     return jnp.sqrt(total / jnp.maximum(n.reshape(total.shape) - 1, 1))
 
 
-def advantages(rewards: jax.Array, group_size: int, estimator: AdvantageEstimator,
-               scale: RewardScaling, eps: float = 1e-4) -> jax.Array:
+def advantages(
+    rewards: jax.Array, group_size: int, estimator: AdvantageEstimator, scale: RewardScaling, eps: float = 1e-4
+) -> jax.Array:
     """(B,) rewards -> (B,) advantages. NaN rewards (excluded rows) get advantage 0 and do not
     count in their group's statistics.
 
@@ -83,8 +84,9 @@ def log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array, level: Rati
     return jnp.broadcast_to(seq, lr.shape)
 
 
-def clipped_surrogate(log_r: jax.Array, adv: jax.Array, eps_low: float, eps_high: float,
-                      dual_clip: float | None = None) -> jax.Array:
+def clipped_surrogate(
+    log_r: jax.Array, adv: jax.Array, eps_low: float, eps_high: float, dual_clip: float | None = None
+) -> jax.Array:
     """Per-token policy loss max(-A·rho, -A·clip(rho, 1-eps_low, 1+eps_high)), (B, N).
 
     adv is (B,) or (B, N). With dual-clip c, the loss of a negative-advantage token is capped
@@ -123,8 +125,13 @@ def token_sums(log_r, adv, kl, entropy, mask, eps_low, eps_high) -> TokenSums:
     """The metric sums of rows: log_r (B, N) as log_ratio gives it, adv (B,) or (B, N), kl and
     entropy (B, N) per token, mask (B, N)."""
     low, high = clip_counts(log_r, adv, mask, eps_low, eps_high)
-    return TokenSums(kl=jnp.sum(kl * mask), entropy=jnp.sum(entropy * mask), clip_ratio_low=low,
-                     clip_ratio_high=high, ratio_mean=jnp.sum(jnp.exp(log_r) * mask))
+    return TokenSums(
+        kl=jnp.sum(kl * mask),
+        entropy=jnp.sum(entropy * mask),
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        ratio_mean=jnp.sum(jnp.exp(log_r) * mask),
+    )
 
 
 def token_means(sums: TokenSums, mask: jax.Array) -> TokenSums:

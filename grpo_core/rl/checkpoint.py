@@ -30,15 +30,16 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int | None = 3, async_save: bool = True):
         self.directory = directory
-        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                            create=True)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._mngr = ocp.CheckpointManager(directory, options=opts, item_handlers=handlers)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start saving `state` as checkpoint `step` (the number of steps done)."""
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      meta=ocp.args.JsonSave(dict(meta, step=step))))
+        self._mngr.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta, step=step))),
+        )
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
@@ -63,12 +64,14 @@ class Checkpointer:
         if like is None:
             here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             saved = self._mngr.item_metadata(step)["state"]
-            abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
-                                    getattr(saved, "tree", saved))
+            abstract = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), getattr(saved, "tree", saved)
+            )
         else:
             abstract = jax.tree.map(_abstract, like)
-        out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                               meta=ocp.args.JsonRestore()))
+        out = self._mngr.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        )
         return out["state"], dict(out["meta"])
 
     def close(self) -> None:

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from grpo_core.rewards import functions as rw
 from grpo_core.config.train import SamplingConfig
-from grpo_core.rl.sampler import SamplerOptions, stop_ids, completion_texts, generate, pad_prompts, step_key
+from grpo_core.rewards import functions as rw
+from grpo_core.rl.sampler import SamplerOptions, completion_texts, generate, pad_prompts, step_key, stop_ids
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -19,15 +19,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def complete(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], sampling: SamplingConfig, *,
-             batch_size: int = 64, eos_ids: Sequence[int] | None = None, num_samples: int = 1, seed: int = 0):
+def complete(
+    graphdef,
+    params,
+    tokenizer,
+    rows: Sequence[dict[str, Any]],
+    sampling: SamplingConfig,
+    *,
+    batch_size: int = 64,
+    eos_ids: Sequence[int] | None = None,
+    num_samples: int = 1,
+    seed: int = 0,
+):
     """Completion texts for `rows`, in batches of one shape (the last one padded): yields
     (the batch's rows, its num_samples completions per row). num_samples == 1 is greedy."""
     greedy = num_samples == 1
-    opts = SamplerOptions.from_config(sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer),
-                                      tokenizer.pad_token_id, temperature=0.0 if greedy else sampling.temperature)
+    opts = SamplerOptions.from_config(
+        sampling,
+        eos_ids if eos_ids is not None else stop_ids(tokenizer),
+        tokenizer.pad_token_id,
+        temperature=0.0 if greedy else sampling.temperature,
+    )
     for start in range(0, len(rows), batch_size):
-        chunk = list(rows[start:start + batch_size])
+        chunk = list(rows[start : start + batch_size])
         real = len(chunk)
         chunk += [chunk[0]] * (batch_size - real) if len(rows) > batch_size else []  # one shape: one compile
         ids = [r["prompt_ids"] if "prompt_ids" in r else tokenizer.encode(r["prompt"]) for r in chunk]
@@ -37,16 +51,36 @@ def complete(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], sampli
         yield chunk[:real], completion_texts(tokenizer, tokens, lengths, opts.eos_ids, rows=real * num_samples)
 
 
-def evaluate(graphdef, params, tokenizer, rows: Sequence[dict[str, Any]], rewards: Sequence[rw.Reward],
-             sampling: SamplingConfig, *, batch_size: int = 64, eos_ids: Sequence[int] | None = None,
-             num_samples: int = 1, seed: int = 0, pass_reward: str | None = None) -> dict[str, float]:
+def evaluate(
+    graphdef,
+    params,
+    tokenizer,
+    rows: Sequence[dict[str, Any]],
+    rewards: Sequence[rw.Reward],
+    sampling: SamplingConfig,
+    *,
+    batch_size: int = 64,
+    eos_ids: Sequence[int] | None = None,
+    num_samples: int = 1,
+    seed: int = 0,
+    pass_reward: str | None = None,
+) -> dict[str, float]:
     """Mean of each reward over `rows`. num_samples == 1 decodes greedily; more samples draw at
     `sampling.temperature` and add pass@k: a sample "passes" when the `pass_reward` function
     scores it >= 1 (default: the weighted total)."""
     per: dict[str, list[np.ndarray]] = {r.name: [] for r in rewards}
     totals = []
-    for chunk, texts in complete(graphdef, params, tokenizer, rows, sampling, batch_size=batch_size,
-                                 eos_ids=eos_ids, num_samples=num_samples, seed=seed):
+    for chunk, texts in complete(
+        graphdef,
+        params,
+        tokenizer,
+        rows,
+        sampling,
+        batch_size=batch_size,
+        eos_ids=eos_ids,
+        num_samples=num_samples,
+        seed=seed,
+    ):
         rep = lambda xs: [x for x in xs for _ in range(num_samples)]
         columns = {k: rep([r[k] for r in chunk]) for k in chunk[0] if k not in ("prompt", "prompt_ids")}
         scored = rw.score(rewards, rep([r["prompt"] for r in chunk]), texts, columns)

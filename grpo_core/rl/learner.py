@@ -20,11 +20,19 @@ import numpy as np
 import optax
 from flax import nnx
 
-from grpo_core.rl import algo
-from grpo_core.config.train import (DType, GRPOConfig, KLEstimator, LossAggregation, OptimizerConfig, RatioLevel, RematPolicy,
-                              TrainConfig)
-from grpo_core.rl.logprobs import DEFAULT_CHUNK_MIB, token_logprobs
+from grpo_core.config.model import DType
+from grpo_core.config.train import (
+    GRPOConfig,
+    KLEstimator,
+    LossAggregation,
+    OptimizerConfig,
+    RatioLevel,
+    RematPolicy,
+    TrainConfig,
+)
 from grpo_core.nn.model import CausalLM
+from grpo_core.rl import algo
+from grpo_core.rl.logprobs import DEFAULT_CHUNK_MIB, token_logprobs
 from grpo_core.rl.sampler import spec_of
 from grpo_core.rl.types import Batch, TrainState
 
@@ -47,29 +55,65 @@ class LossParams:
     chunk_mib: int = DEFAULT_CHUNK_MIB  # one vocabulary chunk's f32 logits (grpo_core.rl.logprobs)
 
     @classmethod
-    def from_config(cls, g: GRPOConfig, max_new_tokens: int, temperature: float, remat: RematPolicy = RematPolicy.NONE,
-                    chunk_mib: int = DEFAULT_CHUNK_MIB) -> "LossParams":
+    def from_config(
+        cls,
+        g: GRPOConfig,
+        max_new_tokens: int,
+        temperature: float,
+        remat: RematPolicy = RematPolicy.NONE,
+        chunk_mib: int = DEFAULT_CHUNK_MIB,
+    ) -> "LossParams":
         if g.grad_accum_steps == "auto" or remat is RematPolicy.AUTO:
-            raise ValueError("grad_accum_steps and remat must be chosen before the learner is built "
-                             "(grpo_core.config.memory.plan resolves auto)")
-        return cls(g.epsilon_low, g.epsilon_high, g.dual_clip, g.beta, g.kl_estimator, g.ratio_level,
-                   g.loss_aggregation, g.grad_accum_steps, max_new_tokens, temperature, remat, chunk_mib)
+            raise ValueError(
+                "grad_accum_steps and remat must be chosen before the learner is built "
+                "(grpo_core.config.memory.plan resolves auto)"
+            )
+        return cls(
+            g.epsilon_low,
+            g.epsilon_high,
+            g.dual_clip,
+            g.beta,
+            g.kl_estimator,
+            g.ratio_level,
+            g.loss_aggregation,
+            g.grad_accum_steps,
+            max_new_tokens,
+            temperature,
+            remat,
+            chunk_mib,
+        )
 
     @classmethod
     def from_train(cls, t: TrainConfig) -> "LossParams":
         return cls.from_config(t.grpo, t.sampling.max_new_tokens, t.sampling.temperature, t.remat, t.logits_chunk_mib)
 
 
-def completion_logprobs(model: CausalLM, prompt_tokens, prompt_valid, targets, temperature: float, *,
-                        remat: RematPolicy = RematPolicy.NONE, chunk_mib: int = DEFAULT_CHUNK_MIB,
-                        head_grad: bool = True) -> tuple[jax.Array, jax.Array]:
+def completion_logprobs(
+    model: CausalLM,
+    prompt_tokens,
+    prompt_valid,
+    targets,
+    temperature: float,
+    *,
+    remat: RematPolicy = RematPolicy.NONE,
+    chunk_mib: int = DEFAULT_CHUNK_MIB,
+    head_grad: bool = True,
+) -> tuple[jax.Array, jax.Array]:
     """Log-prob of each completion token under softmax(logits / T), and the entropy there:
     (B, N) each. No (B, N, V) tensor is made (grpo_core.rl.logprobs); `head_grad=False` when the LM
     head is frozen (LoRA), so its gradient is not computed."""
     h = model.hidden_states_grouped(prompt_tokens, prompt_valid, targets[:, :-1], remat)  # (B, N, E)
     w, vocab_major = model.head()
-    return token_logprobs(h, w, targets, temperature=temperature, chunk_mib=chunk_mib, vocab_major=vocab_major,
-                          dtype=jnp.float32 if model.config.dtype is DType.FLOAT32 else jnp.bfloat16, w_grad=head_grad)
+    return token_logprobs(
+        h,
+        w,
+        targets,
+        temperature=temperature,
+        chunk_mib=chunk_mib,
+        vocab_major=vocab_major,
+        dtype=jnp.float32 if model.config.dtype is DType.FLOAT32 else jnp.bfloat16,
+        w_grad=head_grad,
+    )
 
 
 def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -80,13 +124,16 @@ def make_optimizer(cfg: OptimizerConfig, total_updates: int) -> tuple[optax.Grad
     if cfg.warmup_steps:
         parts.append(optax.linear_schedule(0.0, peak, cfg.warmup_steps))
         bounds.append(cfg.warmup_steps)
-    parts.append(optax.cosine_decay_schedule(peak, decay, alpha=cfg.min_lr_ratio) if decay else optax.constant_schedule(peak))
+    parts.append(
+        optax.cosine_decay_schedule(peak, decay, alpha=cfg.min_lr_ratio) if decay else optax.constant_schedule(peak)
+    )
     schedule = optax.join_schedules(parts, bounds) if bounds else parts[0]
     # Decay matrices only: norms and biases are left alone, as in the HF trainers.
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     mu_dtype = None if cfg.mu_dtype is None else jnp.dtype(cfg.mu_dtype.value)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask,
-                        mu_dtype=mu_dtype)
+    adamw = optax.adamw(
+        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask, mu_dtype=mu_dtype
+    )
     tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw) if cfg.max_grad_norm else adamw
     return tx, schedule
 
@@ -95,8 +142,16 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
     """Sum of weighted per-token losses of one micro-batch, and its metric sums (algo.TokenSums).
     With LoRA `params` are the adapters and `frozen` the base weights, which get no gradient."""
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
-    logp, ent = completion_logprobs(model, micro.prompt_tokens, micro.prompt_valid, micro.targets, hp.temperature,
-                                    remat=hp.remat, chunk_mib=hp.chunk_mib, head_grad=frozen is None)
+    logp, ent = completion_logprobs(
+        model,
+        micro.prompt_tokens,
+        micro.prompt_valid,
+        micro.targets,
+        hp.temperature,
+        remat=hp.remat,
+        chunk_mib=hp.chunk_mib,
+        head_grad=frozen is None,
+    )
     log_r = algo.log_ratio(logp, micro.old_logp, micro.mask, hp.ratio_level)
     per_token = algo.clipped_surrogate(log_r, micro.advantages, hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
     kl = algo.kl_penalty(logp, micro.ref_logp, hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)
@@ -118,8 +173,8 @@ def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedu
     def accumulate(carry, mb):
         grads, loss, sums = carry
         mb_batch, mb_weights = mb
-        (l, s), g = grad_fn(state["params"], graphdef, mb_batch, mb_weights, hp, frozen)
-        return (jax.tree.map(jnp.add, grads, g), loss + l, jax.tree.map(jnp.add, sums, s)), None
+        (mb_loss, s), g = grad_fn(state["params"], graphdef, mb_batch, mb_weights, hp, frozen)
+        return (jax.tree.map(jnp.add, grads, g), loss + mb_loss, jax.tree.map(jnp.add, sums, s)), None
 
     zero_sums = algo.TokenSums(**{k: jnp.float32(0) for k in algo.TokenSums._fields})
     init = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.float32(0), zero_sums)
@@ -151,8 +206,9 @@ def score_completions(graphdef, params, batch: Batch, temperature: float, chunk_
 class Learner:
     """Holds the compiled update and scoring functions for one model graph and config."""
 
-    def __init__(self, graphdef, opt_cfg: OptimizerConfig, hp: LossParams, total_updates: int, ref_graphdef=None,
-                 placement=None):
+    def __init__(
+        self, graphdef, opt_cfg: OptimizerConfig, hp: LossParams, total_updates: int, ref_graphdef=None, placement=None
+    ):
         """`ref_graphdef`: the reference's graph when it differs from the policy's (LoRA: the base
         without adapters, scored on the base weights alone). `placement` (grpo_core.runtime.mesh): the
         meshes; the state lives on the learner's, the reference on its own."""
@@ -170,8 +226,9 @@ class Learner:
         # donated; never the frozen base: it lives on.
         self.update = jax.jit(update_on_mesh, donate_argnums=(0,))
         ref = graphdef if ref_graphdef is None else ref_graphdef
-        score = lambda graph: jax.jit(lambda params, batch: score_completions(graph, params, batch, hp.temperature,
-                                                                              hp.chunk_mib))
+        score = lambda graph: jax.jit(
+            lambda params, batch: score_completions(graph, params, batch, hp.temperature, hp.chunk_mib)
+        )
         self._score = score(ref)
         self.score_policy = score(graphdef)  # the policy itself (adapters included): old_logp rescored
 
@@ -187,11 +244,13 @@ class Learner:
             return self._score(params, batch)
         return self.placement.put_batch(self._score(params, self.placement.put_batch(batch, mesh)))
 
-    def compile_jobs(self, state: TrainState, batch_spec: Batch, minibatches: int, with_reference: bool,
-                     frozen=None, ref_params=None):
+    def compile_jobs(
+        self, state: TrainState, batch_spec: Batch, minibatches: int, with_reference: bool, frozen=None, ref_params=None
+    ):
         """Callables that compile the update (for minibatches of the batch) and the scorer
         (of `ref_params`, by default parameters shaped like the state's), for the layouts the
         arrays will have, so that the calls find these programs in the cache."""
+
         def batch_of(shape, dtype, mesh=None):
             sharding = None if self.placement is None else self.placement.batch_sharding(shape, mesh)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -212,7 +271,8 @@ class Learner:
             return TrainState(params=params, opt_state=self.tx.init(params), step=jnp.int32(0))
         pl = self.placement
         params = pl.put_params(params)
-        state = TrainState(params=params, opt_state=pl.init_opt_state(self.tx, params),
-                           step=pl.put_replicated(np.int32(0)))
+        state = TrainState(
+            params=params, opt_state=pl.init_opt_state(self.tx, params), step=pl.put_replicated(np.int32(0))
+        )
         self.state_sharding = jax.tree.map(lambda x: x.sharding, state)
         return state

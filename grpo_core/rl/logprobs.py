@@ -70,9 +70,17 @@ class _Head:
         return -(-self.vocab // self.k)
 
 
-def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                   chunk_mib: int = DEFAULT_CHUNK_MIB, vocab_major: bool, dtype=None,
-                   w_grad: bool = True) -> tuple[jax.Array, jax.Array]:
+def token_logprobs(
+    h: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_mib: int = DEFAULT_CHUNK_MIB,
+    vocab_major: bool,
+    dtype=None,
+    w_grad: bool = True,
+) -> tuple[jax.Array, jax.Array]:
     """Log-prob of `targets` under softmax(h W / T), and the entropy of that distribution.
 
     h: (B, N, E); w: (V, E) if vocab_major else (E, V); targets: (B, N) int. -> (logp, entropy),
@@ -81,8 +89,9 @@ def token_logprobs(h: jax.Array, w: jax.Array, targets: jax.Array, *, temperatur
     b, n, e = h.shape
     vocab = w.shape[0] if vocab_major else w.shape[1]
     k = num_chunks(vocab, b * n, chunk_mib)
-    spec = _Head(k, vocab, float(temperature if temperature > 0 else 1.0), vocab_major,
-                 jnp.dtype(dtype or h.dtype), w_grad)
+    spec = _Head(
+        k, vocab, float(temperature if temperature > 0 else 1.0), vocab_major, jnp.dtype(dtype or h.dtype), w_grad
+    )
     logp, ent = _chunked(spec, h.reshape(b * n, e), w, targets.reshape(b * n).astype(jnp.int32))
     return logp.reshape(b, n), ent.reshape(b, n)
 
@@ -135,8 +144,9 @@ def _forward(spec: _Head, h, w, targets):
 
     m = h.shape[0]
     zeros = jnp.zeros((m,), jnp.float32)
-    (mx, s, sz, zt), _ = jax.lax.scan(body, (jnp.full((m,), -jnp.inf, jnp.float32), zeros, zeros, zeros),
-                                      jnp.arange(spec.k))
+    (mx, s, sz, zt), _ = jax.lax.scan(
+        body, (jnp.full((m,), -jnp.inf, jnp.float32), zeros, zeros, zeros), jnp.arange(spec.k)
+    )
     lse = mx + jnp.log(s)
     return zt - lse, lse - sz / s, lse  # log p(target), H = lse - E_p[z], lse
 
@@ -168,16 +178,18 @@ def _backward(spec: _Head, res, g):
         if with_ent:
             dz = dz - g_ent[:, None] * p * jnp.where(real, z - mean_z, 0.0)
         dz = (dz / spec.temperature).astype(spec.dtype)  # (M, Vc), as a plain matmul's cotangent would be
-        dh = dh + jax.lax.dot_general(dz, wj.astype(spec.dtype), (((1,), (vocab_axis,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
+        dh = dh + jax.lax.dot_general(
+            dz, wj.astype(spec.dtype), (((1,), (vocab_axis,)), ((), ())), preferred_element_type=jnp.float32
+        )
         if spec.w_grad:  # this chunk's rows of dW, written once into their strided places
             hc = h.astype(spec.dtype)
             if spec.vocab_major:
                 dwj = jax.lax.dot_general(dz, hc, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
             else:
                 dwj = jax.lax.dot_general(hc, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            dws = jax.lax.dynamic_update_slice_in_dim(dws, jnp.expand_dims(dwj.astype(w.dtype), 1 + vocab_axis), j,
-                                                      axis=1 + vocab_axis)
+            dws = jax.lax.dynamic_update_slice_in_dim(
+                dws, jnp.expand_dims(dwj.astype(w.dtype), 1 + vocab_axis), j, axis=1 + vocab_axis
+            )
         return (dh, dws), None
 
     dws0 = jnp.zeros(ws.shape, w.dtype) if spec.w_grad else None

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_core.config.train import ConfigError, SamplingConfig
+from grpo_core.config.train import SamplingConfig
+from grpo_core.errors import ConfigError
 from grpo_core.nn.model import CausalLM, causal_inputs, constrain_kv_cache, init_kv_cache
 from grpo_core.rl.types import Completions
 
@@ -41,8 +42,14 @@ class SamplerOptions:
 
     @classmethod
     def from_config(cls, cfg: SamplingConfig, eos_ids: Sequence[int], pad_id: int, **overrides):
-        opts = cls(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                   () if cfg.ignore_eos else tuple(int(e) for e in eos_ids), int(pad_id))
+        opts = cls(
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_k,
+            cfg.top_p,
+            () if cfg.ignore_eos else tuple(int(e) for e in eos_ids),
+            int(pad_id),
+        )
         return dataclasses.replace(opts, **overrides)
 
 
@@ -62,8 +69,10 @@ def bucket_length(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
             return b
-    raise ConfigError(f"a prompt of {n} tokens is longer than the largest sampling.prompt_buckets entry "
-                      f"({buckets[-1]}); shorten prompts or add a bucket")
+    raise ConfigError(
+        f"a prompt of {n} tokens is longer than the largest sampling.prompt_buckets entry "
+        f"({buckets[-1]}); shorten prompts or add a bucket"
+    )
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,8 +85,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id
     valid = np.zeros((len(prompts), tp), bool)
     for i, p in enumerate(prompts):
         if len(p):
-            tokens[i, tp - len(p):] = p
-            valid[i, tp - len(p):] = True
+            tokens[i, tp - len(p) :] = p
+            valid[i, tp - len(p) :] = True
     return tokens, valid
 
 
@@ -158,8 +167,15 @@ def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: Sampler
     lengths = jnp.ones((b,), jnp.int32)
     key_valid = jnp.concatenate([prompt_valid, jnp.zeros((b, opts.max_new_tokens), bool)], axis=1)
     next_pos = jnp.sum(prompt_valid, axis=1).astype(jnp.int32)  # (B,) RoPE position of token 0
-    state = DecodeState(tokens=tokens, logprobs=logprobs, done=done, lengths=lengths, key_valid=key_valid,
-                        next_pos=next_pos, t=jnp.int32(1))
+    state = DecodeState(
+        tokens=tokens,
+        logprobs=logprobs,
+        done=done,
+        lengths=lengths,
+        key_valid=key_valid,
+        next_pos=next_pos,
+        t=jnp.int32(1),
+    )
     return cache, state
 
 
@@ -192,11 +208,14 @@ def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOpt
         live = ~s.done
         ids = jnp.where(live, ids, opts.pad_id)
         lp = jnp.where(live, lp, 0.0)
-        s = s._replace(t=t + 1, key_valid=key_valid,
-                       tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, ids[:, None], t, 1),
-                       logprobs=jax.lax.dynamic_update_slice_in_dim(s.logprobs, lp[:, None], t, 1),
-                       lengths=s.lengths + live.astype(jnp.int32),
-                       done=s.done | _is_eos(ids, opts.eos_ids))
+        s = s._replace(
+            t=t + 1,
+            key_valid=key_valid,
+            tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, ids[:, None], t, 1),
+            logprobs=jax.lax.dynamic_update_slice_in_dim(s.logprobs, lp[:, None], t, 1),
+            lengths=s.lengths + live.astype(jnp.int32),
+            done=s.done | _is_eos(ids, opts.eos_ids),
+        )
         return cache, s
 
     # The cache is returned (and dropped by the caller) so the donated input buffer can alias
@@ -205,16 +224,25 @@ def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOpt
     return cache, Completions(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, truncated=~s.done)
 
 
-def generate(model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions,
-             num_samples: int = 1, mesh=None) -> Completions:
+def generate(
+    model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int = 1, mesh=None
+) -> Completions:
     """Sample `num_samples` completions for each left-padded prompt: B = P * num_samples rows,
     rows i*G .. i*G+G-1 following prompt i, as device arrays. No host sync inside.
     `mesh`: the rollout's (grpo_core.runtime.mesh), over which the KV cache is laid out."""
     graphdef = model_or_graphdef
     if isinstance(model_or_graphdef, nnx.Module):
         graphdef, params = nnx.split(model_or_graphdef)
-    cache, state = prefill(graphdef, params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_valid), key, opts=opts,
-                           num_samples=num_samples, mesh=mesh)
+    cache, state = prefill(
+        graphdef,
+        params,
+        jnp.asarray(prompt_tokens),
+        jnp.asarray(prompt_valid),
+        key,
+        opts=opts,
+        num_samples=num_samples,
+        mesh=mesh,
+    )
     _, out = decode(graphdef, params, cache, state, key, opts=opts, prompt_len=int(prompt_tokens.shape[1]))
     return out
 
@@ -230,7 +258,7 @@ def completion_texts(tokenizer, tokens: np.ndarray, lengths: np.ndarray, eos_ids
     """Decode host completions up to their length, without the closing EOS."""
     out = []
     for i in range(len(tokens) if rows is None else rows):
-        ids = list(tokens[i, :lengths[i]])
+        ids = list(tokens[i, : lengths[i]])
         if ids and ids[-1] in eos_ids:
             ids = ids[:-1]
         out.append(tokenizer.decode(ids))
@@ -240,26 +268,33 @@ def completion_texts(tokenizer, tokens: np.ndarray, lengths: np.ndarray, eos_ids
 def spec_of(tree):
     """Shapes, dtypes and mesh layouts of a pytree of arrays, for ahead-of-time compilation: a
     program compiled for these is the one a call with the arrays themselves finds in the cache."""
+
     def one(x):
         sharding = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else None)
+        return jax.ShapeDtypeStruct(
+            np.shape(x), x.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else None
+        )
 
     return jax.tree.map(one, tree)
 
 
-def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int,
-                 mesh=None):
+def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int, mesh=None):
     """Callables that compile prefill and decode for this prompt shape (run them in threads):
     XLA compiles with the GIL released, so on a cold start they overlap each other and the
     learner's compilation instead of running one after another."""
     p_spec, t_spec, v_spec, k_spec = spec_of((params, prompt_tokens, prompt_valid, key))
     kw = dict(opts=opts, num_samples=num_samples, mesh=mesh)
-    cache, state = jax.eval_shape(lambda p, t, v, k: prefill(graphdef, p, t, v, k, **kw), p_spec, t_spec, v_spec, k_spec)
-    compile_decode = lambda cache, state: decode.lower(graphdef, p_spec, cache, state, k_spec, opts=opts,
-                                                       prompt_len=int(prompt_tokens.shape[1])).compile()
+    cache, state = jax.eval_shape(
+        lambda p, t, v, k: prefill(graphdef, p, t, v, k, **kw), p_spec, t_spec, v_spec, k_spec
+    )
+    compile_decode = lambda cache, state: decode.lower(
+        graphdef, p_spec, cache, state, k_spec, opts=opts, prompt_len=int(prompt_tokens.shape[1])
+    ).compile()
     if mesh is None:
-        return [lambda: prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile(),
-                lambda: compile_decode(cache, state)]
+        return [
+            lambda: prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile(),
+            lambda: compile_decode(cache, state),
+        ]
 
     def both():  # on a mesh, decode takes prefill's outputs in the layouts prefill's program gives them
         out = prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile().output_shardings

@@ -22,22 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_core.rl import algo
-
-from grpo_core.nn import lora
-
 from grpo_core.config import memory as mem
-
-from grpo_core.rewards import functions as rw
-from grpo_core.rl.checkpoint import Checkpointer
-from grpo_core.config.train import DType, TrainConfig
+from grpo_core.config.model import DType
+from grpo_core.config.train import TrainConfig
 from grpo_core.engines import make_engine
-from grpo_core.rl.learner import Learner, LossParams
-from grpo_core.runtime.mesh import Placement
-from grpo_core.nn.model import CausalLM
-from grpo_core.rl.sampler import SamplerOptions, stop_ids, completion_texts, pad_prompts, spec_of, step_key
-from grpo_core.rl.types import Batch, Completions, TrainState
 from grpo_core.errors import NonFiniteError
+from grpo_core.nn import lora
+from grpo_core.nn.model import CausalLM
+from grpo_core.rewards import functions as rw
+from grpo_core.rl import algo
+from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.rl.learner import Learner, LossParams
+from grpo_core.rl.sampler import SamplerOptions, completion_texts, pad_prompts, spec_of, step_key, stop_ids
+from grpo_core.rl.types import Batch, Completions, TrainState
+from grpo_core.runtime.mesh import Placement
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +72,7 @@ def _repad(x: np.ndarray, width: int, fill) -> np.ndarray:
     if x.shape[1] == width:
         return x
     out = np.full((x.shape[0], width), fill, x.dtype)
-    out[:, width - x.shape[1]:] = x
+    out[:, width - x.shape[1] :] = x
     return out
 
 
@@ -83,16 +81,18 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
     width = max(p.prompt_tokens.shape[1] for p in parts)
     cat = lambda f: np.concatenate([f(parts[p], slice(j * g, (j + 1) * g)) for p, j in idx])
     one = lambda f: np.concatenate([f(parts[p], slice(j, j + 1)) for p, j in idx])
-    groups = lambda *xs: np.concatenate([xs[p][j * g:(j + 1) * g] for p, j in idx])  # one field of every part
+    groups = lambda *xs: np.concatenate([xs[p][j * g : (j + 1) * g] for p, j in idx])  # one field of every part
     return Rollout(
         rows=[parts[p].rows[j] for p, j in idx],
         prompt_tokens=one(lambda r, s: _repad(r.prompt_tokens[s], width, pad)),
         prompt_valid=one(lambda r, s: _repad(r.prompt_valid[s], width, False)),
         completions=jax.tree.map(groups, *(part.completions for part in parts)),
-        texts=[c for p, j in idx for c in parts[p].texts[j * g:(j + 1) * g]],
+        texts=[c for p, j in idx for c in parts[p].texts[j * g : (j + 1) * g]],
         rewards=cat(lambda r, s: r.rewards[s]),
-        per_function={k: np.concatenate([parts[p].per_function[k][j * g:(j + 1) * g] for p, j in idx])
-                      for k in parts[0].per_function},
+        per_function={
+            k: np.concatenate([parts[p].per_function[k][j * g : (j + 1) * g] for p, j in idx])
+            for k in parts[0].per_function
+        },
     )
 
 
@@ -102,9 +102,17 @@ _advantages = jax.jit(algo.advantages, static_argnums=(1, 2, 3, 4))
 class GRPOTrainer:
     """GRPO on one model. `train()` runs steps; `state` is what a checkpoint must hold."""
 
-    def __init__(self, model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, rewards: Sequence[rw.Reward],
-                 prompts: PromptSource, eos_ids: Sequence[int] | None = None, placement: Placement | None = None,
-                 memory_plan: "mem.Plan | None" = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: TrainConfig,
+        tokenizer: Tokenizer,
+        rewards: Sequence[rw.Reward],
+        prompts: PromptSource,
+        eos_ids: Sequence[int] | None = None,
+        placement: Placement | None = None,
+        memory_plan: "mem.Plan | None" = None,
+    ):
         """`memory_plan` (grpo_core.config.memory.plan) chooses train.remat and grad_accum_steps where the
         config says auto; without one they are chosen here from this process's devices (the worker
         passes the plan it made for data.max_prompt_tokens)."""
@@ -127,8 +135,9 @@ class GRPOTrainer:
         if self.frozen is not None:
             self.frozen = self.placement.put_params(self.frozen)
         g = cfg.grpo
-        self.opts = SamplerOptions.from_config(cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer),
-                                               tokenizer.pad_token_id)
+        self.opts = SamplerOptions.from_config(
+            cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer), tokenizer.pad_token_id
+        )
         hp = LossParams.from_train(cfg)
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
         self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
@@ -136,20 +145,31 @@ class GRPOTrainer:
         # adapters off, no copy). With beta == 0 it is never kept or scored.
         self.ref_params = None
         if g.needs_reference:
-            self.ref_params = self.placement.reference_params(params if self.frozen is None else self.frozen,
-                                                              copy=self.frozen is None)
+            self.ref_params = self.placement.reference_params(
+                params if self.frozen is None else self.frozen, copy=self.frozen is None
+            )
             self.ref_params = _in_compute_dtype(self.ref_params, model.config.dtype)
         # old_logp from the learner where the engine's numbers can differ from its own
         self.rescore = cfg.rollout.learner_logprobs(model.config.dtype)
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
         self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
-        self._t = dict.fromkeys(("rollout", "rewards", "reference", "update", "sync", "rescore"), 0.0)  # this step's split
+        self._t = dict.fromkeys(
+            ("rollout", "rewards", "reference", "update", "sync", "rescore"), 0.0
+        )  # this step's split
         # The rollout engine (train.rollout): the built-in sampler reads self.params at each call;
         # sglang / http engines hold their own copy, sent by _sync_engine after every update.
-        self.engine = make_engine(cfg.rollout, graphdef=self.graphdef, params_fn=lambda: self.params,
-                                  model_config=model.config, opts=self.opts, batch_size=g.batch_size,
-                                  tokenizer=tokenizer, seed=cfg.seed, placement=self.placement)
+        self.engine = make_engine(
+            cfg.rollout,
+            graphdef=self.graphdef,
+            params_fn=lambda: self.params,
+            model_config=model.config,
+            opts=self.opts,
+            batch_size=g.batch_size,
+            tokenizer=tokenizer,
+            seed=cfg.seed,
+            placement=self.placement,
+        )
 
     def _plan(self, mc, cfg: TrainConfig, params) -> "mem.Plan":
         """A memory plan from this process's devices, for prompts of up to 64 tokens (the worker
@@ -157,8 +177,16 @@ class GRPOTrainer:
         facts = mem.device_facts()
         trainable = None if self.frozen is None else lora.num_params(params)
         layout = mem.Layout() if facts["backend"] == "cpu" else mem.Layout(*cfg.mesh.sizes(facts["devices"]))
-        return mem.plan(mc, cfg, 64, facts["available"], trainable=trainable, layout=layout, backend=facts["backend"],
-                        runtime_bytes=facts["runtime"])
+        return mem.plan(
+            mc,
+            cfg,
+            64,
+            facts["available"],
+            trainable=trainable,
+            layout=layout,
+            backend=facts["backend"],
+            runtime_bytes=facts["runtime"],
+        )
 
     @property
     def params(self):
@@ -181,12 +209,21 @@ class GRPOTrainer:
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
         b = g_cfg.batch_size
         per_token = lambda dtype: jax.ShapeDtypeStruct((b, n), dtype)
-        batch_spec = spec_of(Batch(prompt_tokens=ptok, prompt_valid=pval, targets=per_token(jnp.int32),
-                                   mask=per_token(jnp.float32), advantages=jax.ShapeDtypeStruct((b,), jnp.float32),
-                                   old_logp=per_token(jnp.float32), ref_logp=per_token(jnp.float32)))
+        batch_spec = spec_of(
+            Batch(
+                prompt_tokens=ptok,
+                prompt_valid=pval,
+                targets=per_token(jnp.int32),
+                mask=per_token(jnp.float32),
+                advantages=jax.ShapeDtypeStruct((b,), jnp.float32),
+                old_logp=per_token(jnp.float32),
+                ref_logp=per_token(jnp.float32),
+            )
+        )
         sampler_jobs = self.engine.compile_jobs(ptok, pval, key, g_cfg.num_generations)
-        learner_jobs = self.learner.compile_jobs(self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference,
-                                                 self.frozen, self.ref_params)
+        learner_jobs = self.learner.compile_jobs(
+            self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference, self.frozen, self.ref_params
+        )
         pool = ThreadPoolExecutor(max_workers=len(sampler_jobs) + len(learner_jobs))
         self._compiled[ptok.shape] = [pool.submit(job) for job in learner_jobs]  # the longest first
         for f in [pool.submit(job) for job in sampler_jobs]:
@@ -216,8 +253,15 @@ class GRPOTrainer:
         t_rew = time.perf_counter()
         scored = rw.score(self.rewards, rep([r["prompt"] for r in rows]), texts, columns)
         self._t["rewards"] += time.perf_counter() - t_rew
-        return Rollout(rows=rows, prompt_tokens=ptok, prompt_valid=pval, completions=out, texts=texts,
-                       rewards=scored.total, per_function=scored.per_function)
+        return Rollout(
+            rows=rows,
+            prompt_tokens=ptok,
+            prompt_valid=pval,
+            completions=out,
+            texts=texts,
+            rewards=scored.total,
+            per_function=scored.per_function,
+        )
 
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """Sample P groups; with dynamic sampling keep only groups whose rewards differ, drawing
@@ -236,8 +280,11 @@ class GRPOTrainer:
             if len(keep) >= p:
                 break
         chosen = (keep + spare)[:p]
-        info = {"sampling_rounds": float(len(parts)), "frac_reward_zero_std": first_zero,
-                "rollout_tokens": float(sum(int(pt.completions.lengths.sum()) for pt in parts))}
+        info = {
+            "sampling_rounds": float(len(parts)),
+            "frac_reward_zero_std": first_zero,
+            "rollout_tokens": float(sum(int(pt.completions.lengths.sum()) for pt in parts)),
+        }
         return (_select_groups(parts, g, chosen, self.opts.pad_id) if len(parts) > 1 else parts[0]), info
 
     # -- learning --------------------------------------------------------------------------
@@ -245,17 +292,29 @@ class GRPOTrainer:
     def _batch(self, ro: Rollout) -> Batch:
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
         c = ro.completions
-        adv = np.asarray(_advantages(jnp.asarray(ro.rewards, jnp.float32), g_cfg.num_generations, g_cfg.advantage,
-                                     g_cfg.scale_rewards, g_cfg.advantage_eps))  # B floats: the batch goes up whole
+        adv = np.asarray(
+            _advantages(
+                jnp.asarray(ro.rewards, jnp.float32),
+                g_cfg.num_generations,
+                g_cfg.advantage,
+                g_cfg.scale_rewards,
+                g_cfg.advantage_eps,
+            )
+        )  # B floats: the batch goes up whole
         mask = np.arange(n)[None, :] < c.lengths[:, None]
         if g_cfg.mask_truncated_completions:
             mask &= ~c.truncated[:, None]
         mask &= ~np.isnan(ro.rewards)[:, None]  # no reward function applies: no loss
         b = len(c.tokens)
         batch = Batch(  # each prompt once: the learner runs it once per group
-            prompt_tokens=ro.prompt_tokens, prompt_valid=ro.prompt_valid, targets=c.tokens,
-            mask=mask.astype(np.float32), advantages=adv, old_logp=c.logprobs.astype(np.float32),
-            ref_logp=np.zeros((b, n), np.float32))
+            prompt_tokens=ro.prompt_tokens,
+            prompt_valid=ro.prompt_valid,
+            targets=c.tokens,
+            mask=mask.astype(np.float32),
+            advantages=adv,
+            old_logp=c.logprobs.astype(np.float32),
+            ref_logp=np.zeros((b, n), np.float32),
+        )
         return self.placement.put_batch(batch)  # rows over the mesh; the same host arrays on every process
 
     def _update(self, step: int, batch: Batch) -> dict[str, jax.Array]:
@@ -269,7 +328,11 @@ class GRPOTrainer:
                 rows = (perm[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
                 order = batch.map_rows(lambda x: x[perm], lambda x: x[rows])
             for k in range(m):  # contiguous slices keep every group whole
-                mb = jax.tree.map(lambda x: x[k * x.shape[0] // m:(k + 1) * x.shape[0] // m], order) if m > 1 else order
+                mb = (
+                    jax.tree.map(lambda x: x[k * x.shape[0] // m : (k + 1) * x.shape[0] // m], order)
+                    if m > 1
+                    else order
+                )
                 self.state, metrics = self.learner.update(self.state, self.placement.put_batch(mb), self.frozen)
                 per.append(metrics)
         return jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *per) if len(per) > 1 else per[0]
@@ -337,8 +400,10 @@ class GRPOTrainer:
         out.update({f"time/{k}": v for k, v in self._t.items()})
         for k in ("loss", "grad_norm", "kl", "entropy"):
             if not math.isfinite(out[k]):
-                raise NonFiniteError(f"step {step}: {k} is {out[k]} (learning_rate={out['learning_rate']:.3g}, "
-                                     f"grad_norm={out['grad_norm']:.3g}); lower optimizer.learning_rate or check the rewards")
+                raise NonFiniteError(
+                    f"step {step}: {k} is {out[k]} (learning_rate={out['learning_rate']:.3g}, "
+                    f"grad_norm={out['grad_norm']:.3g}); lower optimizer.learning_rate or check the rewards"
+                )
         return out
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -356,13 +421,17 @@ class GRPOTrainer:
             return False
         state, meta = ckpt.restore(step, self.state)
         if meta.get("seed") != self.cfg.seed or meta.get("config_hash", "") != config_hash:
-            raise ValueError(f"checkpoint {step} in {ckpt.directory} was written by another run "
-                             f"(seed {meta.get('seed')}, config {meta.get('config_hash')!r}); this run has seed "
-                             f"{self.cfg.seed}, config {config_hash!r}")
+            raise ValueError(
+                f"checkpoint {step} in {ckpt.directory} was written by another run "
+                f"(seed {meta.get('seed')}, config {meta.get('config_hash')!r}); this run has seed "
+                f"{self.cfg.seed}, config {config_hash!r}"
+            )
         self.state, self.step = state, int(meta["step"])
         return True
 
-    def train(self, num_steps: int | None = None, on_step: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+    def train(
+        self, num_steps: int | None = None, on_step: Callable[[dict[str, float]], None] | None = None
+    ) -> list[dict[str, float]]:
         """Run until `num_steps` steps in total have run (default: the config's num_steps)."""
         end = self.cfg.num_steps if num_steps is None else num_steps
         history = []

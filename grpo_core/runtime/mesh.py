@@ -27,7 +27,9 @@ import logging
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config.train import MESH_AXES, MeshConfig, MeshShape
@@ -111,15 +113,16 @@ def put(x, sharding: NamedSharding):
 def to_host(tree):
     """Device arrays to numpy, whole on every process (gathered where they span processes).
     A host sync: call it where the driver means to wait."""
+
     def spread(x):
         return isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
 
     if not any(spread(x) for x in jax.tree.leaves(tree)):
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
 
-    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)) if spread(x)
-                        else jax.device_get(x), tree)
+    return jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)) if spread(x) else jax.device_get(x), tree
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +158,9 @@ class Placement:
     def param_shardings(self, tree, mesh: Mesh | None = None):
         """NamedShardings for a tree of parameters, or of anything whose paths end with a
         parameter's (optimizer moments); leaves the model does not know are replicated."""
-        return jax.tree_util.tree_map_with_path(lambda path, x: self.param_sharding(path_names(path), np.shape(x), mesh),
-                                                tree)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: self.param_sharding(path_names(path), np.shape(x), mesh), tree
+        )
 
     def param_sharding(self, names: Sequence[str], shape: Sequence[int], mesh: Mesh | None = None) -> NamedSharding:
         """The sharding of the parameter at path `names` (('model', 'layers', 'mlp', 'up_proj',
@@ -164,7 +168,9 @@ class Placement:
         from grpo_core.nn.model import partition_axes
 
         shape = tuple(shape)
-        return NamedSharding(mesh or self.train, fit(partition_axes(tuple(names), len(shape)), shape, mesh or self.train))
+        return NamedSharding(
+            mesh or self.train, fit(partition_axes(tuple(names), len(shape)), shape, mesh or self.train)
+        )
 
     def batch_sharding(self, shape: Sequence[int], mesh: Mesh | None = None) -> NamedSharding:
         """Rows (the leading dimension) over data x fsdp, as far as they divide."""
@@ -200,6 +206,5 @@ class Placement:
         (`copy`: the learner donates its own parameters at every update)."""
         if self.reference is not self.train:
             return self.put_params(params, self.reference)
-        import jax.numpy as jnp
 
         return jax.tree.map(jnp.copy, params) if copy else params

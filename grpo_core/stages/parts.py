@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any
 
 from grpo_core.config.run import RunConfig
-from grpo_core.config.train import ConfigError
 from grpo_core.data.tokenizer import make_tokenizer
+from grpo_core.errors import ConfigError
 from grpo_core.rewards.functions import Reward
 from grpo_core.rewards.registry import make_rewards
 from grpo_core.store.root import RunRoot
@@ -43,15 +43,17 @@ class RunParts:
 
         mc = self.model_config()
         if mc.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size ({mc.vocab_size}) is smaller than the tokenizer's "
-                              f"({self.tokenizer.vocab_size})")
+            raise ConfigError(
+                f"model.vocab_size ({mc.vocab_size}) is smaller than the tokenizer's ({self.tokenizer.vocab_size})"
+            )
         if self.cfg.model_path:
             from grpo_core.nn.hf import load_hf_model
             from grpo_core.store.sources import resolve
 
             overrides = {k: v for k, v in self.cfg.model.overrides.items() if k in ("dtype", "param_dtype")}
-            return load_hf_model(resolve(self.cfg.model_path, self.cfg.model.revision), placement=placement,
-                                 **overrides)
+            return load_hf_model(
+                resolve(self.cfg.model_path, self.cfg.model.revision), placement=placement, **overrides
+            )
         return create_model(mc, self.cfg.model.seed)
 
 
@@ -63,7 +65,9 @@ def open_run(cfg: RunConfig, root: RunRoot) -> RunParts:
     rewards = make_rewards(cfg.rewards)
     eval_rewards = make_rewards(cfg.eval_rewards, "eval.rewards" if cfg.eval.rewards else "rewards")
     if cfg.eval.accuracy_reward not in [r.name for r in eval_rewards]:
-        raise ConfigError(f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards "
-                          f"{[r.name for r in eval_rewards]}")
+        raise ConfigError(
+            f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards "
+            f"{[r.name for r in eval_rewards]}"
+        )
     train_rows, eval_rows = load_prepared(root, cfg.data_hash)
     return RunParts(cfg, root, tokenizer, rewards, eval_rewards, train_rows, eval_rows)

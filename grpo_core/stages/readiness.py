@@ -22,8 +22,9 @@ import sys
 import time
 from typing import Any
 
-from grpo_core.config.train import ConfigError, ModelConfig, RolloutEngineKind, TrainConfig
-from grpo_core.errors import ExitCode
+from grpo_core.config.model import ModelConfig
+from grpo_core.config.train import RolloutEngineKind, TrainConfig
+from grpo_core.errors import ConfigError, ExitCode
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,21 @@ def _lockfile_check(path: str) -> dict[str, Any]:
     holders = lock_holders(path)
     if holders or state == "held":
         who = f"process(es) {holders}" if holders else "a process we cannot see"
-        return check("tpu_lockfile", False, f"the TPU is in use: {path} is held by {who}",
-                     f"stop process {holders[0]} (or wait for it to finish)" if holders
-                     else f"find it with: sudo lsof -w {path} /dev/accel0")
+        return check(
+            "tpu_lockfile",
+            False,
+            f"the TPU is in use: {path} is held by {who}",
+            f"stop process {holders[0]} (or wait for it to finish)"
+            if holders
+            else f"find it with: sudo lsof -w {path} /dev/accel0",
+        )
     sudo = "sudo " if state == "foreign" else ""
-    return check("tpu_lockfile", False, f"stale {path}: no process holds it, but libtpu will report the TPU "
-                                        "as already in use", f"remove it: {sudo}rm {path}")
+    return check(
+        "tpu_lockfile",
+        False,
+        f"stale {path}: no process holds it, but libtpu will report the TPU as already in use",
+        f"remove it: {sudo}rm {path}",
+    )
 
 
 def _device_checks(req: dict[str, Any], report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -102,25 +112,44 @@ def _device_checks(req: dict[str, Any], report: dict[str, Any]) -> list[dict[str
         devices = jax.devices()
     except RuntimeError as exc:
         busy = "in use" in str(exc).lower()
-        return [check("backend", False, f"no accelerator backend: {exc}",
-                      "stop the other process using the TPU or remove a stale /tmp/libtpu_lockfile" if busy
-                      else "check the JAX installation (jax[tpu] on TPU VMs)")]
+        return [
+            check(
+                "backend",
+                False,
+                f"no accelerator backend: {exc}",
+                "stop the other process using the TPU or remove a stale /tmp/libtpu_lockfile"
+                if busy
+                else "check the JAX installation (jax[tpu] on TPU VMs)",
+            )
+        ]
     d0 = devices[0]
-    report.update(backend=d0.platform, device_kind=d0.device_kind, device_count=len(devices),
-                  local_device_count=jax.local_device_count(), process_count=jax.process_count(),
-                  process_index=jax.process_index(), tpu_generation=tpu_generation(d0.device_kind))
+    report.update(
+        backend=d0.platform,
+        device_kind=d0.device_kind,
+        device_count=len(devices),
+        local_device_count=jax.local_device_count(),
+        process_count=jax.process_count(),
+        process_index=jax.process_index(),
+        tpu_generation=tpu_generation(d0.device_kind),
+    )
     out = [check("backend", True, f"{d0.platform}: {len(devices)} x {d0.device_kind}")]
-    out.append(check("tpu_required", d0.platform == "tpu" or not req.get("require_tpu"),
-                     f"backend is {d0.platform}" + (", a TPU is required" if req.get("require_tpu") else ""),
-                     f"run on a TPU VM, or set pipeline.require_tpu=false to run on {d0.platform}"))
+    out.append(
+        check(
+            "tpu_required",
+            d0.platform == "tpu" or not req.get("require_tpu"),
+            f"backend is {d0.platform}" + (", a TPU is required" if req.get("require_tpu") else ""),
+            f"run on a TPU VM, or set pipeline.require_tpu=false to run on {d0.platform}",
+        )
+    )
     out.append(_engine_check(req["rollout_engine"], report, req["model"], req["train"].rollout))
     out.append(_mesh_check(req["train"], len(devices)))
     out.append(_agreement_check(req, report["process_count"]))
     return out
 
 
-def _engine_check(engine: RolloutEngineKind, report: dict[str, Any], model: ModelConfig | None = None,
-                  rollout=None) -> dict[str, Any]:
+def _engine_check(
+    engine: RolloutEngineKind, report: dict[str, Any], model: ModelConfig | None = None, rollout=None
+) -> dict[str, Any]:
     """Can this slice run the chosen rollout engine? In-process sglang-jax: one host, TPU v4 or
     newer (its paged attention kernels), or CPU for tests; and an interpreter that has it."""
     if engine is RolloutEngineKind.JAX:
@@ -129,8 +158,13 @@ def _engine_check(engine: RolloutEngineKind, report: dict[str, Any], model: Mode
         return _server_check(rollout)
     instead = "use train.rollout.engine=jax (the built-in sampler), or http with a server on other hosts"
     if report["process_count"] > 1:
-        return check("rollout_engine", False, f"in-process sglang-jax fails on multi-host slices ({report['process_count']} "
-                     "processes: FAILED_PRECONDITION, the program continuator has halted)", instead)
+        return check(
+            "rollout_engine",
+            False,
+            f"in-process sglang-jax fails on multi-host slices ({report['process_count']} "
+            "processes: FAILED_PRECONDITION, the program continuator has halted)",
+            instead,
+        )
     gen, backend = report.get("tpu_generation"), report.get("backend")
     head_dim = model.head_dim if model is not None else None
     if backend == "cpu" and head_dim is not None and head_dim % 128 == 0:
@@ -138,17 +172,28 @@ def _engine_check(engine: RolloutEngineKind, report: dict[str, Any], model: Mode
     elif backend == "tpu" and gen is not None and gen >= 4:
         where = f"TPU v{gen}, single host"
     else:
-        found = f"TPU v{gen}" if gen else f"{backend}" + (f" with model.head_dim {head_dim}" if backend == "cpu" else "")
-        return check("rollout_engine", False, "sglang-jax's paged attention needs TPU v4 or newer (or, for tests, CPU "
-                     f"with model.head_dim a multiple of 128); found {found}", instead)
+        found = (
+            f"TPU v{gen}" if gen else f"{backend}" + (f" with model.head_dim {head_dim}" if backend == "cpu" else "")
+        )
+        return check(
+            "rollout_engine",
+            False,
+            "sglang-jax's paged attention needs TPU v4 or newer (or, for tests, CPU "
+            f"with model.head_dim a multiple of 128); found {found}",
+            instead,
+        )
     import importlib.util
 
     if importlib.util.find_spec("sgl_jax") is None:
         import sys
 
-        return check("rollout_engine", False, f"sglang-jax is not installed for {sys.executable}",
-                     "build the sglang-jax environment (make sglang-env) and start workers with it "
-                     "(GRPO_SGLANG_PYTHON or pipeline.worker_python; the pipeline picks .venv-sglang itself)")
+        return check(
+            "rollout_engine",
+            False,
+            f"sglang-jax is not installed for {sys.executable}",
+            "build the sglang-jax environment (make sglang-env) and start workers with it "
+            "(GRPO_SGLANG_PYTHON or pipeline.worker_python; the pipeline picks .venv-sglang itself)",
+        )
     from importlib.metadata import version
 
     return check("rollout_engine", True, f"sglang-jax {version('sglang-jax')} in process on {where}")
@@ -165,18 +210,31 @@ def _server_check(rollout) -> dict[str, Any]:
         url = rollout.url.rstrip("/") + "/v1/models"
         try:
             with urllib.request.urlopen(url, timeout=10) as resp:
-                return check("rollout_engine", resp.status == 200, f"rollout server {url}: HTTP {resp.status}",
-                             "check the server at train.rollout.url")
+                return check(
+                    "rollout_engine",
+                    resp.status == 200,
+                    f"rollout server {url}: HTTP {resp.status}",
+                    "check the server at train.rollout.url",
+                )
         except (urllib.error.URLError, OSError) as exc:
-            return check("rollout_engine", False, f"rollout server {url} did not answer within 10 s: "
-                         f"{getattr(exc, 'reason', exc)}", "start the server or fix train.rollout.url")
+            return check(
+                "rollout_engine",
+                False,
+                f"rollout server {url} did not answer within 10 s: {getattr(exc, 'reason', exc)}",
+                "start the server or fix train.rollout.url",
+            )
     if rollout.server == "sglang-jax":
-        from grpo_core.engines import sglang_python
+        from grpo_core.launch.processes import sglang_python
 
         py = sglang_python()
-        return check("rollout_engine", py is not None, f"sglang-jax servers started with {py}" if py else
-                     "train.rollout.server=sglang-jax needs the sglang-jax environment, which is not built",
-                     "make sglang-env, or set GRPO_SGLANG_PYTHON to its python")
+        return check(
+            "rollout_engine",
+            py is not None,
+            f"sglang-jax servers started with {py}"
+            if py
+            else "train.rollout.server=sglang-jax needs the sglang-jax environment, which is not built",
+            "make sglang-env, or set GRPO_SGLANG_PYTHON to its python",
+        )
     return check("rollout_engine", True, f"rollout servers started with: {' '.join(rollout.server_command)}")
 
 
@@ -184,11 +242,17 @@ def _mesh_check(train: TrainConfig, device_count: int) -> dict[str, Any]:
     """train.mesh (and its rollout / reference layouts) must divide the devices of the run."""
     m, shown = train.mesh, []
     try:
-        for field, shape in (("train.mesh", m), ("train.mesh.rollout", m.rollout), ("train.mesh.reference", m.reference)):
+        for field, shape in (
+            ("train.mesh", m),
+            ("train.mesh.rollout", m.rollout),
+            ("train.mesh.reference", m.reference),
+        ):
             if shape is not None:
                 sizes = shape.sizes(device_count, field)
-                shown.append(f"{field.rsplit('.', 1)[-1] if shape is not m else 'train'} "
-                             + " x ".join(f"{a}={n}" for a, n in zip(("data", "fsdp", "tensor"), sizes)))
+                shown.append(
+                    f"{field.rsplit('.', 1)[-1] if shape is not m else 'train'} "
+                    + " x ".join(f"{a}={n}" for a, n in zip(("data", "fsdp", "tensor"), sizes))
+                )
     except ConfigError as exc:
         return check("mesh", False, str(exc), f"make the axes multiply to {device_count}, or set one of them to -1")
     return check("mesh", True, f"{'; '.join(shown)} over {device_count} devices")
@@ -211,19 +275,28 @@ def _agreement_check(req: dict[str, Any], process_count: int) -> dict[str, Any]:
             values["first batch"] = f"unreadable: {unread}"
     differ = distributed.disagreements(values)
     if differ:
-        detail = "; ".join(f"the {name} of process(es) {procs} differs from process 0's" for name, procs in differ.items())
-        return check("config_agreement", False, detail,
-                     "start every process on the same run root and code (one config.json, one prepared data set)")
-    batch = (" and the first batch" if req.get("run_root") and unread is None
-             else f" (the first batch not compared: {unread or 'no run_root in the request'})")
+        detail = "; ".join(
+            f"the {name} of process(es) {procs} differs from process 0's" for name, procs in differ.items()
+        )
+        return check(
+            "config_agreement",
+            False,
+            detail,
+            "start every process on the same run root and code (one config.json, one prepared data set)",
+        )
+    batch = (
+        " and the first batch"
+        if req.get("run_root") and unread is None
+        else f" (the first batch not compared: {unread or 'no run_root in the request'})"
+    )
     return check("config_agreement", True, f"{process_count} processes agree on config {values['config hash']}{batch}")
 
 
 def _run_digests(run_url: str) -> tuple[str, str]:
     """(training hash, first batch digest) as this process reads them from the run root."""
-    from grpo_core.launch import cluster as distributed
-    from grpo_core.data.prepare import DatasetPrompts, load_prepared
     from grpo_core.config.run import RunConfig
+    from grpo_core.data.prepare import DatasetPrompts, load_prepared
+    from grpo_core.launch import cluster as distributed
     from grpo_core.store.root import RunRoot
 
     root = RunRoot(run_url)
@@ -248,8 +321,8 @@ def _runtime_bytes() -> int:
     importing what the worker imports (JAX, Flax, Optax, Orbax, the data and reward stack) is the
     same program before its first array."""
     import grpo_core.rl.checkpoint  # noqa: F401
-    import grpo_core.stages.parts  # noqa: F401
     import grpo_core.rl.trainer  # noqa: F401
+    import grpo_core.stages.parts  # noqa: F401
     from grpo_core.config import memory
 
     return memory.rss_bytes()
@@ -271,17 +344,26 @@ def parse_request(req: Any) -> dict[str, Any]:
             raise ConfigError(f"request.{key} must be a positive integer{' or null' if none_ok else ''}, got {v!r}")
     try:
         section = req["train"].get("rollout")
-        engine = RolloutEngine(req.get("rollout_engine", section.get("engine", "jax") if isinstance(section, dict) else "jax"))
+        engine = RolloutEngine(
+            req.get("rollout_engine", section.get("engine", "jax") if isinstance(section, dict) else "jax")
+        )
     except ValueError:
-        raise ConfigError(f"request.rollout_engine must be one of {[e.value for e in RolloutEngine]}, "
-                          f"got {req.get('rollout_engine')!r}") from None
+        raise ConfigError(
+            f"request.rollout_engine must be one of {[e.value for e in RolloutEngine]}, "
+            f"got {req.get('rollout_engine')!r}"
+        ) from None
     lora = None
     if req.get("lora"):
-        from grpo_core.nn.lora import LoraConfig
+        from grpo_core.config.model import LoraConfig
 
         lora = LoraConfig.from_value(req["lora"])
-    return dict(req, model=ModelConfig.from_dict(req["model"]), train=TrainConfig.from_dict(req["train"]),
-                rollout_engine=engine, lora=lora)
+    return dict(
+        req,
+        model=ModelConfig.from_dict(req["model"]),
+        train=TrainConfig.from_dict(req["train"]),
+        rollout_engine=engine,
+        lora=lora,
+    )
 
 
 def run_checks(req: dict[str, Any]) -> dict[str, Any]:
@@ -290,15 +372,27 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     req = parse_request(req)
     model, train = req["model"], req["train"]
-    report: dict[str, Any] = {"ready": False, "backend": None, "device_kind": None, "device_count": 0,
-                              "local_device_count": 0, "process_count": 1, "process_index": 0,
-                              "tpu_generation": None, "config_hash": req.get("config_hash", "")}
+    report: dict[str, Any] = {
+        "ready": False,
+        "backend": None,
+        "device_kind": None,
+        "device_count": 0,
+        "local_device_count": 0,
+        "process_count": 1,
+        "process_index": 0,
+        "tpu_generation": None,
+        "config_hash": req.get("config_hash", ""),
+    }
     checks = [_lockfile_check(req.get("lockfile") or "/tmp/libtpu_lockfile")]  # before JAX opens a TPU
     checks += _device_checks(req, report)
     if report["backend"] is not None:
         cpu = report["backend"] == "cpu"
-        facts = {"backend": report["backend"], "devices": report["device_count"],
-                 "available": _device_memory(report, req.get("memory_bytes")), "runtime": _runtime_bytes() if cpu else 0}
+        facts = {
+            "backend": report["backend"],
+            "devices": report["device_count"],
+            "available": _device_memory(report, req.get("memory_bytes")),
+            "runtime": _runtime_bytes() if cpu else 0,
+        }
         plan = memory.plan_on(model, train, req["max_prompt_tokens"], facts, req["lora"])
         report["memory"] = plan.report()
         checks.append(check("memory", plan.fits is not False, plan.describe(), plan.lever(train)))
@@ -312,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_core.stages.readiness", description=__doc__.split("\n")[0])
     ap.add_argument("--request", help="JSON request file")
     ap.add_argument("--request-json", help="the request itself (a launcher passes it to other hosts this way)")
-    ap.add_argument("--events", action="store_true",
-                    help='print the report as {"event": "report", "report": ...} and exit 0 (for tasks.process)')
+    ap.add_argument(
+        "--events",
+        action="store_true",
+        help='print the report as {"event": "report", "report": ...} and exit 0 (for tasks.process)',
+    )
     args = ap.parse_args(argv)
     from grpo_core.launch import cluster as distributed
 

@@ -53,8 +53,16 @@ from typing import Any, Callable
 
 from grpo_core.errors import OUT_OF_MEMORY, OUT_OF_MEMORY_LEVERS, ConfigError, ExitCode, RolloutTimeout, classify
 
-_STEP_KEYS = ("reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "completions/mean_length",
-              "time/step")
+_STEP_KEYS = (
+    "reward",
+    "reward_std",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "learning_rate",
+    "completions/mean_length",
+    "time/step",
+)
 
 
 _PRIMARY = True  # process 0 of a multi-host run (or the only process): the one that reports and writes
@@ -72,23 +80,34 @@ def _emit(event: str, **fields: Any) -> None:
 
 def train(parts, until_step: int) -> int:
     from grpo_core.config import memory
-    from grpo_core.rl.checkpoint import Checkpointer
-    from grpo_core.config.train import ConfigError
     from grpo_core.data.prepare import DatasetPrompts
-    from grpo_core.runtime.mesh import Placement
+    from grpo_core.errors import ConfigError
+    from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.rl.trainer import GRPOTrainer
+    from grpo_core.runtime.mesh import Placement
 
     cfg, root = parts.cfg, parts.root
     if until_step > cfg.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
         raise ConfigError(f"--until-step {until_step} is past train.num_steps ({cfg.train.num_steps})")
     every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
-    plan = memory.plan_on(parts.model_config(), cfg.train, cfg.data.max_prompt_tokens,
-                          memory.device_facts(),  # before the model exists: the runtime term is this process alone
-                          cfg.model.lora)
+    plan = memory.plan_on(
+        parts.model_config(),
+        cfg.train,
+        cfg.data.max_prompt_tokens,
+        memory.device_facts(),  # before the model exists: the runtime term is this process alone
+        cfg.model.lora,
+    )
     _emit("memory", describe=plan.describe(), **plan.report())
     placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
-    trainer = GRPOTrainer(parts.create_policy(placement), cfg.train, parts.tokenizer, parts.rewards,
-                          DatasetPrompts(parts.train_rows, seed=cfg.data.seed), placement=placement, memory_plan=plan)
+    trainer = GRPOTrainer(
+        parts.create_policy(placement),
+        cfg.train,
+        parts.tokenizer,
+        parts.rewards,
+        DatasetPrompts(parts.train_rows, seed=cfg.data.seed),
+        placement=placement,
+        memory_plan=plan,
+    )
     with Checkpointer(root.uri("checkpoints")) as ckpt, contextlib.closing(trainer):  # closing: the rollout engine
         resumed = trainer.restore(ckpt, config_hash=h)
         start = trainer.step
@@ -149,29 +168,35 @@ def _agree(config_hash: str, trainer) -> None:
     if jax.process_count() == 1:
         return
     p = trainer.cfg.grpo.prompts_per_step
-    differ = distributed.disagreements({"config hash": config_hash,
-                                        "first batch": distributed.first_batch_digest(trainer.prompts, trainer.step, p)})
+    differ = distributed.disagreements(
+        {"config hash": config_hash, "first batch": distributed.first_batch_digest(trainer.prompts, trainer.step, p)}
+    )
     if differ:
-        raise distributed.DistributedError("processes disagree before training: " + "; ".join(
-            f"{name} of process(es) {procs} differs from process 0's" for name, procs in differ.items()))
+        raise distributed.DistributedError(
+            "processes disagree before training: "
+            + "; ".join(f"{name} of process(es) {procs} differs from process 0's" for name, procs in differ.items())
+        )
 
 
 def _policy_params(parts, ckpt, step: int):
     """(graphdef, params) of the starting policy (step 0) or of checkpoint `step`."""
     from flax import nnx
 
-    from grpo_core.config.train import ConfigError
+    from grpo_core.errors import ConfigError
 
     graphdef, params = nnx.split(parts.create_policy())
     if step == 0 and 0 not in ckpt.all_steps():
         return graphdef, params
     if step not in ckpt.all_steps():
-        raise ConfigError(f"no checkpoint for step {step} under {ckpt.directory}; "
-                          f"finalised checkpoints: {ckpt.all_steps() or 'none'}")
+        raise ConfigError(
+            f"no checkpoint for step {step} under {ckpt.directory}; finalised checkpoints: {ckpt.all_steps() or 'none'}"
+        )
     state, meta = ckpt.restore(step)  # as saved: plain nested dicts
     if meta.get("config_hash") != parts.cfg.train_hash:
-        raise ConfigError(f"checkpoint {step} in {ckpt.directory} was trained with another config "
-                          f"({meta.get('config_hash')!r}, this run is {parts.cfg.train_hash!r})")
+        raise ConfigError(
+            f"checkpoint {step} in {ckpt.directory} was trained with another config "
+            f"({meta.get('config_hash')!r}, this run is {parts.cfg.train_hash!r})"
+        )
     nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
     return graphdef, params
 
@@ -204,8 +229,17 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             greedy = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling, **kw)
             result = {"step": step, "eval_hash": h, "accuracy": greedy[cfg.eval.accuracy_reward], "greedy": greedy}
             if cfg.eval.num_samples > 1:
-                sampled = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling,
-                                   num_samples=cfg.eval.num_samples, pass_reward=cfg.eval.accuracy_reward, **kw)
+                sampled = evaluate(
+                    graphdef,
+                    params,
+                    parts.tokenizer,
+                    parts.eval_rows,
+                    parts.eval_rewards,
+                    sampling,
+                    num_samples=cfg.eval.num_samples,
+                    pass_reward=cfg.eval.accuracy_reward,
+                    **kw,
+                )
                 result["sampled"] = sampled
                 result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
             result["examples"] = _examples(parts, graphdef, params, sampling)
@@ -223,8 +257,8 @@ def export(parts, step: int | None) -> int:
 
     from flax import nnx
 
-    from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.nn.hf import save_hf_model
+    from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.rl.sampler import stop_ids
 
     cfg, root = parts.cfg, parts.root
@@ -252,8 +286,14 @@ def export(parts, step: int | None) -> int:
         files = sorted(os.listdir(tmp))
         for name in files:
             root.put_file(os.path.join(tmp, name), f"{stage}/{name}")
-    info = {"step": step, "train_hash": cfg.train_hash, "files": files, "source": cfg.model_path or cfg.model.preset,
-            "lora_merged": cfg.model.lora is not None, "seconds": round(time.perf_counter() - t, 3)}
+    info = {
+        "step": step,
+        "train_hash": cfg.train_hash,
+        "files": files,
+        "source": cfg.model_path or cfg.model.preset,
+        "lora_merged": cfg.model.lora is not None,
+        "seconds": round(time.perf_counter() - t, 3),
+    }
     root.mark_done(stage, info)  # last: the folder is complete
     _emit("export", cached=False, uri=root.uri(stage), **info)
     return 0
@@ -286,8 +326,8 @@ def _examples(parts, graphdef, params, sampling, n: int = 4) -> list[dict[str, A
 
 
 def _load(args):
-    from grpo_core.stages.parts import open_run
     from grpo_core.config.run import RunConfig
+    from grpo_core.stages.parts import open_run
     from grpo_core.store.root import RunRoot
 
     root = RunRoot(args.root)
@@ -317,8 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--root", required=True, help="the run's folder or URL (gs://bucket/prefix/run)")
         p.add_argument("--config", help="JSON run config (default: config.json in the run root)")
-        p.add_argument("--distributed", action="store_true",
-                       help="join a multi-host run (jax.distributed; see grpo_core.launch.cluster for the environment)")
+        p.add_argument(
+            "--distributed",
+            action="store_true",
+            help="join a multi-host run (jax.distributed; see grpo_core.launch.cluster for the environment)",
+        )
     sub.choices["train"].add_argument("--until-step", type=int, required=True, help="train until this many steps")
     sub.choices["eval"].add_argument("--steps", required=True, help="comma-separated steps; 0 = starting policy")
     sub.choices["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest)")
@@ -369,8 +412,11 @@ def _run(args) -> int:
             if not memory.is_out_of_memory(exc):  # XLA's allocation failures have no class of their own
                 raise  # a bug: the traceback is the report, and a crash is retried
             failure = OUT_OF_MEMORY
-        _emit("error", kind=failure.event,
-              message=_out_of_memory_message(exc) if failure.code == ExitCode.MEMORY else str(exc))
+        _emit(
+            "error",
+            kind=failure.event,
+            message=_out_of_memory_message(exc) if failure.code == ExitCode.MEMORY else str(exc),
+        )
         if isinstance(exc, RolloutTimeout):  # a thread may still wait inside the engine: exit without joining it
             sys.stdout.flush()
             sys.stderr.flush()
@@ -382,8 +428,11 @@ def _out_of_memory_message(exc: BaseException) -> str:
     from grpo_core.config import memory
 
     peak = memory.peak_bytes()
-    where = (f"device peak {peak['peak_device_bytes'] / 2**30:.2f} GiB" if "peak_device_bytes" in peak
-             else f"process peak {peak['peak_rss_bytes'] / 2**30:.2f} GiB")
+    where = (
+        f"device peak {peak['peak_device_bytes'] / 2**30:.2f} GiB"
+        if "peak_device_bytes" in peak
+        else f"process peak {peak['peak_rss_bytes'] / 2**30:.2f} GiB"
+    )
     return f"out of memory ({where}): {str(exc).splitlines()[0][:300]}; {OUT_OF_MEMORY_LEVERS}"
 
 

@@ -8,8 +8,16 @@ from typing import Any
 
 from grpo_core.store.root import RunRoot
 
-SUMMARY_KEYS = ("status", "steps", "reward_mean_first", "reward_mean_last", "eval_before", "eval_after",
-                "checkpoint_uri", "export_uri")
+SUMMARY_KEYS = (
+    "status",
+    "steps",
+    "reward_mean_first",
+    "reward_mean_last",
+    "eval_before",
+    "eval_after",
+    "checkpoint_uri",
+    "export_uri",
+)
 
 
 def eval_results(root: RunRoot) -> list[dict[str, Any]]:
@@ -91,7 +99,9 @@ def plot_curve(root: RunRoot) -> bytes | None:
     rewards = [float(m["reward"]) for m in metrics]
     top.plot(steps, rewards, lw=0.6, alpha=0.4, label="reward")
     w = max(1, len(rewards) // 20)
-    smooth = [sum(rewards[max(0, i - w + 1):i + 1]) / len(rewards[max(0, i - w + 1):i + 1]) for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1]) for i in range(len(rewards))
+    ]
     top.plot(steps, smooth, lw=1.8, label=f"reward ({w}-step mean)")
     top.set_ylabel("training reward")
     top.legend(loc="lower right")
@@ -131,5 +141,6 @@ def status(root: RunRoot) -> dict[str, Any]:
         "eval": [_headline(e) for e in eval_results(root)],
         "summary": root.read_json("summary.json") if root.exists("summary.json") else None,
         "last_metrics": {k: metrics[-1][k] for k in ("step", "reward", "kl", "entropy") if k in metrics[-1]}
-        if metrics else None,
+        if metrics
+        else None,
     }

@@ -17,7 +17,6 @@ from typing import Any
 
 import fsspec
 
-
 from grpo_core.errors import StorageError
 
 
@@ -142,4 +141,3 @@ class RunRoot:
             self.fs.rm_file(self._p(rel))
         except OSError as exc:
             raise StorageError(f"cannot read or delete {self.uri(rel)}: {exc}") from exc
-

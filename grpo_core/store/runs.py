@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_core.config.run import RunConfig
-from grpo_core.config.train import ConfigError
+from grpo_core.errors import ConfigError
 from grpo_core.store.root import RunRoot
 
 
@@ -18,9 +18,11 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
         old = RunConfig.from_dict(root.read_json("config.json"))
         if old.train_hash != cfg.train_hash:
             diff = _diff(old.to_dict(), cfg.to_dict())
-            raise ConfigError(f"run {cfg.name!r} at {cfg.run_url} was started with another config "
-                              f"(different: {', '.join(diff[:8])}); set run_name to a new name, or run_name: null "
-                              "to name runs by their config")
+            raise ConfigError(
+                f"run {cfg.name!r} at {cfg.run_url} was started with another config "
+                f"(different: {', '.join(diff[:8])}); set run_name to a new name, or run_name: null "
+                "to name runs by their config"
+            )
     hashes = {"data": cfg.data_hash, "train": cfg.train_hash, "eval": cfg.eval_hash}
     root.write_json("config.json", dict(cfg.to_dict(), hashes=hashes))
     return root

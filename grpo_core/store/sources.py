@@ -25,14 +25,24 @@ import re
 import uuid
 from typing import Any, Sequence
 
-from grpo_core.config.train import ConfigError
+from grpo_core.errors import ConfigError
 from grpo_core.store.root import StorageError
 
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
 # Small files a model folder may hold besides its weights, as Hub patterns.
-META_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab.*",
-                 "merges.txt", "added_tokens.json", "chat_template.*", "*.tiktoken", "preprocessor_config.json"]
+META_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.*",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.*",
+    "*.tiktoken",
+    "preprocessor_config.json",
+]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -58,32 +68,42 @@ def resolve(path: str, revision: str | None = None, weights: bool = True) -> str
             raise ConfigError(f"model.path {path!r}: {folder} {what}; expected a Hugging Face model folder")
         return folder
     if not _HUB_ID.match(path):
-        raise ConfigError(f"model.path {path!r} is neither an existing folder, a URL nor a Hugging Face id "
-                          "like 'Qwen/Qwen3-0.6B'")
+        raise ConfigError(
+            f"model.path {path!r} is neither an existing folder, a URL nor a Hugging Face id like 'Qwen/Qwen3-0.6B'"
+        )
     return _fetch_hub(path, revision, weights)
 
 
 def _fetch_hub(repo_id: str, revision: str | None, weights: bool) -> str:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     patterns = META_PATTERNS + (["*.safetensors", "*.safetensors.index.json"] if weights else [])
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as exc:
-        raise ConfigError(f"model.path {repo_id!r}{f' revision {revision!r}' if revision else ''}: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0]} (no such local folder either)") from None
+        raise ConfigError(
+            f"model.path {repo_id!r}{f' revision {revision!r}' if revision else ''}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0]} (no such local folder either)"
+        ) from None
     except LocalEntryNotFoundError as exc:  # offline, or the Hub cannot be reached: worth a retry
-        raise StorageError(f"model.path {repo_id!r} is not in the Hugging Face cache and the Hub cannot be reached "
-                           f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {exc}") from None
+        raise StorageError(
+            f"model.path {repo_id!r} is not in the Hugging Face cache and the Hub cannot be reached "
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {exc}"
+        ) from None
     except OSError as exc:
         raise StorageError(f"cannot download {repo_id!r} from the Hugging Face Hub: {exc}") from None
 
 
 def cache_dir() -> str:
     base = os.environ.get("GRPO_MODEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grpo-pipeline", "models")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grpo-pipeline", "models"
+    )
     return base
 
 
@@ -102,8 +122,9 @@ def _fetch_url(url: str, weights: bool) -> str:
         raise StorageError(f"cannot list model.path {url}: {exc}") from None
     names = {os.path.basename(e["name"].rstrip("/")): e for e in entries}
     if "config.json" not in names:
-        raise ConfigError(f"model.path {url} has no config.json; expected a Hugging Face model folder "
-                          f"(found: {sorted(names)[:10]})")
+        raise ConfigError(
+            f"model.path {url} has no config.json; expected a Hugging Face model folder (found: {sorted(names)[:10]})"
+        )
     wanted = [n for n in names if not n.endswith(OTHER_WEIGHTS) and (weights or not n.endswith(WEIGHT_SUFFIXES))]
     os.makedirs(local, exist_ok=True)
     stamps_path = os.path.join(local, ".sources.json")
@@ -179,8 +200,10 @@ class HFTokenizer:
         stops = _ids(gen.get("eos_token_id")) + _ids(self.tok.eos_token_id)
         self.stop_ids = list(dict.fromkeys(stops))
         if not self.stop_ids:
-            raise ConfigError(f"the tokenizer in {folder} has no EOS token and generation_config.json names none: "
-                              "completions could never end")
+            raise ConfigError(
+                f"the tokenizer in {folder} has no EOS token and generation_config.json names none: "
+                "completions could never end"
+            )
         self.eos_token_id = self.stop_ids[0]
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else gen.get("pad_token_id")
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
