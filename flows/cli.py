@@ -14,8 +14,10 @@ RUN is a run's URL (a folder or gs://bucket/prefix/name) or a run name under sto
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +27,49 @@ def _prefect_defaults() -> None:
     small machine (it takes 10-35 s on 2 cores). Settings the user made win."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
+_SIGNALS: list[int] = []  # what stopped the command: it exits with 128 + the first
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C (SIGINT) and SIGTERM, what a user and a scheduler send. The first stops the running
+    stage's workers at their next step boundary, where they save a checkpoint (within about 10 s),
+    and ends the command with RunInterrupted (a KeyboardInterrupt); a second exits at once, its
+    workers killed. Without this, SIGINT raised KeyboardInterrupt somewhere inside Prefect while
+    the workers, in process groups of their own, trained on."""
+    from grpo_core.errors import RunInterrupted
+    from tasks.process import kill_live_workers, request_interrupt
+
+    count = 0
+
+    def handler(signum, _frame):
+        nonlocal count
+        count += 1
+        _SIGNALS.append(signum)
+        name = signal.Signals(signum).name
+        if count > 1:
+            kill_live_workers()
+            print(f"\n{name} again: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        live = request_interrupt()
+        print(
+            f"\n{name}: stopping the run"
+            + (" (its workers save a checkpoint at the next step boundary, within ~10 s)" if live else "")
+            + "; press Ctrl-C again to exit at once",
+            file=sys.stderr,
+            flush=True,
+        )
+        if not live:  # no worker to wait for: stop the in-process stage where it is
+            raise RunInterrupted(f"interrupted by {name}")
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _config(args):
@@ -91,13 +136,27 @@ def run_command(args) -> int:
     if cfg is None:
         return 2
     _prefect_defaults()
+    from flows.local_server import embedded_server
     from flows.pipeline import grpo_pipeline
 
     t = time.perf_counter()
     print(f"run {cfg.name}: {cfg.run_url}", flush=True)
     try:
-        summary = grpo_pipeline.with_options(retries=cfg.pipeline.flow_retries)(cfg.to_dict())
+        with _interruptible(), embedded_server():
+            summary = grpo_pipeline.with_options(retries=cfg.pipeline.flow_retries)(cfg.to_dict())
+    except KeyboardInterrupt as exc:
+        print(
+            f"\nrun interrupted: {exc or 'KeyboardInterrupt'}\n"
+            f"the same command resumes it; see {cfg.run_url}/summary.json",
+            file=sys.stderr,
+        )
+        return 128 + (_SIGNALS[0] if _SIGNALS else signal.SIGINT)
     except Exception as exc:  # noqa: BLE001 - the flow logged it; say where the evidence is
+        from grpo_core.store.lease import LeaseHeld, RunRootInUse
+
+        if isinstance(exc, RunRootInUse):  # another run owns the run root: its summary.json is not ours
+            print(f"\nrun {'refused' if isinstance(exc, LeaseHeld) else 'stopped'}: {exc}", file=sys.stderr)
+            return 1
         print(f"\nrun failed: {type(exc).__name__}: {exc}\nsee {cfg.run_url}/summary.json", file=sys.stderr)
         return 1
     _print_summary(summary, time.perf_counter() - t)
@@ -143,12 +202,16 @@ def eval_command(args) -> int:
             )
 
     try:
-        run_worker(
-            ["grpo_core.stages.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
-            timeout_s=args.timeout,
-            on_event=show,
-            what="evaluation",
-        )
+        with _interruptible():
+            run_worker(
+                ["grpo_core.stages.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
+                timeout_s=args.timeout,
+                on_event=show,
+                what="evaluation",
+            )
+    except KeyboardInterrupt as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return 128 + (_SIGNALS[0] if _SIGNALS else signal.SIGINT)
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if not exc.retryable else 1
@@ -168,7 +231,11 @@ def export_command(args) -> int:
             print(f"step {e['step']}: {e['uri']}{'  (already exported)' if e['cached'] else ''}", flush=True)
 
     try:
-        run_worker(cmd, timeout_s=args.timeout, on_event=show, what="export")
+        with _interruptible():
+            run_worker(cmd, timeout_s=args.timeout, on_event=show, what="export")
+    except KeyboardInterrupt as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return 128 + (_SIGNALS[0] if _SIGNALS else signal.SIGINT)
     except StageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if not exc.retryable else 1

@@ -16,13 +16,17 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
 
 from flows.params import RunParams
 from grpo_core.config.run import RunConfig
+from grpo_core.errors import RunRootInUse
+from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, plot_curve
 from grpo_core.store.root import RunRoot
 from tasks.stages import (
     _key,
+    can_retry,
     check_readiness,
     evaluate,
     export_model,
@@ -82,6 +86,23 @@ def summary_markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _no_flow_retry(log) -> None:
+    """Fail this flow run for good: the server retries a failed flow run while its policy has
+    retries left (pipeline.flow_retries), with no condition of its own, so an error that fails
+    the same way every time (config, data, reward, a stage's non-retryable exit) would run the
+    whole pipeline again. Setting this run's retries to what it has used ends it now."""
+    from prefect import get_client
+    from prefect.runtime import flow_run
+
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(flow_run.id)
+            used = max(0, (run.run_count or 1) - 1)
+            client.update_flow_run(run.id, empirical_policy=run.empirical_policy.model_copy(update={"retries": used}))
+    except Exception as exc:  # noqa: BLE001 - at worst the pipeline runs once more and fails the same way
+        log.warning("could not turn off this flow run's retries: %s", exc)
+
+
 def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
     if isinstance(config, RunParams):
         return config.to_config()
@@ -94,32 +115,59 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     from its last checkpoint), evaluate each epoch's checkpoint, and write summary.json."""
     cfg = _config(config)
     log = get_run_logger()
+    from prefect.runtime import flow_run
+
+    # The run root's owner (grpo_core.store.lease): a second run of it is refused, not run beside this one.
+    lease = RunLease(cfg.run_url, ttl_s=cfg.pipeline.lease_ttl_s, flow_run_id=flow_run.id, logger=log)
+    try:
+        return _pipeline(cfg, log, lease)
+    except RunRootInUse:  # another run owns the run root: the flow fails the same way until it ends
+        _no_flow_retry(log)
+        raise
+    finally:
+        lease.release()  # deletes it only while it is still this run's
+
+
+def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
     opts = dict(
         retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s, retry_condition_fn=retryable
     )
     t0 = time.perf_counter()
+    lease.raise_if_held()  # reads only: a refused run writes nothing (no config.json) into the other's root
     run_url = init_run.with_options(**opts)(cfg.to_dict())
+    lease.acquire()  # the run root is this run's until the flow ends; the heartbeat keeps it so
     # Where the wall time goes: steps (the first step of each worker includes its compilation),
     # evaluation compute, and the eval tasks' wall time (process start, model build, compile).
     timing: dict[str, float] = {"train_steps_s": 0.0, "first_steps_s": 0.0, "eval_compute_s": 0.0, "eval_task_s": 0.0}
     try:
         prepare_dataset.with_options(**opts)(run_url)
+        lease.check()  # between stages: LeaseLost once another run took the run root over
         check_readiness.with_options(**opts)(run_url)
         for epoch in range(cfg.pipeline.epochs):
+            lease.check()
             info = train_epoch.with_options(**opts)(run_url, epoch)
             for k in ("train_steps_s", "first_steps_s"):
                 timing[k] += info.get(k, 0.0) if not info.get("skipped") else 0.0
+            lease.check()
             t = time.perf_counter()
             ev = evaluate.with_options(**opts)(run_url, [0, info["step"]] if epoch == 0 else [info["step"]])
             timing["eval_task_s"] += time.perf_counter() - t
             timing["eval_compute_s"] += ev["eval_compute_s"]
         if cfg.pipeline.export:
+            lease.check()
             export_model.with_options(**opts)(run_url, info["step"])
     except BaseException as exc:
-        summarize(run_url, "failed", {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - t0})
-        log.error("run failed: %s", "".join(traceback.format_exception_only(exc)).strip())
+        # Ctrl-C (RunInterrupted, KeyboardInterrupt) or SIGTERM, which Prefect's engine turns into
+        # TerminationSignal while a flow runs (its workers were stopped gracefully on the way out)
+        status = "interrupted" if isinstance(exc, (KeyboardInterrupt, TerminationSignal)) else "failed"
+        if not isinstance(exc, RunRootInUse):  # the run root is another run's now: write nothing there
+            summarize(run_url, status, {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - t0})
+        log.error("run %s: %s", status, "".join(traceback.format_exception_only(exc)).strip())
+        if not can_retry(exc):
+            _no_flow_retry(log)
         raise
     timing["wall_s"] = time.perf_counter() - t0
+    lease.check()
     summary = summarize(run_url, "completed", {"timing": {k: round(v, 2) for k, v in timing.items()}})
     log.info("run complete: %s", run_url)
     return summary

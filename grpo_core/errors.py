@@ -30,8 +30,21 @@ class RewardFunctionError(RuntimeError):
     """A user's reward function misbehaved. The message names the function and the row."""
 
 
+class RewardTimeout(RewardFunctionError):  # noqa: N818  (a public name, like RolloutTimeout)
+    """A reward function did not return within train.reward_timeout_s on one batch; the message
+    names the function, the batch and the limit. Its call still runs in a thread that cannot be
+    stopped, so a worker exits without joining it (grpo_core.stages.worker)."""
+
+
 class StorageError(RuntimeError):
     """The storage root cannot be used. The message names the URL."""
+
+
+class RunRootInUse(ConfigError):  # noqa: N818  (a public name, like RolloutTimeout)
+    """Another run owns the run root (its lease is live), or took it over from this one
+    (grpo_core.store.lease). The message names the owner and what to do; retrying fails the same
+    way, so it is a ConfigError: wait, or choose another run_name or storage.root. It is raised in
+    the Prefect process only, so it needs no row of its own (classify finds ConfigError's)."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -50,6 +63,12 @@ class RolloutTimeout(RolloutError):  # noqa: N818  (a public name)
     """An engine wait passed its time limit; the message names what was waited for."""
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """The user (Ctrl-C) or a scheduler (SIGTERM) stopped the run: its workers were stopped at a
+    step boundary where they could save one. A KeyboardInterrupt, so Prefect records the run as
+    crashed and retries neither the task nor the flow; the message says where it resumes."""
+
+
 class ExitCode(enum.IntEnum):
     """A worker's (or the readiness check's) exit code. Anything else, a crash (1) or a signal,
     is worth a retry: the next run resumes from the last checkpoint."""
@@ -63,6 +82,7 @@ class ExitCode(enum.IntEnum):
     ROLLOUT = 7  # the rollout engine failed or passed a time limit, possibly where a wait could not be interrupted
     DISTRIBUTED = 8  # jax.distributed could not start, or the processes disagree
     MEMORY = 9  # out of device or host memory
+    INTERRUPTED = 10  # SIGTERM/SIGINT: stopped at a step boundary (a checkpoint saved) or after its grace period
 
     @property
     def kind(self) -> str:
@@ -80,6 +100,7 @@ _KINDS = {
     ExitCode.ROLLOUT: "rollout engine failed or timed out",
     ExitCode.DISTRIBUTED: "multi-host setup failed",
     ExitCode.MEMORY: "out of memory",
+    ExitCode.INTERRUPTED: "interrupted",
 }
 
 
@@ -109,6 +130,9 @@ FAILURES: dict[type[BaseException], Failure] = {
     NonFiniteError: Failure(ExitCode.DIVERGED, "diverged", False),
     DistributedError: Failure(ExitCode.DISTRIBUTED, "distributed", True),
     RolloutError: Failure(ExitCode.ROLLOUT, "rollout", True),
+    # a worker stopped by SIGTERM/SIGINT it did not expect (not this run's own Ctrl-C, which the task
+    # knows): something else stopped it, and a retry resumes from its checkpoint
+    RunInterrupted: Failure(ExitCode.INTERRUPTED, "interrupted", True),
     MemoryError: OUT_OF_MEMORY,  # the host's; XLA's device allocation failures: is_out_of_memory
 }
 

@@ -18,8 +18,8 @@ from collections import deque
 from typing import Any, Callable
 
 from grpo_core.config.memory import host_memory_bytes
-from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, is_retryable
-from grpo_core.launch.launchers import LauncherConfig, start
+from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, RunInterrupted, is_retryable
+from grpo_core.launch.launchers import Launched, LauncherConfig, start
 
 
 class StageError(RuntimeError):
@@ -31,6 +31,25 @@ class StageError(RuntimeError):
 
 
 GiB = 2**30
+
+# Interrupting a run (grpo run's Ctrl-C / SIGTERM handler, flows.cli): the stage running now stops
+# its workers gracefully (SIGTERM: they save at the next step boundary) and raises RunInterrupted.
+_INTERRUPT = threading.Event()
+_LIVE: dict[int, Launched] = {}  # by id(): a Launched is a dataclass, not hashable
+STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL; the worker's own grace (8 s) ends it first
+
+
+def request_interrupt() -> bool:
+    """Ask the running stage to stop; True if a worker set is running (it will stop within
+    STOP_GRACE_S and its run_worker raise RunInterrupted), False if none is."""
+    _INTERRUPT.set()
+    return bool(_LIVE)
+
+
+def kill_live_workers() -> None:
+    """SIGKILL every running worker set at once (a second Ctrl-C)."""
+    for launched in list(_LIVE.values()):
+        launched.stop(grace_s=0.5)
 
 
 class MemoryWatch:
@@ -106,7 +125,19 @@ def run_worker(
 
     Raises StageError: not retryable for the worker's config/data/reward/divergence exits,
     retryable for crashes, kills, storage errors and the time limit."""
+    if _INTERRUPT.is_set():
+        raise RunInterrupted(f"{what} not started: the run was interrupted")
     launched = start(launcher, args, env, python)
+    _LIVE[id(launched)] = launched
+    try:
+        return _watch(launched, timeout_s=timeout_s, on_event=on_event, what=what)
+    finally:
+        if any(p.poll() is None for p in launched.procs):  # an exception on the way out: never leave them
+            launched.stop(STOP_GRACE_S)
+        _LIVE.pop(id(launched), None)
+
+
+def _watch(launched: Launched, *, timeout_s: float, on_event, what: str) -> list[dict[str, Any]]:
     procs = launched.procs
     lines: queue.Queue = queue.Queue()
     tails: list[deque[str]] = [deque(maxlen=40) for _ in procs]
@@ -121,7 +152,7 @@ def run_worker(
     deadline = time.monotonic() + timeout_s
     watch = MemoryWatch([p.pid for p in procs])
     events: list[dict[str, Any]] = []
-    timed_out, streaming, failed = False, True, None
+    timed_out, streaming, failed, interrupted = False, True, None, False
     while True:
         try:
             line = lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
@@ -135,6 +166,10 @@ def run_worker(
                 events.append(event)
                 on_event(event)
         watch.sample()
+        if _INTERRUPT.is_set():
+            interrupted = True
+            launched.stop(STOP_GRACE_S)
+            break
         failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
         if failed is not None:
             launched.stop()
@@ -148,6 +183,14 @@ def run_worker(
     codes = [p.wait() for p in procs]
     for t in err_threads:
         t.join(timeout=5)
+    if interrupted:  # the events process 0 wrote while it stopped (its "interrupted" step)
+        while (line := _next_line(lines, timeout_s=2.0)) is not None:
+            if (event := _parse(line)) is not None:
+                events.append(event)
+                on_event(event)
+        saved = [e["step"] for e in events if e.get("event") in ("checkpoint", "interrupted") and e.get("step")]
+        where = f"checkpoint {max(saved)}" if saved else "its last checkpoint"
+        raise RunInterrupted(f"{what} was interrupted and its workers stopped; the next run resumes from {where}")
     if timed_out:
         raise StageError(
             f"{what} passed its time limit of {timeout_s:g} s and was stopped "
@@ -164,8 +207,18 @@ def run_worker(
     if watch.killed_for_memory(rc):
         plan = next((e for e in reversed(events) if e.get("event") == "memory"), None)
         raise StageError(watch.message(f"{what}{who}", plan), retryable=False)
+    if rc == ExitCode.INTERRUPTED:  # SIGTERM from something else than this process: resumable
+        stopped = next((e for e in reversed(events) if e.get("event") == "interrupted"), {})
+        raise StageError(f"{what}{who} was stopped: {stopped.get('message', detail)}", retryable=True)
     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
     raise StageError(f"{what}{who} {how}: {detail}", retryable=True)
+
+
+def _next_line(lines: queue.Queue, timeout_s: float) -> str | None:
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
 
 
 def _pump(stream, put, end_marker: bool = False) -> None:

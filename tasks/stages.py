@@ -26,22 +26,27 @@ from prefect.cache_policies import NO_CACHE
 
 from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import DataError
-from grpo_core.errors import ConfigError
+from grpo_core.errors import ConfigError, RewardFunctionError
 from grpo_core.store.root import RunRoot, StorageError
 from tasks.process import StageError, run_worker
 
 
+def can_retry(exc: BaseException) -> bool:
+    """Whether running the stage (or the flow) again can help: crashes, kills, storage errors and
+    time limits; never what would fail the same way again (config, data, reward functions,
+    divergence) nor an interrupted run (the user or a scheduler asked it to stop)."""
+    if isinstance(exc, StageError):
+        return exc.retryable
+    # RewardFunctionError: the data stage's reward probe (a reward that hangs or fails there)
+    return not isinstance(exc, (ConfigError, DataError, RewardFunctionError, ValueError, TypeError, KeyboardInterrupt))
+
+
 def retryable(task_, task_run, state) -> bool:
-    """retry_condition_fn: retry crashes, kills, storage errors and time limits; never retry
-    what would fail the same way again (config, data, reward functions, divergence)."""
+    """retry_condition_fn of every stage task: can_retry of the exception it raised."""
     try:
         state.result()
-    except StageError as exc:
-        return exc.retryable
-    except (ConfigError, DataError, ValueError, TypeError):
-        return False
-    except BaseException:  # noqa: BLE001 - a crash or a storage error: worth another try
-        return True
+    except BaseException as exc:  # noqa: BLE001 - judged by can_retry
+        return can_retry(exc)
     return True
 
 
@@ -58,13 +63,27 @@ def load_run(run_url: str) -> RunConfig:
         raise ConfigError(f"{exc}: start the run with grpo_pipeline, which writes it first") from None
 
 
+def _workers_elsewhere(cfg: RunConfig) -> bool:
+    """Whether the workers run on other hosts (ray, tpu-vm), where a reward file or module may
+    exist that this machine lacks: then only the rewards found here are checked here."""
+    from grpo_core.launch.launchers import LauncherKind
+
+    return cfg.pipeline.launcher.kind in (LauncherKind.RAY, LauncherKind.TPU_VM)
+
+
 @task(name="init-run", cache_policy=NO_CACHE)
 def init_run(config: dict[str, Any]) -> str:
     """Validate the config and write it to {run}/config.json (refused if the run folder holds
     another training config)."""
+    from grpo_core.rewards.registry import config_rewards
     from grpo_core.store.runs import init_run_root
 
     cfg = RunConfig.from_dict(config)
+    # Resolve every reward (training and eval) now, in the first seconds: a missing file or
+    # function, an import error or a signature that cannot take (prompts, completions, **columns)
+    # otherwise surfaces only in the training worker, after data preparation and readiness.
+    # ConfigError names rewards[i].function. Reward code is JAX-free.
+    config_rewards(cfg, skip_missing=_workers_elsewhere(cfg))
     init_run_root(cfg)
     get_run_logger().info("run %s: %s", cfg.name, cfg.run_url)
     return cfg.run_url
@@ -86,6 +105,13 @@ def prepare_dataset(run_url: str) -> dict[str, Any]:
         cfg.data.source,
         ", already prepared" if manifest.get("cached") else "",
     )
+    # A reward that can score none of these rows (math_answer without a ground_truth column)
+    # would train on nothing and still "complete": try each on a few rows now (DataError, not
+    # retried). On data prepared by an earlier attempt too: it costs well under a second.
+    from grpo_core.rewards.probe import check_prepared
+
+    for found in check_prepared(cfg, RunRoot(run_url), skip_missing=_workers_elsewhere(cfg)):
+        log.info("reward probe: %s", found.describe())
     return {k: manifest.get(k) for k in ("uri", "hash", "train_rows", "eval_rows", "dropped_too_long", "cached")}
 
 
@@ -257,7 +283,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
         0.0, key=_key(f"train-{cfg.name}"), description=f"epoch {epoch}: steps {start_step}..{until}"
     )
     every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
-    state: dict[str, Any] = {"last": None, "shown": -1.0, "steps_s": 0.0, "first_step_s": None}
+    state: dict[str, Any] = {"last": None, "shown": -1.0, "steps_s": 0.0, "first_step_s": None, "unscored": 0}
 
     def on_event(e: dict[str, Any]) -> None:
         kind = e["event"]
@@ -279,12 +305,23 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
                     e["entropy"],
                     1000 * e["time/step"],
                 )
+            if e.get("frac_rows_scored") == 0.0:  # every row left out of the loss: reward NaN, loss 0
+                state["unscored"] += 1
+                if state["unscored"] == 1 or s % every == 0 or s == until:  # the first, then with the log lines
+                    log.warning(
+                        "step %d: no reward scored any completion (every reward returned None), so the step "
+                        "learned nothing; %d such step(s) in this epoch so far",
+                        s,
+                        state["unscored"],
+                    )
             frac = (s - start_step) / max(1, until - start_step)
             if frac - state["shown"] >= 0.05 or s == until:  # a few API calls per epoch, not one per step
                 update_progress_artifact(progress, 100.0 * min(1.0, frac))
                 state["shown"] = frac
         elif kind == "checkpoint":
             log.info("checkpoint %s", e["uri"])
+        elif kind == "checkpoint_set_aside":  # names the bad folder, where it went and what resumes
+            log.warning("epoch %d: %s", epoch, e["message"])
         elif kind == "memory":
             log.info("memory: %s", e["describe"])
 
@@ -337,10 +374,13 @@ def export_model(run_url: str, step: int) -> dict[str, Any]:
 
 
 def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of the eval table artifact; a NaN score (a mean over no scored row) is None, since
+    Prefect's API takes strict JSON."""
+    rnd = lambda v: round(v, 4) if v == v else None  # noqa: E731 - NaN != NaN
     rows = []
     for r in results:
-        row = {"step": r["step"], "accuracy": round(r["accuracy"], 4), "reward": round(r["greedy"]["reward_mean"], 4)}
-        row.update({k: round(v, 4) for k, v in r.items() if k.startswith("pass@")})
+        row = {"step": r["step"], "accuracy": rnd(r["accuracy"]), "reward": rnd(r["greedy"]["reward_mean"])}
+        row.update({k: rnd(v) for k, v in r.items() if k.startswith("pass@")})
         rows.append(row)
     return rows
 
@@ -349,7 +389,7 @@ def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     """Greedy accuracy and pass@k on the eval split for the given checkpoints (0: the starting
     policy), in a worker process; each result lands in {run}/eval/{step}.json."""
-    from grpo_core.store.report import eval_results
+    from grpo_core.store.report import eval_results, read_eval
 
     cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
 
@@ -364,7 +404,7 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
                 " (already evaluated)" if e["cached"] else "",
             )
 
-    stored = [root.read_json(f"eval/{s}.json") for s in steps if root.exists(f"eval/{s}.json")]
+    stored = [read_eval(root, f"eval/{s}.json") for s in steps if root.exists(f"eval/{s}.json")]
     if len(stored) == len(steps) and all(r.get("eval_hash") == cfg.eval_hash for r in stored):
         events = [dict(r, event="eval", cached=True) for r in stored]  # no process to start
         for e in events:

@@ -19,14 +19,17 @@ inherit them; `gcs_emulator.env` has the same dict for a child given an explicit
   names it as a plugin): gcsfs reads it at import, and with it on every new filesystem spends
   60 s on a gRPC bucket-type probe the emulator cannot answer.
 
-Two emulator gaps are closed here. Its multipart-upload parser (Python's email package) dropped a
+Three emulator gaps are closed here. Its multipart-upload parser (Python's email package) dropped a
 trailing b"\r" from an object's bytes: gcsfs ends the part with "\n--boundary", and the parser took
 "\r\n" as the line break before it, so about one small binary upload in 256 (an exported
 safetensors file, say) came back a byte short; real GCS keeps every byte. And: an object read ignored
 ifGenerationMatch/ifGenerationNotMatch and carried no x-goog-generation header. TensorStore's OCDBT (Orbax's
 default format) sometimes revalidates its cached manifest with ifGenerationNotMatch=<the generation it just
 wrote>; real GCS answers 304, the emulator answered 200 with no generation, and the next
-manifest write failed with "Malformed StorageGeneration" (a few percent of saves).
+manifest write failed with "Malformed StorageGeneration" (a few percent of saves). And: uploads and deletes
+ignored ifGenerationMatch/ifGenerationNotMatch and wrote anyway; real GCS answers 412, which is what lets
+grpo_core.store.lease create a run root's lease only where there is none (ifGenerationMatch=0) and renew,
+take over or delete it only at the generation it read.
 """
 
 import json
@@ -107,6 +110,64 @@ def _patch_downloads():
     return undo
 
 
+def _live_generation(storage, bucket: str, name: str) -> str:
+    """The generation of the live object, "0" for none (as ifGenerationMatch=0 means)."""
+    from gcp_storage_emulator.exceptions import NotFound
+
+    try:
+        return str(storage.get_file_obj(bucket, name)["generation"])
+    except NotFound:
+        return "0"
+
+
+def _with_preconditions(handler, upload: bool):
+    """An object write (a single-request upload, a delete) that honours ifGenerationMatch and
+    ifGenerationNotMatch as real GCS does: 412 unless the live object's generation (0: none) matches;
+    a delete of a missing object stays a 404. The emulator ignored them and wrote anyway. It serves
+    one request at a time, so the check and the write are one step, as on GCS."""
+
+    def patched(request, response, storage, *args, **kwargs):
+        match, not_match = request.query.get("ifGenerationMatch"), request.query.get("ifGenerationNotMatch")
+        kind = request.query.get("uploadType", [""])[0]
+        if not (match or not_match) or (upload and kind not in ("media", "multipart")):  # resumable: not here
+            return handler(request, response, storage, *args, **kwargs)
+        bucket = request.params["bucket_name"]
+        name = (request.query.get("name") or [None])[0] if upload else request.params["object_id"]
+        if upload and name is None:  # multipart: the name may be in the metadata part only
+            name = request.data["meta"].get("name")
+        gen = _live_generation(storage, bucket, name)
+        if (match and match[0] != gen) or (not_match and not_match[0] == gen):
+            if not upload and gen == "0":
+                return handler(request, response, storage, *args, **kwargs)  # its 404
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": "At least one of the pre-conditions did not hold."}})
+            return
+        return handler(request, response, storage, *args, **kwargs)
+
+    return patched
+
+
+def _patch_preconditions():
+    """Install _with_preconditions on the emulator's object insert and delete; returns the undo."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.handlers import objects
+
+    originals = {objects.insert: _with_preconditions(objects.insert, True)}
+    originals[objects.delete] = _with_preconditions(objects.delete, False)
+    swapped = []
+    for _, methods in server.HANDLERS:
+        for verb, fn in methods.items():
+            if fn in originals:
+                methods[verb] = originals[fn]
+                swapped.append((methods, verb, fn))
+
+    def undo():
+        for methods, verb, fn in swapped:
+            methods[verb] = fn
+
+    return undo
+
+
 def _exact_multipart(read_data):
     """The emulator's request-body reader, with multipart/related uploads split on the boundary
     exactly: the part's bytes end where the line break before the next delimiter starts, and
@@ -169,7 +230,7 @@ def gcs_emulator():
     # Port 0: the OS picks a free port at bind time, so no other process can take it in between
     # (the emulator binds in its thread, and start() would wait forever on a failed bind).
     server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=BUCKET)
-    undo_patch, undo_uploads = _patch_downloads(), _patch_uploads()
+    undo_patch, undo_uploads, undo_preconditions = _patch_downloads(), _patch_uploads(), _patch_preconditions()
     server.start()
     httpd = server._api._httpd  # the pinned emulator has no public accessor for the bound port
     endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -205,6 +266,7 @@ def gcs_emulator():
         server.stop()
         undo_patch()
         undo_uploads()
+        undo_preconditions()
         emulator_log.setLevel(log_level)
         for k, v in saved_env.items():
             if v is None:

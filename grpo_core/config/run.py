@@ -136,6 +136,7 @@ class PipelineConfig(Section):
     retries: int = field(2, doc="Task retries of crashes, preemption and storage errors", ge=0)
     retry_delay_s: float = field(2.0, doc="Seconds between task retries", ge=0)
     flow_retries: int = field(1, doc="Retries of the whole flow run", ge=0)
+    lease_ttl_s: float = field(120.0, doc="Seconds a run root's lease outlives its holder's last heartbeat", gt=0)
     # hard limit per training-epoch attempt: the worker is killed
     train_timeout_s: float = field(3600.0, doc="Hard limit per training-epoch attempt, seconds", gt=0)
     eval_timeout_s: float = field(1800.0, doc="Hard limit per evaluation attempt, seconds", gt=0)

@@ -436,6 +436,15 @@ class TrainConfig(Section):
     log_every: int | None = field(
         None, doc="Steps between the training task's metric log lines; empty: about ten per epoch", ge=1
     )
+    # A reward function that never returns would otherwise hold the worker until the stage's own
+    # time limit (pipeline.train_timeout_s) and then be retried; past this the worker stops with a
+    # reward error naming the function and the batch, which is not retried. Changes no result.
+    reward_timeout_s: float = field(
+        300.0,
+        doc="Limit on one reward function's call on one batch of completions (training and evaluation), seconds; "
+        "past it the run fails with a reward error, not retried",
+        gt=0,
+    )
     # Memory at real shapes (grpo_core.config.memory): the decoder layers' rematerialisation, and the size
     # of one vocabulary chunk's f32 logits when log-probs are computed (grpo_core.rl.logprobs). Neither
     # changes a result: not in the training hash.
@@ -467,6 +476,7 @@ class TrainConfig(Section):
             out["rollout"] = rollout
         del out["mesh"]  # where arrays live changes results only within float tolerance
         del out["remat"], out["logits_chunk_mib"]  # how memory is spent: the same numbers
+        del out["reward_timeout_s"]  # a time limit: a run that finishes computes the same numbers
         out["log_every"] = 1  # how often the task logs changes no result; 1 is what runs before it was read hashed
         # Accumulation sums exact per-token weights (algo.token_weights): the same update within
         # float tolerance, so it is hashed as 1, except under BNPO, which normalises per micro-batch.

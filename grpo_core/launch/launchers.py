@@ -47,7 +47,7 @@ from grpo_core.launch.cluster import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
-from grpo_core.launch.processes import free_port, stop_process_groups
+from grpo_core.launch.processes import ENV_WATCH_PARENT, free_port, stop_process_groups
 
 
 class LauncherKind(enum.Enum):
@@ -184,6 +184,8 @@ def plan(
     stop command (tpu-vm). Pure: the unit tests check it. `env`: extra variables for the worker."""
     env, python = dict(env or {}), python or sys.executable
     module_args = list(module_args)
+    if cfg.kind in (LauncherKind.LOCAL, LauncherKind.MULTIPROCESS):
+        env[ENV_WATCH_PARENT] = "1"  # local workers stop when the process that started them is gone
     if cfg.kind is LauncherKind.LOCAL:
         return [ProcessSpec("worker", [python, "-m", *module_args], env)], None
     if cfg.kind is LauncherKind.MULTIPROCESS:

@@ -18,6 +18,10 @@ import subprocess
 import time
 from typing import Sequence
 
+# Set in a local worker's environment by the launcher: the worker stops when the process that
+# started it ends, however it ends (kill -9 included), i.e. when the worker is re-parented.
+ENV_WATCH_PARENT = "GRPO_STOP_WHEN_PARENT_EXITS"
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (the OS picks it; another process may take it

@@ -1,6 +1,11 @@
 """Reward functions: `f(prompts, completions, **columns) -> list[float | None]`, the signature
 TRL and EasyDeL users already write. Several combine as a weighted sum; `None` means "this
 function does not apply to this row" and a row no function applies to is left out of the loss.
+
+With a time limit (`score(..., timeout_s=...)`, train.reward_timeout_s in a worker) each call
+runs in a thread of its own and is waited for at most that long: Python cannot stop a function
+that never returns, so past the limit RewardTimeout is raised and the thread is abandoned (a
+daemon: it never holds the process open); the worker then exits without joining it.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ import inspect
 import math
 import pathlib
 import sys
+import threading
 import traceback
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from grpo_core.errors import RewardFunctionError
+from grpo_core.errors import RewardFunctionError, RewardTimeout
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -28,6 +34,11 @@ class Reward:
     fn: RewardFn
     weight: float = 1.0
     name: str = ""
+    # Where a config names it (grpo_core.rewards.registry.make_rewards): the field, such as
+    # "rewards[0].function", and its value, such as "path/to/my_rewards.py:slow". Messages that
+    # must lead a user to the line of config to change (a time limit passed) show both.
+    field: str = ""
+    spec: str = ""
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -35,18 +46,84 @@ class Reward:
         if not self.name:
             object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))
 
+    def describe(self) -> str:
+        """How messages name it: `'slow' (rewards[0].function: my_rewards.py:slow)`, or `'slow'`."""
+        where = f"{self.field}: {self.spec}" if self.field and self.spec else self.field or self.spec
+        return f"{self.name!r}" + (f" ({where})" if where else "")
+
 
 def _short(text: Any, n: int = 60) -> str:
     s = repr(text)
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-def _call_one(reward: Reward, prompts, completions, columns) -> np.ndarray:
+TIMEOUT_FIELD = "train.reward_timeout_s"
+
+
+def call_bounded(reward: Reward, prompts, completions, columns, timeout_s: float | None, batch: str):
+    """reward.fn(prompts, completions, **columns), in a thread waited for at most `timeout_s`
+    (None: called here, unbounded). RewardTimeout names the function, `batch` and the limit."""
+    if timeout_s is None:
+        return reward.fn(prompts, completions, **columns)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = reward.fn(prompts, completions, **columns)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as it is
+            box["exc"] = exc
+
+    # A fresh daemon thread per call (a pool's threads are joined at interpreter exit, and one
+    # stuck call would take a pool slot for good); the cost is ~0.1 ms against a batch's scoring.
+    thread = threading.Thread(target=run, name=f"reward-{reward.name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)  # interruptible: SIGINT/SIGTERM still reach the main thread
+    if thread.is_alive():
+        raise RewardTimeout(
+            f"reward function {reward.describe()} did not return within {timeout_s:g} s on {batch or 'a batch'} "
+            f"({len(completions)} completions); the limit is {TIMEOUT_FIELD}. Fix the function (or raise the "
+            "limit if it is only slow): a call that never returns cannot be stopped, so the run stops here and is "
+            "not retried"
+        )
+    if "exc" in box:
+        raise box["exc"]
+    return box["out"]
+
+
+class ThreadedRewardError(RewardFunctionError):
+    """A reward function that cannot run outside the main thread (signal.alarm: math-verify's
+    default time limits); it fails on every row, whatever the completions."""
+
+
+def _needs_main_thread(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is Python's refusal to use signals outside the main
+    thread; math-verify re-raises it as its own 'doesn't support threaded environment'."""
+    seen = 0
+    while exc is not None and seen < 8:
+        text = str(exc)
+        if "signal only works in main thread" in text or "support threaded environment" in text:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _call_one(
+    reward: Reward, prompts, completions, columns, timeout_s: float | None = None, batch: str = ""
+) -> np.ndarray:
     n = len(completions)
     try:
-        out = reward.fn(prompts, completions, **columns)
+        out = call_bounded(reward, prompts, completions, columns, timeout_s, batch)
+    except RewardTimeout:
+        raise
     except Exception as exc:  # noqa: BLE001 - a user's function: report it with the row that fails
-        raise RewardFunctionError(_find_bad_row(reward, prompts, completions, columns, exc)) from exc
+        if timeout_s is not None and _needs_main_thread(exc):
+            raise ThreadedRewardError(
+                f"reward function {reward.describe()} raised {type(exc).__name__}: {exc}. Reward functions run in "
+                f"a thread of their own (so that {TIMEOUT_FIELD} can bound them), where signal-based time limits "
+                "cannot work: call math-verify with parsing_timeout=None and timeout_seconds=None, as the built-in "
+                "math_answer does, and let the reward time limit bound it"
+            ) from exc
+        raise RewardFunctionError(_find_bad_row(reward, prompts, completions, columns, exc, timeout_s, batch)) from exc
     try:
         out = list(out)
     except TypeError:
@@ -75,11 +152,21 @@ def _call_one(reward: Reward, prompts, completions, columns) -> np.ndarray:
     return vals
 
 
-def _find_bad_row(reward, prompts, completions, columns, exc) -> str:
-    """Re-run the failing function row by row to name the first row it raises on."""
+def _find_bad_row(reward, prompts, completions, columns, exc, timeout_s=None, batch="") -> str:
+    """Re-run the failing function row by row to name the first row it raises on (each call
+    under the same time limit: RewardTimeout, naming the row, if one never returns)."""
     for i in range(len(completions)):
         try:
-            reward.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+            call_bounded(
+                reward,
+                prompts[i : i + 1],
+                completions[i : i + 1],
+                {k: v[i : i + 1] for k, v in columns.items()},
+                timeout_s,
+                f"row {i} of {batch or 'a batch'}",
+            )
+        except RewardTimeout:
+            raise
         except Exception as row_exc:  # noqa: BLE001
             return (
                 f"reward function {reward.name!r} raised {type(row_exc).__name__}: {row_exc} on row {i} "
@@ -95,13 +182,24 @@ class RewardResult:
     total: np.ndarray  # (B,) weighted sum; NaN where no function applies (row excluded)
     per_function: dict[str, np.ndarray]  # name -> (B,) raw values, NaN where None
 
+    @property
+    def frac_scored(self) -> float:
+        """The fraction of rows some function scored (the others are left out of the loss)."""
+        return float(np.mean(~np.isnan(self.total))) if len(self.total) else 0.0
+
 
 def score(
     rewards: Sequence[Reward],
     prompts: Sequence[Any],
     completions: Sequence[Any],
     columns: dict[str, Sequence[Any]] | None = None,
+    *,
+    timeout_s: float | None = None,
+    batch: str = "",
 ) -> RewardResult:
+    """Each function on the whole batch, and their weighted sum. `timeout_s` bounds each
+    function's call (RewardTimeout past it); `batch` says which batch this is in messages
+    ("the batch of step 12")."""
     columns = {k: list(v) for k, v in (columns or {}).items()}
     for k, v in columns.items():
         if len(v) != len(completions):
@@ -110,7 +208,7 @@ def score(
     weighted = np.zeros(len(completions))
     applies = np.zeros(len(completions), bool)
     for r in rewards:
-        vals = _call_one(r, list(prompts), list(completions), columns)
+        vals = _call_one(r, list(prompts), list(completions), columns, timeout_s, batch)
         per[r.name] = vals
         ok = ~np.isnan(vals)
         weighted += np.where(ok, vals * r.weight, 0.0)

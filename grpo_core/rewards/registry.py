@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from grpo_core.config.run import RewardSpec
+from grpo_core.config.run import RewardSpec, RunConfig
 from grpo_core.errors import ConfigError
 from grpo_core.rewards.functions import Reward, RewardFn, load_reward
 
@@ -17,25 +17,43 @@ def builtin_rewards() -> dict[str, RewardFn]:
     return {"char_match": char_match, "exact_match": exact_match, **math_rewards.BUILTIN}
 
 
-def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards") -> list[Reward]:
-    """Resolve each spec (a built-in name or `file.py:fn` / `module:fn`), or ConfigError naming it."""
+def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_missing: bool = False) -> list[Reward]:
+    """Resolve each spec (a built-in name or `file.py:fn` / `module:fn`), or ConfigError naming it.
+    `skip_missing`: leave out a spec whose file or module cannot be found or imported here (it
+    may exist where the workers run: another host); a missing function or a wrong signature is
+    still an error."""
     builtins, out = builtin_rewards(), []
     for i, spec in enumerate(specs):
+        where = f"{field}[{i}].function"
         if spec.function in builtins:
             fn = builtins[spec.function]
         elif ":" not in spec.function:
             raise ConfigError(
-                f"{field}[{i}].function {spec.function!r} is not a built-in reward "
+                f"{where} {spec.function!r} is not a built-in reward "
                 f"({', '.join(sorted(builtins))}) nor 'path/to/file.py:function' / 'module:function'"
             )
         else:
             try:
                 fn = load_reward(spec.function)
-            except (ValueError, ImportError, FileNotFoundError, AttributeError, TypeError, SyntaxError) as exc:
-                raise ConfigError(f"{field}[{i}].function: {exc}") from None
+            except (ImportError, FileNotFoundError) as exc:
+                if skip_missing:
+                    continue
+                raise ConfigError(f"{where}: {exc}") from None
+            except (ValueError, AttributeError, TypeError, SyntaxError) as exc:
+                raise ConfigError(f"{where}: {exc}") from None
         name = spec.function.rsplit(":", 1)[-1]
-        out.append(Reward(fn, weight=spec.weight, name=name))
+        out.append(Reward(fn, weight=spec.weight, name=name, field=where, spec=spec.function))
     names = [r.name for r in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"{field}: reward names must be unique, got {names}")
     return out
+
+
+def config_rewards(cfg: RunConfig, skip_missing: bool = False) -> tuple[list[Reward], list[Reward]]:
+    """(training rewards, evaluation rewards) of a run config, resolved as its workers resolve
+    them (grpo_core.stages.parts.open_run): ConfigError naming `rewards[i].function` or
+    `eval.rewards[i].function` for a file that is missing or fails to import, a missing
+    function, or one whose signature cannot take (prompts, completions, **columns)."""
+    train = make_rewards(cfg.rewards, skip_missing=skip_missing)
+    evals = make_rewards(cfg.eval_rewards, "eval.rewards" if cfg.eval.rewards else "rewards", skip_missing)
+    return train, evals

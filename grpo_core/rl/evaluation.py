@@ -64,12 +64,15 @@ def evaluate(
     num_samples: int = 1,
     seed: int = 0,
     pass_reward: str | None = None,
+    reward_timeout_s: float | None = None,
 ) -> dict[str, float]:
     """Mean of each reward over `rows`. num_samples == 1 decodes greedily; more samples draw at
     `sampling.temperature` and add pass@k: a sample "passes" when the `pass_reward` function
-    scores it >= 1 (default: the weighted total)."""
+    scores it >= 1 (default: the weighted total). `reward_timeout_s` bounds each reward
+    function's call on one batch (train.reward_timeout_s; RewardTimeout past it)."""
     per: dict[str, list[np.ndarray]] = {r.name: [] for r in rewards}
     totals = []
+    done = 0
     for chunk, texts in complete(
         graphdef,
         params,
@@ -83,7 +86,13 @@ def evaluate(
     ):
         rep = lambda xs: [x for x in xs for _ in range(num_samples)]
         columns = {k: rep([r[k] for r in chunk]) for k in chunk[0] if k not in ("prompt", "prompt_ids")}
-        scored = rw.score(rewards, rep([r["prompt"] for r in chunk]), texts, columns)
+        where = f"the evaluation batch of rows {done}..{done + len(chunk) - 1}" + (
+            f" ({num_samples} samples each)" if num_samples > 1 else " (greedy)"
+        )
+        done += len(chunk)
+        scored = rw.score(
+            rewards, rep([r["prompt"] for r in chunk]), texts, columns, timeout_s=reward_timeout_s, batch=where
+        )
         totals.append(scored.total)
         for name, v in scored.per_function.items():
             per[name].append(v)

@@ -31,7 +31,7 @@ from grpo_core.nn import lora
 from grpo_core.nn.model import CausalLM
 from grpo_core.rewards import functions as rw
 from grpo_core.rl import algo
-from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.rl.checkpoint import Checkpointer, SetAside
 from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.sampler import SamplerOptions, completion_texts, pad_prompts, spec_of, step_key, stop_ids
 from grpo_core.rl.types import Batch, Completions, TrainState
@@ -251,7 +251,14 @@ class GRPOTrainer:
         rep = lambda xs: [x for x in xs for _ in range(g)]
         columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k not in ("prompt", "prompt_ids")}
         t_rew = time.perf_counter()
-        scored = rw.score(self.rewards, rep([r["prompt"] for r in rows]), texts, columns)
+        scored = rw.score(
+            self.rewards,
+            rep([r["prompt"] for r in rows]),
+            texts,
+            columns,
+            timeout_s=self.cfg.reward_timeout_s,  # each function's call; RewardTimeout past it
+            batch=f"the batch of step {step}" + (f" (sampling round {round_})" if round_ else ""),
+        )
         self._t["rewards"] += time.perf_counter() - t_rew
         return Rollout(
             rows=rows,
@@ -384,6 +391,16 @@ class GRPOTrainer:
     def _metrics(self, step, ro: Rollout, info, lm) -> dict[str, float]:
         r = ro.rewards[~np.isnan(ro.rewards)]
         out = {"step": float(step), "reward": _mean(r), "reward_std": _std(r)}
+        # Rows some reward scored; the others have no loss. 0 means the step learned nothing
+        # (loss and grad norm 0, reward NaN): say so rather than let it pass as a quiet step.
+        out["frac_rows_scored"] = len(r) / max(1, len(ro.rewards))
+        if not len(r):
+            log.warning(
+                "step %d: no reward scored any of its %d completions (every reward returned None): "
+                "the step learned nothing",
+                step,
+                len(ro.rewards),
+            )
         for name, v in ro.per_function.items():
             v = v[~np.isnan(v)]
             out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _mean(v), _std(v)
@@ -414,18 +431,39 @@ class GRPOTrainer:
         LoRA neither is the base (the state holds the adapters only)."""
         ckpt.save(self.step, self.state, {"seed": self.cfg.seed, "config_hash": config_hash})
 
-    def restore(self, ckpt: Checkpointer, step: int | None = None, config_hash: str = "") -> bool:
-        """Continue from checkpoint `step` (default: the newest finalised one). False if none."""
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            return False
-        state, meta = ckpt.restore(step, self.state)
-        if meta.get("seed") != self.cfg.seed or meta.get("config_hash", "") != config_hash:
-            raise ValueError(
-                f"checkpoint {step} in {ckpt.directory} was written by another run "
-                f"(seed {meta.get('seed')}, config {meta.get('config_hash')!r}); this run has seed "
-                f"{self.cfg.seed}, config {config_hash!r}"
-            )
+    def restore(
+        self,
+        ckpt: Checkpointer,
+        step: int | None = None,
+        config_hash: str = "",
+        on_set_aside: Callable[[SetAside], None] | None = None,
+    ) -> bool:
+        """Continue from checkpoint `step`, or by default from the newest finalised one that
+        restores. False if none.
+
+        Resuming (no `step`): a checkpoint that fails to restore is set aside (moved under the
+        checkpoints folder's _set_aside/, see Checkpointer.restore_newest), reported to
+        `on_set_aside` and the next older one tried; with every one set aside the run starts
+        from step 0, which each report says. An explicit `step` is a request, not a resume:
+        nothing is moved and an unreadable checkpoint raises UnreadableCheckpointError naming
+        its folder. Either way a checkpoint of another run (seed or config hash) raises ValueError."""
+
+        def ours(s: int, meta: dict[str, Any]) -> None:
+            if meta.get("seed") != self.cfg.seed or meta.get("config_hash", "") != config_hash:
+                raise ValueError(
+                    f"checkpoint {s} in {ckpt.directory} was written by another run "
+                    f"(seed {meta.get('seed')}, config {meta.get('config_hash')!r}); this run has seed "
+                    f"{self.cfg.seed}, config {config_hash!r}"
+                )
+
+        if step is not None:
+            state, meta = ckpt.restore(step, self.state)
+            ours(step, meta)
+        else:
+            found = ckpt.restore_newest(self.state, check=ours, on_set_aside=on_set_aside)
+            if found is None:
+                return False
+            _, state, meta = found
         self.state, self.step = state, int(meta["step"])
         return True
 

@@ -43,19 +43,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import importlib.util
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
-from grpo_core.errors import OUT_OF_MEMORY, OUT_OF_MEMORY_LEVERS, ConfigError, ExitCode, RolloutTimeout, classify
+from grpo_core.errors import (
+    OUT_OF_MEMORY,
+    OUT_OF_MEMORY_LEVERS,
+    ConfigError,
+    ExitCode,
+    RewardTimeout,
+    RolloutTimeout,
+    classify,
+)
+from grpo_core.launch.processes import ENV_WATCH_PARENT
 
 _STEP_KEYS = (
     "reward",
     "reward_std",
+    "frac_rows_scored",
     "kl",
     "entropy",
     "grad_norm",
@@ -66,6 +79,47 @@ _STEP_KEYS = (
 
 
 _PRIMARY = True  # process 0 of a multi-host run (or the only process): the one that reports and writes
+
+# A stop request: SIGTERM (a stage's time limit, `grpo run` interrupted with Ctrl-C, a scheduler),
+# SIGINT, or the launching process gone (ENV_WATCH_PARENT). Training stops at the next
+# step boundary and saves a checkpoint there; whatever is still running STOP_GRACE_S later (a long
+# step, a compilation, an evaluation) ends then without one: the run resumes from its last
+# checkpoint either way. The grace is shorter than the launcher's SIGTERM-to-SIGKILL grace (10 s)
+# so that the worker exits with its own code and message.
+ENV_STOP_GRACE = "GRPO_STOP_GRACE_S"
+_STOP = threading.Event()
+_STOP_WHY: list[str] = []
+
+
+def _request_stop(why: str) -> None:
+    if _STOP.is_set():
+        return
+    _STOP_WHY.append(why)
+    _STOP.set()
+    grace = float(os.environ.get(ENV_STOP_GRACE, "8"))
+    threading.Thread(target=_stop_after, args=(grace, why), daemon=True, name="stop-grace").start()
+
+
+def _stop_after(grace_s: float, why: str) -> None:
+    time.sleep(grace_s)
+    _emit("interrupted", step=None, message=f"stopped ({why}) {grace_s:g} s later, between checkpoints")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(ExitCode.INTERRUPTED)
+
+
+def _install_stop_handlers() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: _request_stop(f"{signal.Signals(signum).name} received"))
+    if os.environ.get(ENV_WATCH_PARENT) == "1":
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+
+
+def _watch_parent(parent: int) -> None:
+    """A process whose parent exits is re-parented (to init or a subreaper): poll for that."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    _request_stop("the process that launched it is gone")
 
 
 def _emit(event: str, **fields: Any) -> None:
@@ -109,7 +163,11 @@ def train(parts, until_step: int) -> int:
         memory_plan=plan,
     )
     with Checkpointer(root.uri("checkpoints")) as ckpt, contextlib.closing(trainer):  # closing: the rollout engine
-        resumed = trainer.restore(ckpt, config_hash=h)
+        # A newest checkpoint that fails to restore is set aside (moved, not deleted) and the next
+        # older one tried; each one says so: step, uri, moved_to, error, next_step and a message.
+        resumed = trainer.restore(
+            ckpt, config_hash=h, on_set_aside=lambda aside: _emit("checkpoint_set_aside", **aside.as_event())
+        )
         start = trainer.step
         _agree(h, trainer)
         _emit("resumed" if resumed else "start", step=start, until=until_step)
@@ -119,7 +177,8 @@ def train(parts, until_step: int) -> int:
             pending.append(m)
             _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m}, **memory.peak_bytes())
             _test_hook("step", step=trainer.step, root_url=root.url)
-            if trainer.step % every == 0 or trainer.step == until_step:
+            stop = _STOP.is_set()
+            if trainer.step % every == 0 or trainer.step == until_step or stop:
                 if _PRIMARY:
                     root.write_metrics(pending)  # outputs first ...
                 trainer.save(ckpt, config_hash=h)  # ... the checkpoint (finalised last) after
@@ -127,6 +186,14 @@ def train(parts, until_step: int) -> int:
                 pending = []
                 _emit("checkpoint", step=trainer.step, uri=root.uri("checkpoints", str(trainer.step)))
                 _test_hook("checkpoint", step=trainer.step, root_url=root.url)
+            if stop and trainer.step < until_step:
+                why = _STOP_WHY[0] if _STOP_WHY else "stop requested"
+                _emit(
+                    "interrupted",
+                    step=trainer.step,
+                    message=f"stopped at step {trainer.step} ({why}), checkpoint saved",
+                )
+                return ExitCode.INTERRUPTED
     _emit("done", step=trainer.step, steps_run=trainer.step - start)
     return 0
 
@@ -214,6 +281,7 @@ def _unwrap(tree):
 def evaluate_steps(parts, steps: list[int]) -> int:
     from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.rl.evaluation import evaluate
+    from grpo_core.store.report import read_eval
 
     cfg, root, h = parts.cfg, parts.root, parts.cfg.eval_hash
     sampling = cfg.train.sampling.replace(temperature=cfg.eval.temperature)
@@ -221,11 +289,11 @@ def evaluate_steps(parts, steps: list[int]) -> int:
         for step in steps:
             rel = f"eval/{step}.json"
             if root.exists(rel) and root.read_json(rel).get("eval_hash") == h:
-                _emit("eval", cached=True, uri=root.uri(rel), **root.read_json(rel))
+                _emit("eval", cached=True, uri=root.uri(rel), **read_eval(root, rel))  # null scores as NaN
                 continue
             t = time.perf_counter()
             graphdef, params = _policy_params(parts, ckpt, step)
-            kw = dict(batch_size=cfg.eval.batch_size, seed=cfg.train.seed)
+            kw = dict(batch_size=cfg.eval.batch_size, seed=cfg.train.seed, reward_timeout_s=cfg.train.reward_timeout_s)
             greedy = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling, **kw)
             result = {"step": step, "eval_hash": h, "accuracy": greedy[cfg.eval.accuracy_reward], "greedy": greedy}
             if cfg.eval.num_samples > 1:
@@ -367,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest)")
     args = ap.parse_args(argv)
     t = time.perf_counter()
+    _install_stop_handlers()
     _compilation_cache()
     rc = _join(args.distributed) or _run(args)
     print(json.dumps({"event": "exit", "code": rc, "seconds": round(time.perf_counter() - t, 3)}), file=sys.stderr)
@@ -406,6 +475,11 @@ def _run(args) -> int:
         return evaluate_steps(parts, steps)
     except Exception as exc:
         failure = classify(exc)
+        if failure is None and _storage_fault(exc):  # a full or read-only disk under Orbax or TensorStore
+            from grpo_core.store.root import describe_storage_error
+
+            _emit("error", kind="storage", message=describe_storage_error(args.root, exc))
+            return ExitCode.STORAGE
         if failure is None:
             from grpo_core.config import memory
 
@@ -417,11 +491,27 @@ def _run(args) -> int:
             kind=failure.event,
             message=_out_of_memory_message(exc) if failure.code == ExitCode.MEMORY else str(exc),
         )
-        if isinstance(exc, RolloutTimeout):  # a thread may still wait inside the engine: exit without joining it
+        # A thread may still wait inside the engine, or run a reward function that never returns
+        # (a daemon thread, but one that holds the GIL in C code stalls interpreter shutdown and
+        # the engine's threads are joined there): exit at once, output flushed, without them.
+        if isinstance(exc, (RolloutTimeout, RewardTimeout)):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(failure.code)
         return failure.code
+
+
+def _storage_fault(exc: BaseException) -> bool:
+    """A storage fault that reached us as something else than StorageError: an OSError for a full,
+    read-only or forbidden file system anywhere in the chain, or TensorStore's text for one."""
+    e, seen = exc, 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "Read-only file system")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _out_of_memory_message(exc: BaseException) -> str:

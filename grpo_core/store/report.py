@@ -4,6 +4,7 @@ reward/accuracy curve. Reads storage only; imports neither JAX nor Prefect."""
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 from grpo_core.store.root import RunRoot
@@ -20,12 +21,29 @@ SUMMARY_KEYS = (
 )
 
 
+def _nan_for_null(scores: Any) -> Any:
+    return {k: math.nan if v is None else v for k, v in scores.items()} if isinstance(scores, dict) else scores
+
+
+def read_eval(root: RunRoot, rel: str) -> dict[str, Any]:
+    """One eval/{step}.json. Its scores (accuracy, pass@k, the greedy and sampled reward means)
+    are floats, and a NaN among them (a mean over no scored row) is stored as null, strict JSON:
+    it reads back as NaN, the float every reader formats."""
+    result = root.read_json(rel)
+    for k in [k for k in result if k == "accuracy" or k.startswith("pass@")]:
+        result[k] = math.nan if result[k] is None else result[k]
+    for k in ("greedy", "sampled"):
+        if k in result:
+            result[k] = _nan_for_null(result[k])
+    return result
+
+
 def eval_results(root: RunRoot) -> list[dict[str, Any]]:
     """eval/{step}.json of every evaluated step, by step."""
     out = []
     for name in root.list("eval"):
         if name.endswith(".json") and name[:-5].isdigit():
-            out.append(root.read_json(f"eval/{name}"))
+            out.append(read_eval(root, f"eval/{name}"))
     return sorted(out, key=lambda r: r["step"])
 
 
@@ -37,11 +55,17 @@ def _headline(result: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def window_means(rewards: list[float]) -> tuple[float | None, float | None]:
-    """Mean training reward over the first and the last tenth of the steps (at least one step)."""
+    """Mean training reward over the first and the last tenth of the steps (at least one step),
+    over the steps that had a reward (a step no reward scored has NaN); None for a window with none."""
     if not rewards:
         return None, None
     w = max(1, len(rewards) // 10)
-    return sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+
+    def mean(xs: list[float]) -> float | None:
+        xs = [x for x in xs if math.isfinite(x)]
+        return sum(xs) / len(xs) if xs else None
+
+    return mean(rewards[:w]), mean(rewards[-w:])
 
 
 def latest_checkpoint(root: RunRoot) -> int | None:
@@ -53,7 +77,10 @@ def latest_checkpoint(root: RunRoot) -> int | None:
     depends on the storage (a renamed temporary folder on local disk; on gs:// the step's own
     folder plus its commit_success.txt marker); this JAX-free reading of the names serves status
     and summaries in the Prefect process. The two agree on local folders; on gs:// a save cut off
-    before its marker counts here and not there."""
+    before its marker counts here and not there.
+
+    Only all-digit names count: checkpoints that failed to restore when training resumed sit
+    under checkpoints/_set_aside/ (grpo_core.rl.checkpoint.SET_ASIDE) and are never the latest."""
     steps = [int(n) for n in root.list("checkpoints") if n.isdigit()]
     return max(steps) if steps else None
 

@@ -9,9 +9,15 @@ under a short hash of the config fields that matter to it.
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
+import math
+import os
 import posixpath
+import socket
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -20,10 +26,81 @@ import fsspec
 from grpo_core.errors import StorageError
 
 
+def strict(obj: Any) -> Any:
+    """`obj` with every NaN and ±Inf float (NumPy's too) replaced by None, so that it is strict
+    JSON: Python's json writes them as the bare words NaN and Infinity, which JSON has not, and
+    which strict parsers (JavaScript, jq, Go, Prefect's API) refuse. A metric with no value (a
+    step no reward scored, an accuracy over no scored row) is null in the run root."""
+    if isinstance(obj, float):  # np.float64 too
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    if hasattr(obj, "dtype") and hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # a NumPy scalar
+        return strict(obj.item())
+    return obj
+
+
+def dumps(obj: Any, **kw: Any) -> str:
+    """Strict JSON (see `strict`): what every JSON object in a run root is written with."""
+    return json.dumps(strict(obj), allow_nan=False, **kw)
+
+
 def config_hash(fields: dict[str, Any], length: int = 12) -> str:
     """Short stable hash of a config (key order does not matter)."""
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:length]
+
+
+# What a user can do about a storage fault, by its cause (see describe_storage_error).
+CREDENTIALS_FIX = (
+    "check that the bucket exists and that these credentials may write to it "
+    "(GOOGLE_APPLICATION_CREDENTIALS, or gcloud auth application-default login)"
+)
+
+
+def describe_storage_error(url: str, exc: BaseException) -> str:
+    """One sentence on why `url` (under storage.root) cannot be used, and what to do: the cause
+    read from the exception chain (no network, refused, permission, no space), not a raw
+    ClientConnectorDNSError or the tail of a traceback."""
+    chain, e = [], exc
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " | ".join(f"{type(c).__name__}: {c}" for c in chain)
+    errnos = {getattr(c, "errno", None) for c in chain}
+    if errno.ENOSPC in errnos or errno.EDQUOT in errnos or "No space left on device" in text:
+        why = "no space left on the device that holds it; free some space or choose another storage.root"
+    elif errno.EROFS in errnos or "Read-only file system" in text:
+        why = "the file system is read-only; choose another storage.root"
+    elif any(isinstance(c, PermissionError) for c in chain) or " 403" in text or "Forbidden" in text:
+        why = f"permission denied; {CREDENTIALS_FIX}"
+    elif any(isinstance(c, socket.gaierror) for c in chain) or "name resolution" in text or "DNS" in text:
+        why = f"cannot resolve the storage host (no network, or no DNS); {CREDENTIALS_FIX} once it is reachable"
+    elif any(isinstance(c, (ConnectionError, TimeoutError, socket.timeout)) for c in chain) or "Cannot connect" in text:
+        why = "cannot connect to the storage host (no network, a firewall, or the endpoint is down)"
+    else:
+        why = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return f"storage.root {url}: {why}"
+
+
+@functools.cache
+def check_reachable(url: str, timeout_s: float = 10.0) -> None:
+    """For gs://: resolve and connect to the storage endpoint (STORAGE_EMULATOR_HOST's in tests)
+    within `timeout_s`, once per process, and raise StorageError saying so if it cannot. gcsfs
+    retries a request on connection errors with backoff, and the credential lookup retries the
+    metadata server too: without this a root with no network took about a minute per call, six
+    minutes a run, before its first error."""
+    if not url.startswith("gs://"):
+        return
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+    parsed = urllib.parse.urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+    host, port = parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise StorageError(f"{describe_storage_error(url, exc)} ({host}:{port}: {exc})") from exc
 
 
 class RunRoot:
@@ -55,7 +132,7 @@ class RunRoot:
             else:
                 self.fs.pipe_file(path, data)
         except OSError as exc:
-            raise StorageError(f"cannot write {self.uri(rel)}: {exc}") from exc
+            raise StorageError(f"cannot write {self.uri(rel)}: {describe_storage_error(self.url, exc)}") from exc
         return self.uri(rel)
 
     def put_file(self, local_path: str, rel: str) -> str:
@@ -78,15 +155,21 @@ class RunRoot:
             return self.fs.cat_file(self._p(rel))
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.uri(rel)} does not exist") from None
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.uri(rel)}: {describe_storage_error(self.url, exc)}") from exc
 
     def write_json(self, rel: str, obj: Any) -> str:
-        return self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+        """`obj` as strict JSON: NaN and ±Inf become null (see `strict`)."""
+        return self.write_bytes(rel, dumps(obj, indent=1, sort_keys=True).encode())
 
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
 
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self._p(rel))
+        try:
+            return self.fs.exists(self._p(rel))
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.uri(rel)}: {describe_storage_error(self.url, exc)}") from exc
 
     def list(self, rel: str) -> list[str]:
         """Names directly under `rel` (empty if it does not exist)."""
@@ -114,17 +197,18 @@ class RunRoot:
         steps = [int(r["step"]) for r in rows]
         if not steps:
             raise ValueError("no metric rows to write")
-        body = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+        body = "".join(dumps(r, sort_keys=True) + "\n" for r in rows).encode()  # strict: NaN -> null
         return self.write_bytes(f"metrics/{min(steps):08d}-{max(steps):08d}.jsonl", body)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """All rows, one per step: a step written again (a retried epoch re-running steps past its
-        last checkpoint) keeps the row from the newest shard that has it."""
+        last checkpoint) keeps the row from the newest shard that has it. Every metric is a float,
+        so a null (a NaN written as strict JSON) reads back as NaN."""
         by_step: dict[int, dict[str, Any]] = {}
         for name in self.list("metrics"):
             if name.endswith(".jsonl"):
                 for line in self.read_bytes(f"metrics/{name}").decode().splitlines():
-                    row = json.loads(line)
+                    row = {k: math.nan if v is None else v for k, v in json.loads(line).items()}
                     by_step[int(row["step"])] = row
         return [by_step[s] for s in sorted(by_step)]
 

@@ -7,12 +7,13 @@ from typing import Any
 
 from grpo_core.config.run import RunConfig
 from grpo_core.errors import ConfigError
-from grpo_core.store.root import RunRoot
+from grpo_core.store.root import RunRoot, check_reachable
 
 
 def init_run_root(cfg: RunConfig) -> RunRoot:
     """Write the validated config (and its stage hashes) to {run}/config.json. A run folder that
     already holds a config with another training hash is refused: its checkpoints are not ours."""
+    check_reachable(cfg.run_url)  # seconds, not minutes of gcsfs retries, when there is no network
     root = RunRoot(cfg.run_url)
     if root.exists("config.json"):
         old = RunConfig.from_dict(root.read_json("config.json"))
