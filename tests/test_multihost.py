@@ -143,7 +143,7 @@ def test_distributed_environment():
 def test_launch_plans():
     args = ["grpo_core.stages.worker", "train", "--root", "gs://b/runs/r1", "--until-step", "10"]
     [local], stop = plan(LauncherConfig(), args, python="/py")
-    assert local.argv == ["/py", "-m", *args] and local.env == {} and stop is None
+    assert local.argv == ["/py", "-m", *args] and local.env == {"GRPO_STOP_WHEN_PARENT_EXITS": "1"} and stop is None
 
     procs, _ = plan(
         LauncherConfig(kind="multiprocess", num_processes=3, devices_per_process=2, coordinator_port=7000),
