@@ -504,14 +504,13 @@ def _run(args) -> int:
 def _storage_fault(exc: BaseException) -> bool:
     """A storage fault that reached us as something else than StorageError: an OSError for a full,
     read-only or forbidden file system anywhere in the chain, or TensorStore's text for one."""
-    e, seen = exc, 0
-    while e is not None and seen < 8:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-            return True
-        if any(s in str(e) for s in ("No space left on device", "Read-only file system")):
-            return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
+    from grpo_core.store.root import exception_chain
+
+    return any(
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES))
+        or any(s in str(e) for s in ("No space left on device", "Read-only file system"))
+        for e in exception_chain(exc)
+    )
 
 
 def _out_of_memory_message(exc: BaseException) -> str:

@@ -60,14 +60,20 @@ CREDENTIALS_FIX = (
 )
 
 
+def exception_chain(exc: BaseException, limit: int = 8) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or during, outermost first."""
+    chain, e = [], exc
+    while e is not None and len(chain) < limit:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
 def describe_storage_error(url: str, exc: BaseException) -> str:
     """One sentence on why `url` (under storage.root) cannot be used, and what to do: the cause
     read from the exception chain (no network, refused, permission, no space), not a raw
     ClientConnectorDNSError or the tail of a traceback."""
-    chain, e = [], exc
-    while e is not None and len(chain) < 8:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
+    chain = exception_chain(exc)
     text = " | ".join(f"{type(c).__name__}: {c}" for c in chain)
     errnos = {getattr(c, "errno", None) for c in chain}
     if errno.ENOSPC in errnos or errno.EDQUOT in errnos or "No space left on device" in text:
