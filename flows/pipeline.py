@@ -41,12 +41,15 @@ from tasks.stages import (
 
 
 @task(name="summarize", cache_policy=NO_CACHE)
-def summarize(run_url: str, status: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """summary.json, curve.png and a markdown artifact from what the run root holds."""
+def summarize(run_url: str, status: str, extra: dict[str, Any], this: dict[str, Any]) -> dict[str, Any]:
+    """summary.json, curve.png and a markdown artifact from what the run root holds. `this` is
+    this invocation's timing and whether it did any work (see run_timing)."""
     root = RunRoot(run_url)
     png = plot_curve(root)
     curve = root.write_bytes("curve.png", png) if png else None
-    summary = build_summary(root, status, curve_uri=curve, **extra)
+    timing = run_timing(root, this["timing"], this["did_work"])
+    last = {"wall_s": round(this["timing"]["wall_s"], 2), "did_work": this["did_work"]}
+    summary = build_summary(root, status, curve_uri=curve, timing=timing, last_invocation=last, **extra)
     root.write_json("summary.json", summary)
     name = run_url.rsplit("/", 1)[-1]
     create_markdown_artifact(summary_markdown(summary), key=_key(f"summary-{name}"), description="GRPO run summary")
@@ -58,6 +61,17 @@ def summarize(run_url: str, status: str, extra: dict[str, Any]) -> dict[str, Any
             description="Training reward and eval accuracy / pass@k against steps",
         )
     return summary
+
+
+def run_timing(root: RunRoot, this: dict[str, float], did_work: bool) -> dict[str, float]:
+    """The run's timing: the sum over the invocations of it that did work (trained, evaluated,
+    exported, or failed trying), read from the previous summary.json. A re-run that found every
+    stage done leaves it as it was; its own wall time is in summary.json's last_invocation."""
+    prev = root.read_json("summary.json").get("timing") if root.exists("summary.json") else None
+    prev = prev if isinstance(prev, dict) else {}
+    if not did_work and prev:
+        return prev
+    return {k: round(float(prev.get(k, 0.0)) + v, 2) for k, v in this.items()}
 
 
 def _fmt(v: Any) -> str:
@@ -139,6 +153,11 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
     # Where the wall time goes: steps (the first step of each worker includes its compilation),
     # evaluation compute, and the eval tasks' wall time (process start, model build, compile).
     timing: dict[str, float] = {"train_steps_s": 0.0, "first_steps_s": 0.0, "eval_compute_s": 0.0, "eval_task_s": 0.0}
+    worked = [False]  # whether this invocation trained, evaluated or exported anything
+
+    def invocation() -> dict[str, Any]:
+        return {"timing": dict(timing, wall_s=time.perf_counter() - t0), "did_work": worked[0]}
+
     try:
         prepare_dataset.with_options(**opts)(run_url)
         lease.check()  # between stages: LeaseLost once another run took the run root over
@@ -146,29 +165,32 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
         for epoch in range(cfg.pipeline.epochs):
             lease.check()
             info = train_epoch.with_options(**opts)(run_url, epoch)
-            for k in ("train_steps_s", "first_steps_s"):
-                timing[k] += info.get(k, 0.0) if not info.get("skipped") else 0.0
+            if not info.get("skipped"):
+                worked[0] = True
+                for k in ("train_steps_s", "first_steps_s"):
+                    timing[k] += info.get(k, 0.0)
             lease.check()
             t = time.perf_counter()
             ev = evaluate.with_options(**opts)(run_url, [0, info["step"]] if epoch == 0 else [info["step"]])
             timing["eval_task_s"] += time.perf_counter() - t
             timing["eval_compute_s"] += ev["eval_compute_s"]
+            worked[0] = worked[0] or ev["eval_compute_s"] > 0
         if cfg.pipeline.export:
             lease.check()
-            export_model.with_options(**opts)(run_url, info["step"])
+            worked[0] = not export_model.with_options(**opts)(run_url, info["step"])["cached"] or worked[0]
     except BaseException as exc:
         # Ctrl-C (RunInterrupted, KeyboardInterrupt) or SIGTERM, which Prefect's engine turns into
         # TerminationSignal while a flow runs (its workers were stopped gracefully on the way out)
         status = "interrupted" if isinstance(exc, (KeyboardInterrupt, TerminationSignal)) else "failed"
         if not isinstance(exc, RunRootInUse):  # the run root is another run's now: write nothing there
-            summarize(run_url, status, {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - t0})
+            worked[0] = True  # a failed or interrupted attempt took its time: it counts
+            summarize(run_url, status, {"error": f"{type(exc).__name__}: {exc}"}, invocation())
         log.error("run %s: %s", status, "".join(traceback.format_exception_only(exc)).strip())
         if not can_retry(exc):
             _no_flow_retry(log)
         raise
-    timing["wall_s"] = time.perf_counter() - t0
     lease.check()
-    summary = summarize(run_url, "completed", {"timing": {k: round(v, 2) for k, v in timing.items()}})
+    summary = summarize(run_url, "completed", {}, invocation())
     log.info("run complete: %s", run_url)
     return summary
 

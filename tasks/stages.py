@@ -10,6 +10,7 @@ limit): `retryable` reads StageError.retryable; config, data and reward errors f
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -27,6 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import DataError
 from grpo_core.errors import ConfigError, RewardFunctionError
+from grpo_core.store.report import eval_results, latest_checkpoint, read_eval
 from grpo_core.store.root import RunRoot, StorageError
 from tasks.process import StageError, run_worker
 
@@ -279,6 +281,22 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
         log.info("epoch %d already trained (steps up to %d): skipped", epoch, until)
         return dict(root.done_info(stage), skipped=True)
     start_step = cfg.epoch_end(epoch - 1) if epoch > 0 else 0
+    newest = latest_checkpoint(root)
+    if newest is not None and newest > until:
+        # A later epoch's checkpoint exists, so this epoch was trained and only its marker is gone
+        # (deleted by hand, or a copy of the run root without it): rebuild it from the metrics, at
+        # this epoch's end, without starting a worker that would resume from `newest`.
+        info = _epoch_info(root, cfg, epoch, until, steps_run=0, seconds=0.0, train_steps_s=0.0, first_steps_s=0.0)
+        root.mark_done(stage, dict(info, rebuilt=True))
+        log.warning(
+            "epoch %d: its marker was missing while checkpoint %d (a later epoch's) exists: marker rebuilt "
+            "from the metrics (step %d, reward %s)",
+            epoch,
+            newest,
+            until,
+            info["reward"],
+        )
+        return dict(info, skipped=True)
     progress = create_progress_artifact(
         0.0, key=_key(f"train-{cfg.name}"), description=f"epoch {epoch}: steps {start_step}..{until}"
     )
@@ -335,20 +353,37 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
         launcher=cfg.pipeline.launcher,
     )
     done = next(e for e in events if e["event"] == "done")
-    info = {
-        "epoch": epoch,
-        "step": done["step"],
-        "steps_run": done["steps_run"],
-        "train_hash": cfg.train_hash,
-        "checkpoint_uri": root.uri("checkpoints", str(done["step"])),
-        "seconds": round(time.perf_counter() - t, 2),
-        "reward": state["last"]["reward"] if state["last"] else None,
-        "train_steps_s": round(state["steps_s"], 3),
-        "first_steps_s": round(state["first_step_s"] or 0.0, 3),
-    }
+    if done["step"] != until:  # the worker trains to exactly --until-step from any checkpoint at or before it
+        raise StageError(f"training epoch {epoch} ended at step {done['step']}, not at its end ({until})")
+    info = _epoch_info(
+        root,
+        cfg,
+        epoch,
+        until,
+        steps_run=done["steps_run"],
+        seconds=time.perf_counter() - t,
+        train_steps_s=state["steps_s"],
+        first_steps_s=state["first_step_s"] or 0.0,
+    )
     root.mark_done(stage, info)  # after the worker's checkpoint is final: the marker is last
     update_progress_artifact(progress, 100.0)
     return dict(info, skipped=False)
+
+
+def _epoch_info(root: RunRoot, cfg: RunConfig, epoch: int, step: int, **timing: float) -> dict[str, Any]:
+    """An epoch's marker: its last step and that step's reward, read from the metrics (a worker
+    that resumed at the epoch's end ran no step of its own to report one)."""
+    row = next((m for m in reversed(root.read_metrics()) if int(m["step"]) == step - 1), None)
+    reward = row.get("reward") if row else None
+    return {
+        "epoch": epoch,
+        "step": step,
+        "steps_run": int(timing.pop("steps_run")),
+        "train_hash": cfg.train_hash,
+        "checkpoint_uri": root.uri("checkpoints", str(step)),
+        "reward": reward if isinstance(reward, (int, float)) and math.isfinite(reward) else None,
+        **{k: round(v, 3) for k, v in timing.items()},
+    }
 
 
 @task(name="export", task_run_name="export-{step}", cache_policy=NO_CACHE)
@@ -389,8 +424,6 @@ def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     """Greedy accuracy and pass@k on the eval split for the given checkpoints (0: the starting
     policy), in a worker process; each result lands in {run}/eval/{step}.json."""
-    from grpo_core.store.report import eval_results, read_eval
-
     cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
 
     def on_event(e: dict[str, Any]) -> None:

@@ -203,13 +203,17 @@ def test_chat_messages_use_the_template_in_plain_format(tmp_path, hf_tok):
     _, out = prep(tmp_path, hf_tok, "hf:tok", source=path, max_prompt_tokens=64, eval_fraction=0.2)
     prompts = sorted(r["prompt"] for r in out)
     assert prompts[0] == "4+4" and prompts[1] == "<|im_start|>user\n0+0<|im_end|>\n<|im_start|>assistant\n"
+    # chat rows keep their messages for reward functions (TRL's conversational format); text rows have none
+    by_prompt = {r["prompt"]: r for r in out}
+    assert by_prompt[prompts[1]]["prompt_messages"] == [{"role": "user", "content": "0+0"}]
+    assert by_prompt["4+4"].get("prompt_messages") is None
     with pytest.raises(
         DataError,
         match=r"m.jsonl row 0: column 'prompt' holds chat messages, but the tokenizer "
         r"has no usable chat template",
     ):
         prep(tmp_path / "c", source=path)
-    write_jsonl(tmp_path / "e.jsonl", [{"prompt": []}, {"prompt": "x"}])
+    write_jsonl(tmp_path / "e.jsonl", [{"prompt": [{"text": "x"}]}, {"prompt": "x"}])  # [] is empty: dropped
     with pytest.raises(
         DataError,
         match=r"e.jsonl row 0: column 'prompt': a chat prompt must be text or a "

@@ -117,7 +117,21 @@ def test_second_run_of_a_finished_config_trains_nothing(baseline):
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS
     assert run.list("metrics") == shards  # no step ran again
     assert s["eval_after"] == first["eval_after"]
-    assert s["timing"]["train_steps_s"] == 0 and s["timing"]["eval_compute_s"] == 0
+    # the run's timing is the run that trained's, not the no-op's; the no-op's wall time is its own
+    assert s["timing"] == first["timing"] and run.read_json("summary.json")["timing"] == first["timing"]
+    assert s["last_invocation"]["did_work"] is False and 0 < s["last_invocation"]["wall_s"] < first["timing"]["wall_s"]
+
+
+def test_deleted_epoch_marker_is_rebuilt_at_the_epochs_end(baseline):
+    root, first = baseline
+    run = RunRoot(f"{root}/baseline")
+    want = run.done_info("stages/train-epoch-0")
+    run.fs.rm(run.uri("stages/train-epoch-0/_SUCCESS"))
+    s = run_pipeline(small_config(root, "baseline"))
+    got = run.done_info("stages/train-epoch-0")
+    assert got["step"] == want["step"] == NUM_STEPS // 2  # not the newest checkpoint's step
+    assert got["reward"] == want["reward"] is not None and got["rebuilt"] is True
+    assert s["eval_after"] == first["eval_after"] and s["timing"] == first["timing"]
 
 
 def test_killed_worker_resumes_to_the_same_parameters(baseline, tmp_path, monkeypatch):

@@ -71,6 +71,20 @@ def gsm8k_truth(answer: Any) -> str:
     return truth
 
 
+# Columns that hold a row's reference answer, in the order a reward probe looks for one; an empty
+# value in one of them drops the row at preparation (grpo_core.data.prepare), like an empty prompt.
+REFERENCE_COLUMNS = ("ground_truth", "answer", "solution", "target", "label", "reference", "response", "completion")
+
+
+def is_empty(value: Any) -> bool:
+    """No value: None, NaN (an empty CSV or parquet cell), blank text, an empty list."""
+    if value is None or (isinstance(value, float) and value != value):
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    return isinstance(value, (list, tuple, dict)) and not value
+
+
 def apply_format(fmt: DataFormat, row: dict[str, Any], prompt_column: str) -> tuple[dict[str, Any], str]:
     """(the row with ground_truth added, the column the prompt comes from)."""
     if fmt is DataFormat.GSM8K:

@@ -19,7 +19,16 @@ from typing import Any
 import numpy as np
 
 from grpo_core.config.fields import Section, check, field, section
-from grpo_core.data.formats import DataFormat, apply_format, chat_messages, detect, is_messages, same_columns
+from grpo_core.data.formats import (
+    REFERENCE_COLUMNS,
+    DataFormat,
+    apply_format,
+    chat_messages,
+    detect,
+    is_empty,
+    is_messages,
+    same_columns,
+)
 from grpo_core.errors import ConfigError, DataError
 from grpo_core.store.root import RunRoot, config_hash
 
@@ -242,9 +251,11 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _prompt_text(cfg: DataConfig, row: dict[str, Any], column: str, i: int, where: str, tokenizer) -> str:
-    """The prompt as text: data.template over the row, or the prompt column; chat messages (and
-    any prompt with data.chat) through the tokenizer's chat template."""
+def _prompt_text(
+    cfg: DataConfig, row: dict[str, Any], column: str, i: int, where: str, tokenizer
+) -> tuple[str, list[dict[str, Any]] | None]:
+    """(the prompt as text, its chat messages or None): data.template over the row, or the prompt
+    column; chat messages (and any prompt with data.chat) through the tokenizer's chat template."""
     if cfg.template is not None:
         try:
             prompt = cfg.template.format(**row)
@@ -263,7 +274,7 @@ def _prompt_text(cfg: DataConfig, row: dict[str, Any], column: str, i: int, wher
                 f"{where} row {i}: column {column!r} must be text, got {type(prompt).__name__} "
                 "(or a list of {role, content} chat messages)"
             )
-        return prompt
+        return prompt, None
     try:
         messages = chat_messages(prompt, cfg.system_prompt)
     except ValueError as exc:
@@ -276,7 +287,7 @@ def _prompt_text(cfg: DataConfig, row: dict[str, Any], column: str, i: int, wher
             "has none); use a Hugging Face tokenizer with one, or text prompts and a data.template"
         )
     try:
-        return apply(messages, tokenize=False, add_generation_prompt=True)
+        return apply(messages, tokenize=False, add_generation_prompt=True), messages
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects the messages
         raise DataError(
             f"{where} {why}, but the tokenizer has no usable chat template ({type(exc).__name__}: "
@@ -288,6 +299,7 @@ def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, wh
     """One row: rename, read its format, render and tokenize the prompt. {"prompt", "prompt_ids",
     **the other columns}; the column the prompt came from is replaced by "prompt"."""
     row = {(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in raw.items()}
+    raw_names = set(row)  # the data's own columns (the format may derive ground_truth from one)
     try:
         row, column = apply_format(fmt, row, cfg.prompt_column)
     except ValueError as exc:
@@ -297,13 +309,26 @@ def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, wh
         ) from None
     if cfg.template is None and column not in row:
         raise DataError(f"{where} row {i} has no column {column!r} (data.prompt_column); columns: {sorted(row)}")
-    prompt = _prompt_text(cfg, row, column, i, where, tokenizer)
+    empty = [c for c in ([] if cfg.template else [column]) if is_empty(row[c])]
+    empty += [c for c in REFERENCE_COLUMNS if c in raw_names and is_empty(row.get(c))]
+    if empty:
+        raise _EmptyValueError(empty)
+    prompt, messages = _prompt_text(cfg, row, column, i, where, tokenizer)
     try:
         ids = [int(t) for t in tokenizer.encode(prompt)]
     except ValueError as exc:
         raise DataError(f"{where} row {i}: the tokenizer cannot encode the prompt: {exc}") from None
     columns = {k: v for k, v in row.items() if k != column}
-    return {**columns, "prompt": prompt, "prompt_ids": ids}
+    # chat prompts keep their messages: reward functions get them as TRL passes conversational data
+    return {**columns, "prompt": prompt, "prompt_ids": ids, **({"prompt_messages": messages} if messages else {})}
+
+
+class _EmptyValueError(Exception):
+    """A row with an empty prompt or reference answer: dropped and counted by column."""
+
+    def __init__(self, columns: list[str]):
+        super().__init__(", ".join(columns))
+        self.columns = columns
 
 
 def _shape(
@@ -317,18 +342,30 @@ def _shape(
         fmt = cfg.format
         if fmt is DataFormat.AUTO:
             fmt = detect({(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in rows[0].items()}, cfg.prompt_column)
-    out, lengths, dropped = [], [], 0
+    out, lengths, dropped, empty = [], [], 0, {}
     for i, raw in enumerate(rows):
-        row = _shape_row(cfg, fmt, raw, i, where, tokenizer)
+        try:
+            row = _shape_row(cfg, fmt, raw, i, where, tokenizer)
+        except _EmptyValueError as e:  # never trained on as "", never filed under another reason
+            for c in e.columns:
+                empty[c] = empty.get(c, 0) + 1
+            continue
         lengths.append(len(row["prompt_ids"]))
         if len(row["prompt_ids"]) > cfg.max_prompt_tokens or not row["prompt_ids"]:
             dropped += 1
             continue
         out.append(row)
+    n_empty = len(rows) - len(lengths)
+    if n_empty:
+        log.warning("%s: dropped %d row(s) with an empty value (%s)", where, n_empty, _by_column(empty))
     if not out:
+        if not lengths:
+            raise DataError(f"{where}: every one of {len(rows)} rows has an empty value ({_by_column(empty)})")
         raise DataError(
-            f"{where}: every one of {len(rows)} prompts is longer than data.max_prompt_tokens="
-            f"{cfg.max_prompt_tokens} (lengths {min(lengths)}..{max(lengths)} tokens)"
+            f"{where}: every one of {len(lengths)} prompts"
+            + (f" with values ({n_empty} more rows have an empty value: {_by_column(empty)})" if n_empty else "")
+            + f" is longer than data.max_prompt_tokens={cfg.max_prompt_tokens} "
+            f"(lengths {min(lengths)}..{max(lengths)} tokens)"
         )
     unstorable = same_columns(out)
     if unstorable:
@@ -337,9 +374,14 @@ def _shape(
     return out, {
         "format": fmt.value,
         "dropped_too_long": dropped,
+        "dropped_empty": empty,
         "dropped_columns": unstorable,
         "prompt_tokens": {"min": min(kept), "mean": round(float(np.mean(kept)), 2), "max": max(kept)},
     }
+
+
+def _by_column(counts: dict[str, int]) -> str:
+    return ", ".join(f"{c}: {n}" for c, n in counts.items())
 
 
 def _load_rows(cfg: DataConfig) -> tuple[list[dict], list[dict] | None, str]:
@@ -382,7 +424,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str
     train, stats = _shape(cfg, raw_train, where, tokenizer)
     if raw_eval is None:
         train, evals = _split(cfg, train, where)
-        eval_stats = {"dropped_too_long": 0, "dropped_columns": []}
+        eval_stats = {"dropped_too_long": 0, "dropped_empty": {}, "dropped_columns": []}
     else:  # read in the training split's format, so both splits have the same kind of rows
         evals, eval_stats = _shape(
             cfg, raw_eval, f"{where} ({cfg.eval_split or 'eval'} split)", tokenizer, DataFormat(stats["format"])
@@ -403,6 +445,11 @@ def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str
         "train_rows": len(train),
         "eval_rows": len(evals),
         "dropped_too_long": stats["dropped_too_long"] + eval_stats["dropped_too_long"],
+        # rows with an empty prompt or reference answer, by column (a row counts under each empty one)
+        "dropped_empty": {
+            c: stats["dropped_empty"].get(c, 0) + eval_stats["dropped_empty"].get(c, 0)
+            for c in {**stats["dropped_empty"], **eval_stats["dropped_empty"]}
+        },
         "dropped_columns": sorted(set(stats["dropped_columns"]) | set(eval_stats["dropped_columns"])),
         "prompt_tokens": stats["prompt_tokens"],
         "columns": sorted(train[0]),

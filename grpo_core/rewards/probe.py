@@ -20,13 +20,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from grpo_core.config.run import RunConfig
+from grpo_core.data.formats import REFERENCE_COLUMNS
 from grpo_core.errors import ConfigError, DataError, RewardFunctionError, RewardTimeout
-from grpo_core.rewards.functions import Reward, ThreadedRewardError, score
+from grpo_core.rewards.functions import Reward, ThreadedRewardError, reward_inputs, score
 
 SAMPLE_ROWS = 32  # rows each reward is tried on, spread over the split
 # Where a row's reference answer may be, in order: the math formats' ground_truth, then the
 # names datasets commonly give it.
-REFERENCE_COLUMNS = ("ground_truth", "answer", "solution", "target", "label", "reference", "response", "completion")
 MATH_BUILTINS = ("math_answer",)  # built-ins that read the ground_truth column
 
 
@@ -78,8 +78,8 @@ _PROBES = (
 
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """The keyword columns a reward receives, exactly as the trainer builds them."""
-    return {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    """The dataset columns a reward receives as keywords, exactly as the trainer builds them."""
+    return reward_inputs(rows, [""] * len(rows))[2]
 
 
 def check_signature(reward: Reward, columns: Sequence[str], where: str) -> None:
@@ -121,14 +121,15 @@ def check_signature(reward: Reward, columns: Sequence[str], where: str) -> None:
 
 def probe(reward: Reward, rows: list[dict[str, Any]], split: str, timeout_s: float | None = None) -> Coverage:
     """Call `reward` on `rows` with each probe's completions until one scores a row."""
-    prompts, columns, refs = [r.get("prompt", "") for r in rows], _columns(rows), [reference(r) for r in rows]
+    refs = [reference(r) for r in rows]
     failed = []
     for label, make in _PROBES:
+        prompts, completions, columns = reward_inputs(rows, [make(a) for a in refs])  # chat rows: messages
         try:
             result = score(
                 [reward],
                 prompts,
-                [make(a) for a in refs],
+                completions,
                 columns,
                 timeout_s=timeout_s,
                 batch=f"the reward probe of {len(rows)} {split} rows at the data stage ({label})",
