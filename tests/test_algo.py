@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_core.config.run import RunConfig
 from grpo_core.config.train import (
     AdvantageEstimator as Adv,
 )
@@ -22,6 +23,7 @@ from grpo_core.config.train import (
 from grpo_core.config.train import (
     RewardScaling as Scale,
 )
+from grpo_core.errors import ConfigError
 from grpo_core.rl import algo
 from grpo_core.rl.logprobs import token_logprobs
 
@@ -53,6 +55,18 @@ def test_rloo_advantages_leave_one_out():
     # 2 - (0+1+1)/3 = 4/3; 0 - (2+1+1)/3 = -4/3; 1 - (2+0+1)/3 = 0.
     want = [4 / 3, -4 / 3, 0, 0, 0, 0, 0, 0]
     np.testing.assert_allclose(algo.advantages(REWARDS, 4, Adv.RLOO, Scale.NONE), want, rtol=1e-6, atol=1e-7)
+
+
+def test_rloo_scaled_by_a_std_is_refused():
+    """Divided by the group's std, RLOO is G/(G-1) x the GRPO advantage (4/3 at G=4): the config
+    refuses it rather than train GRPO under RLOO's name."""
+    grpo = np.asarray(algo.advantages(REWARDS, 4, Adv.GRPO, Scale.GROUP))
+    scaled = np.asarray(algo.advantages(REWARDS, 4, Adv.RLOO, Scale.GROUP))
+    np.testing.assert_allclose(scaled[:2], grpo[:2] * 4 / 3, rtol=1e-5)
+    with pytest.raises(ConfigError, match=r"grpo.advantage=rloo .* set grpo.scale_rewards=none \(got group"):
+        RunConfig.from_dict({"train": {"grpo": {"advantage": "rloo"}}})
+    cfg = RunConfig.from_dict({"train": {"grpo": {"advantage": "rloo", "scale_rewards": "none"}}})
+    assert cfg.train.grpo.advantage is Adv.RLOO
 
 
 def test_excluded_rows_do_not_count():

@@ -147,6 +147,13 @@ class GRPOConfig(Section):
             "grpo.advantage=dr_grpo does not divide by a std; set grpo.scale_rewards=none "
             f"(got {self.scale_rewards.value}) or use grpo.advantage=grpo",
         )
+        # RLOO divided by the group's std is G/(G-1) x the GRPO advantage: under Adam, GRPO again
+        # (verl and Tunix never scale it)
+        check(
+            not (self.advantage is AdvantageEstimator.RLOO and self.scale_rewards is not RewardScaling.NONE),
+            "grpo.advantage=rloo is the leave-one-out baseline unscaled; set grpo.scale_rewards=none "
+            f"(got {self.scale_rewards.value}: divided by a std it is G/(G-1) x the grpo advantage)",
+        )
         accum = 1 if self.grad_accum_steps == "auto" else self.grad_accum_steps
         per_update = self.minibatches_per_rollout * accum
         check(

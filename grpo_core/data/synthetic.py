@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from grpo_core.errors import ConfigError
+from grpo_core.rewards.functions import completion_text
 
 
 class CharTokenizer:
@@ -106,7 +107,7 @@ class ReverseTask:
 def char_match(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
     """Partial credit: characters in the right place / max(len(answer), len(completion))."""
     out = []
-    for c, a in zip(completions, answer):
+    for c, a in zip(map(completion_text, completions), answer):
         hits = sum(x == y for x, y in zip(c, a))
         out.append(hits / max(len(a), len(c), 1))
     return out
@@ -114,4 +115,4 @@ def char_match(prompts: list[str], completions: list[str], answer: list[str], **
 
 def exact_match(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
     """1.0 when the completion is exactly the answer (after stripping spaces), else 0.0."""
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    return [float(completion_text(c).strip() == a) for c, a in zip(completions, answer)]

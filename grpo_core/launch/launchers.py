@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import enum
 import json
+import math
 import os
 import shlex
 import signal
@@ -324,6 +325,40 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # address local: the driver's own instance moves exit codes and log lines
+
+
+def _own_local_instance(hosts: int, resources: dict[str, float]) -> dict[str, Any]:
+    """ray.init's arguments for the Ray instance this driver starts itself (address local: tests, one
+    machine), and its environment, which every process of the instance inherits: on 127.0.0.1 only;
+    a small object store (Ray's default is 30% of the machine's memory); enough CPUs for the hosts'
+    bundles however few the machine has; no usage statistics; and an authentication token of its own
+    in the environment, where Ray would otherwise write one to ~/.ray/auth_token."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not any(os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = uuid.uuid4().hex
+    cpus = max(os.cpu_count() or 1, math.ceil(hosts * float(resources.get("CPU", 0))))
+    return {"_node_ip_address": "127.0.0.1", "object_store_memory": LOCAL_OBJECT_STORE_BYTES, "num_cpus": cpus}
+
+
+def _failure(index: int, count: int, code: int, tail: str) -> str:
+    """How the driver reports a failed process on stderr: its stderr tail, then one line naming it
+    (last, so that the caller's tail of the driver's stderr keeps it)."""
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    return "\n".join([*([tail] if tail else []), f"process {index} of {count} {how}"])
+
+
+def _exit(rc: int) -> None:
+    """Exit as the failed process did: with its code, or killed by its signal (sys.exit(-9) would
+    read as code 247), so the caller tells a kill (worth a retry) from a worker's own exit code."""
+    if rc < 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+    sys.exit(rc)
+
+
 def ray_main(argv: Sequence[str]) -> int:
     """`python -m grpo_core.launch.launchers ray ... -- grpo_core.stages.worker train ...`: one task per host in a
     placement group, the coordinator on host 0; relays process 0's stdout; exits with the first
@@ -346,8 +381,20 @@ def ray_main(argv: Sequence[str]) -> int:
 
     init_kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if args.address == "local":
-        init_kw["_node_ip_address"] = "127.0.0.1"
+        init_kw.update(_own_local_instance(args.hosts, resources))
     ray.init(address=args.address, **init_kw)
+    try:  # leave no task running and, address local, stop the instance, whatever ends the driver
+        return _drive(args, module_args, env, resources)
+    finally:
+        ray.shutdown()
+
+
+def _drive(args: argparse.Namespace, module_args: list[str], env: dict[str, str], resources: dict[str, Any]) -> int:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.queue import Empty, Queue
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     pg = placement_group([dict(resources) for _ in range(args.hosts)], strategy=args.strategy)
     wait_s = float(env.get(ENV_INIT_TIMEOUT, 300))
     try:
@@ -390,11 +437,12 @@ def ray_main(argv: Sequence[str]) -> int:
         done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
         relay()
         for r in done:
-            code, tail = ray.get(r)
+            try:
+                code, tail = ray.get(r)
+            except ray.exceptions.RayError as exc:  # the task itself failed: its node or Ray worker died
+                code, tail = 1, f"its Ray task failed: {exc}"[-2000:]
             if code != 0:
-                print(
-                    f"process {index[r]} of {args.hosts} exited with code {code}:\n{tail}", file=sys.stderr, flush=True
-                )
+                print(_failure(index[r], args.hosts, code, tail), file=sys.stderr, flush=True)
                 for other in pending:
                     ray.cancel(other, force=True)
                 pending, rc = [], code
@@ -406,4 +454,4 @@ def ray_main(argv: Sequence[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["ray"]:
         sys.exit("usage: python -m grpo_core.launch.launchers ray --hosts N [...] -- MODULE ARGS...")
-    sys.exit(ray_main(sys.argv[2:]))
+    _exit(ray_main(sys.argv[2:]))

@@ -2,6 +2,12 @@
 TRL and EasyDeL users already write. Several combine as a weighted sum; `None` means "this
 function does not apply to this row" and a row no function applies to is left out of the loss.
 
+What a function receives is what TRL passes (reward_inputs): the dataset's columns as keywords,
+`completion_ids` (each completion's token ids, its closing EOS included) and `trainer_state`
+(`.global_step`, `.max_steps`) to a function that names them or takes **kwargs; and for chat
+data (prompts that were {role, content} messages) the prompts as those messages and each
+completion as `[{"role": "assistant", "content": text}]`, so `completion[0]["content"]` works.
+
 With a time limit (`score(..., timeout_s=...)`, train.reward_timeout_s in a worker) each call
 runs in a thread of its own and is waited for at most that long: Python cannot stop a function
 that never returns, so past the limit RewardTimeout is raised and the thread is abandoned (a
@@ -11,6 +17,7 @@ daemon: it never holds the process open); the worker then exits without joining 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -46,10 +53,57 @@ class Reward:
         if not self.name:
             object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))
 
+    def takes(self, keyword: str) -> bool:
+        """Whether the function accepts `keyword` (by name, or through **kwargs): completion_ids
+        and trainer_state go only to functions that do."""
+        return _takes(self.fn, keyword)
+
     def describe(self) -> str:
         """How messages name it: `'slow' (rewards[0].function: my_rewards.py:slow)`, or `'slow'`."""
         where = f"{self.field}: {self.spec}" if self.field and self.spec else self.field or self.spec
         return f"{self.name!r}" + (f" ({where})" if where else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """What TRL's reward functions read of its trainer state: the step being scored (the
+    checkpoint's step in evaluation) and the run's last."""
+
+    global_step: int
+    max_steps: int
+
+
+# Keys of a prepared row that are not dataset columns: how the prompt was rendered and encoded.
+PROMPT_KEYS = ("prompt", "prompt_ids", "prompt_messages")
+
+
+def completion_text(completion: Any) -> str:
+    """A completion as text: a chat-style one (a list of messages) is read from its last message."""
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return completion if isinstance(completion, str) else str(completion)
+
+
+def reward_inputs(
+    rows: Sequence[dict[str, Any]],
+    texts: Sequence[str],
+    repeat: int = 1,
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    state: TrainerState | None = None,
+) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
+    """(prompts, completions, columns) for score(), from prepared rows and `repeat` completion
+    texts per row, as TRL passes them: rows whose prompt was chat messages (their
+    "prompt_messages") give message lists; completion_ids and trainer_state join the columns."""
+    rep = lambda xs: [x for x in xs for _ in range(repeat)]
+    chat = bool(rows) and all(r.get("prompt_messages") for r in rows)  # a batch mixing text prompts: text
+    prompts = rep([r["prompt_messages"] if chat else r.get("prompt", "") for r in rows])
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else list(texts)
+    columns = {k: rep([r.get(k) for r in rows]) for k in (rows[0] if rows else {}) if k not in PROMPT_KEYS}
+    if completion_ids is not None:
+        columns["completion_ids"] = [list(map(int, c)) for c in completion_ids]
+    if state is not None:
+        columns["trainer_state"] = state
+    return prompts, completions, columns
 
 
 def _short(text: Any, n: int = 60) -> str:
@@ -161,7 +215,7 @@ def _find_bad_row(reward, prompts, completions, columns, exc, timeout_s=None, ba
                 reward,
                 prompts[i : i + 1],
                 completions[i : i + 1],
-                {k: v[i : i + 1] for k, v in columns.items()},
+                {k: v if k == "trainer_state" else v[i : i + 1] for k, v in columns.items()},
                 timeout_s,
                 f"row {i} of {batch or 'a batch'}",
             )
@@ -175,6 +229,20 @@ def _find_bad_row(reward, prompts, completions, columns, exc, timeout_s=None, ba
     return (
         f"reward function {reward.name!r} raised {type(exc).__name__}: {exc} (on the whole batch of {len(completions)})"
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _takes(fn: Any, keyword: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: give it only the columns
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind is not p.POSITIONAL_ONLY) for p in params)
+
+
+# Passed only to functions that take them (a function written before them may have no **kwargs);
+# trainer_state is one object for the batch, not a value per row.
+_OPTIONAL = ("completion_ids", "trainer_state")
 
 
 @dataclasses.dataclass
@@ -200,15 +268,16 @@ def score(
     """Each function on the whole batch, and their weighted sum. `timeout_s` bounds each
     function's call (RewardTimeout past it); `batch` says which batch this is in messages
     ("the batch of step 12")."""
-    columns = {k: list(v) for k, v in (columns or {}).items()}
+    columns = {k: v if k == "trainer_state" else list(v) for k, v in (columns or {}).items()}
     for k, v in columns.items():
-        if len(v) != len(completions):
+        if k != "trainer_state" and len(v) != len(completions):
             raise ValueError(f"column {k!r} has {len(v)} values for {len(completions)} completions")
     per = {}
     weighted = np.zeros(len(completions))
     applies = np.zeros(len(completions), bool)
     for r in rewards:
-        vals = _call_one(r, list(prompts), list(completions), columns, timeout_s, batch)
+        cols = {k: v for k, v in columns.items() if k not in _OPTIONAL or r.takes(k)}
+        vals = _call_one(r, list(prompts), list(completions), cols, timeout_s, batch)
         per[r.name] = vals
         ok = ~np.isnan(vals)
         weighted += np.where(ok, vals * r.weight, 0.0)

@@ -9,8 +9,10 @@ column that grpo_core.data.formats writes.
 
 The final answer is the last <answer>...</answer> block (the \\boxed{} inside it if any), else
 the last \\boxed{}, else the text after the last '####', else the last number of the completion.
-Answers are compared as numbers first (exact fractions, relative tolerance 1e-6), then with
-math-verify's parse/verify (LaTeX, fractions, radicals, sets, equations) when it is installed.
+Answers are compared as numbers first (exact fractions; an integer reference exactly, any other
+within a relative 1e-6), then as the one number of an answer with a unit or a name ('18 dollars',
+'x = 3'), then with math-verify's parse/verify (LaTeX, fractions, radicals, sets, equations) when
+it is installed: a number is checked in microseconds, math-verify takes milliseconds.
 
 math-verify bounds its own time with SIGALRM, which only works in the main thread; rewards run
 in worker threads, so its timeouts are off here and the time is bounded before it: answers
@@ -28,6 +30,8 @@ import math
 import re
 from fractions import Fraction
 from typing import Any, Sequence
+
+from grpo_core.rewards.functions import completion_text
 
 MAX_ANSWER_CHARS = 200  # longer final answers are scored 0 without parsing
 _MAX_DIGITS = 10_000  # largest number (in digits) or factorial argument sympy may evaluate
@@ -56,13 +60,6 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
-def _text(completion: Any) -> str:
-    """Completions are text; a chat-style one (a list of messages) is read from its last message."""
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    return completion if isinstance(completion, str) else str(completion)
-
-
 def _last_boxed(text: str) -> tuple[bool, str | None]:
     """(found, content) of the last \\boxed{...} or \\fbox{...} (balanced braces), or of
     '\\boxed 5'; content None when it is cut off (unbalanced) or empty."""
@@ -84,7 +81,7 @@ def _last_boxed(text: str) -> tuple[bool, str | None]:
 def extract_answer(completion: Any) -> str | None:
     """The completion's final answer as text (see the module docstring for the order), or None.
     A \\boxed{} cut off by the length limit is no answer: the number before it is not one."""
-    text = _text(completion)
+    text = completion_text(completion)
     tags = _ANSWER_TAG.findall(text)
     if tags:
         found, boxed = _last_boxed(tags[-1])
@@ -107,7 +104,26 @@ def _clean(s: str) -> str:
     \\text{} around units, \\left/\\right, a trailing full stop, thousands separators."""
     s = s.strip()
     s = re.sub(r"\\text\{\s*([^{}]*?)\s*\}", r"\1", s)
-    for junk in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", "\\$", "\\%", "%", "$", "\\(", "\\)", "\\[", "\\]"):
+    for junk in (
+        "€",
+        "£",
+        "¥",
+        "₹",
+        "\\left",
+        "\\right",
+        "\\!",
+        "\\,",
+        "\\;",
+        "\\ ",
+        "\\$",
+        "\\%",
+        "%",
+        "$",
+        "\\(",
+        "\\)",
+        "\\[",
+        "\\]",
+    ):
         s = s.replace(junk, " " if junk == "\\ " else "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").strip().rstrip(".").strip()
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
@@ -130,9 +146,10 @@ def _number(s: str) -> Fraction | None:
 
 
 def _close(a: Fraction, b: Fraction) -> bool:
-    """Integers exactly (1000001 is not 1000000); otherwise within a relative 1e-6, so that
-    0.333333 is 1/3."""
-    if a.denominator == 1 and b.denominator == 1:
+    """`a` (the answer) against `b` (the reference): an integer reference exactly (1000001 is not
+    1000000, and neither is 114200.1 114200); otherwise within a relative 1e-6, so that 0.333333
+    is 1/3."""
+    if b.denominator == 1:
         return a == b
     return abs(a - b) <= _REL_TOL * max(1, abs(b))
 
@@ -167,12 +184,11 @@ def is_correct(answer: str | None, ground_truth: Any) -> bool:
         return _close(na, ng)
     if a == g:
         return True
-    if USE_MATH_VERIFY and len(g) <= 4 * MAX_ANSWER_CHARS and _verify(g, a):
-        return True
-    if ng is not None:
+    if ng is not None:  # '18 dollars', 'x = 3': the one number of a unit or a name, before math-verify
         lone = _lone_number(a)
-        return lone is not None and _close(lone, ng)
-    return False
+        if lone is not None:
+            return _close(lone, ng)
+    return USE_MATH_VERIFY and len(g) <= 4 * MAX_ANSWER_CHARS and _verify(g, a)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -260,7 +276,7 @@ def think_format(prompts: Sequence[Any], completions: Sequence[Any], **_) -> lis
     (chat templates of reasoning models open the block themselves) counts as the opening tag."""
     out = []
     for p, c in zip(prompts, completions):
-        text = _text(c)
+        text = completion_text(c)
         if isinstance(p, str) and p.rstrip().endswith("<think>") and "<think>" not in text:
             text = "<think>" + text
         once = [text.count(t) == 1 for t in _TAGS]

@@ -9,7 +9,15 @@ import numpy as np
 
 from grpo_core.config.train import SamplingConfig
 from grpo_core.rewards import functions as rw
-from grpo_core.rl.sampler import SamplerOptions, completion_texts, generate, pad_prompts, step_key, stop_ids
+from grpo_core.rl.sampler import (
+    SamplerOptions,
+    completion_ids,
+    completion_texts,
+    generate,
+    pad_prompts,
+    step_key,
+    stop_ids,
+)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,7 +40,8 @@ def complete(
     seed: int = 0,
 ):
     """Completion texts for `rows`, in batches of one shape (the last one padded): yields
-    (the batch's rows, its num_samples completions per row). num_samples == 1 is greedy."""
+    (the batch's rows, its num_samples completions per row, (tokens, lengths, completions) of
+    the host arrays). num_samples == 1 is greedy."""
     greedy = num_samples == 1
     opts = SamplerOptions.from_config(
         sampling,
@@ -48,7 +57,8 @@ def complete(
         ptok, pval = pad_prompts(ids, sampling.prompt_buckets, opts.pad_id)
         c = generate(graphdef, params, ptok, pval, step_key(seed, start), opts, num_samples)
         tokens, lengths = jax.device_get((c.tokens, c.lengths))
-        yield chunk[:real], completion_texts(tokenizer, tokens, lengths, opts.eos_ids, rows=real * num_samples)
+        n = real * num_samples
+        yield chunk[:real], completion_texts(tokenizer, tokens, lengths, opts.eos_ids, rows=n), (tokens, lengths, n)
 
 
 def evaluate(
@@ -65,15 +75,17 @@ def evaluate(
     seed: int = 0,
     pass_reward: str | None = None,
     reward_timeout_s: float | None = None,
+    state: rw.TrainerState | None = None,
 ) -> dict[str, float]:
     """Mean of each reward over `rows`. num_samples == 1 decodes greedily; more samples draw at
     `sampling.temperature` and add pass@k: a sample "passes" when the `pass_reward` function
     scores it >= 1 (default: the weighted total). `reward_timeout_s` bounds each reward
-    function's call on one batch (train.reward_timeout_s; RewardTimeout past it)."""
+    function's call on one batch (train.reward_timeout_s; RewardTimeout past it); `state` is the
+    trainer_state reward functions see (the evaluated checkpoint's step)."""
     per: dict[str, list[np.ndarray]] = {r.name: [] for r in rewards}
     totals = []
     done = 0
-    for chunk, texts in complete(
+    for chunk, texts, (tokens, lengths, n) in complete(
         graphdef,
         params,
         tokenizer,
@@ -84,15 +96,14 @@ def evaluate(
         num_samples=num_samples,
         seed=seed,
     ):
-        rep = lambda xs: [x for x in xs for _ in range(num_samples)]
-        columns = {k: rep([r[k] for r in chunk]) for k in chunk[0] if k not in ("prompt", "prompt_ids")}
+        prompts, completions, columns = rw.reward_inputs(
+            chunk, texts, repeat=num_samples, completion_ids=completion_ids(tokens, lengths, rows=n), state=state
+        )
         where = f"the evaluation batch of rows {done}..{done + len(chunk) - 1}" + (
             f" ({num_samples} samples each)" if num_samples > 1 else " (greedy)"
         )
         done += len(chunk)
-        scored = rw.score(
-            rewards, rep([r["prompt"] for r in chunk]), texts, columns, timeout_s=reward_timeout_s, batch=where
-        )
+        scored = rw.score(rewards, prompts, completions, columns, timeout_s=reward_timeout_s, batch=where)
         totals.append(scored.total)
         for name, v in scored.per_function.items():
             per[name].append(v)

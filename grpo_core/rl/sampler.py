@@ -265,6 +265,12 @@ def completion_texts(tokenizer, tokens: np.ndarray, lengths: np.ndarray, eos_ids
     return out
 
 
+def completion_ids(tokens: np.ndarray, lengths: np.ndarray, rows: int | None = None) -> list[list[int]]:
+    """Host completions' token ids up to their length (the closing EOS included, as TRL passes
+    completion_ids to reward functions)."""
+    return [[int(t) for t in tokens[i, : lengths[i]]] for i in range(len(tokens) if rows is None else rows)]
+
+
 def spec_of(tree):
     """Shapes, dtypes and mesh layouts of a pytree of arrays, for ahead-of-time compilation: a
     program compiled for these is the one a call with the arrays themselves finds in the cache."""

@@ -33,7 +33,15 @@ from grpo_core.rewards import functions as rw
 from grpo_core.rl import algo
 from grpo_core.rl.checkpoint import Checkpointer, SetAside
 from grpo_core.rl.learner import Learner, LossParams
-from grpo_core.rl.sampler import SamplerOptions, completion_texts, pad_prompts, spec_of, step_key, stop_ids
+from grpo_core.rl.sampler import (
+    SamplerOptions,
+    completion_ids,
+    completion_texts,
+    pad_prompts,
+    spec_of,
+    step_key,
+    stop_ids,
+)
 from grpo_core.rl.types import Batch, Completions, TrainState
 from grpo_core.runtime.mesh import Placement
 
@@ -248,13 +256,18 @@ class GRPOTrainer:
             self._sync_engine(self.step)
         out = self.engine.generate(ptok, pval, step_key(self.cfg.seed, step, round_), g)  # host arrays
         texts = completion_texts(self.tokenizer, out.tokens, out.lengths, self.opts.eos_ids)
-        rep = lambda xs: [x for x in xs for _ in range(g)]
-        columns = {k: rep([r[k] for r in rows]) for k in rows[0] if k not in ("prompt", "prompt_ids")}
+        prompts, completions, columns = rw.reward_inputs(
+            rows,
+            texts,
+            repeat=g,
+            completion_ids=completion_ids(out.tokens, out.lengths),
+            state=rw.TrainerState(global_step=step, max_steps=self.cfg.num_steps),
+        )
         t_rew = time.perf_counter()
         scored = rw.score(
             self.rewards,
-            rep([r["prompt"] for r in rows]),
-            texts,
+            prompts,
+            completions,
             columns,
             timeout_s=self.cfg.reward_timeout_s,  # each function's call; RewardTimeout past it
             batch=f"the batch of step {step}" + (f" (sampling round {round_})" if round_ else ""),

@@ -279,6 +279,7 @@ def _unwrap(tree):
 
 
 def evaluate_steps(parts, steps: list[int]) -> int:
+    from grpo_core.rewards.functions import TrainerState
     from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.rl.evaluation import evaluate
     from grpo_core.store.report import read_eval
@@ -293,7 +294,12 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 continue
             t = time.perf_counter()
             graphdef, params = _policy_params(parts, ckpt, step)
-            kw = dict(batch_size=cfg.eval.batch_size, seed=cfg.train.seed, reward_timeout_s=cfg.train.reward_timeout_s)
+            kw = dict(
+                batch_size=cfg.eval.batch_size,
+                seed=cfg.train.seed,
+                reward_timeout_s=cfg.train.reward_timeout_s,
+                state=TrainerState(global_step=step, max_steps=cfg.train.num_steps),
+            )
             greedy = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling, **kw)
             result = {"step": step, "eval_hash": h, "accuracy": greedy[cfg.eval.accuracy_reward], "greedy": greedy}
             if cfg.eval.num_samples > 1:
@@ -388,7 +394,7 @@ def _examples(parts, graphdef, params, sampling, n: int = 4) -> list[dict[str, A
     from grpo_core.rl.evaluation import complete
 
     rows = parts.eval_rows[:n]
-    [(_, texts)] = list(complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows)))
+    [(_, texts, _)] = list(complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows)))
     keep = lambda r: {k: v for k, v in r.items() if k != "prompt_ids" and isinstance(v, (str, int, float))}
     return [dict(keep(r), completion=c) for r, c in zip(rows, texts)]
 
