@@ -87,7 +87,10 @@ def init_run(config: dict[str, Any]) -> str:
     # ConfigError names rewards[i].function. Reward code is JAX-free.
     config_rewards(cfg, skip_missing=_workers_elsewhere(cfg))
     init_run_root(cfg)
-    get_run_logger().info("run %s: %s", cfg.name, cfg.run_url)
+    log = get_run_logger()
+    log.info("run %s: %s", cfg.name, cfg.run_url)
+    for warning in cfg.train.grpo.warnings():  # runs, but not as the papers and TRL advise
+        log.warning(warning)
     return cfg.run_url
 
 

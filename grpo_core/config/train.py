@@ -94,6 +94,21 @@ class RematPolicy(enum.Enum):
     FULL = "full"  # keep each layer's input only: about one more forward pass of compute
 
 
+class PolicyLoss(enum.Enum):
+    """The per-token policy loss (verl's policy_loss.loss_mode, TRL's loss_type beyond aggregation)."""
+
+    CLIP = "clip"  # PPO/GRPO: max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
+    CISPO = "cispo"  # -stop_grad(min(rho, epsilon_high)) A log pi: the IS weight clipped, never the gradient
+    SAPO = "sapo"  # -A sigmoid(tau (rho - 1)) 4 / tau: a soft gate for the clip (tau_pos / tau_neg by sign of A)
+
+
+class RewardAggregation(enum.Enum):
+    """How several reward functions make one advantage (TRL's multi_objective_aggregation)."""
+
+    SUM_THEN_NORMALIZE = "sum_then_normalize"  # the weighted sum, then the advantage estimator
+    NORMALIZE_THEN_SUM = "normalize_then_sum"  # GDPO: each reward normalised in its group, summed, then over the batch
+
+
 class RatioLevel(enum.Enum):
     TOKEN = "token"  # PPO/GRPO per-token importance ratio
     SEQUENCE = "sequence"  # GSPO: exp(mean over the sequence of the log-ratio)
@@ -122,6 +137,21 @@ class GRPOConfig(Section):
     loss_aggregation: LossAggregation = field(
         LossAggregation.SEQ_MEAN_TOKEN_MEAN,
         doc="token_mean (DAPO), seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO), bnpo",
+    )
+    policy_loss: PolicyLoss = field(
+        PolicyLoss.CLIP, doc="clip (PPO/GRPO), cispo (clipped IS weight; epsilon_high is the cap, e.g. 5), sapo"
+    )
+    sapo_temperature_pos: float = field(1.0, doc="SAPO gate temperature for tokens with A > 0", gt=0)
+    sapo_temperature_neg: float = field(1.05, doc="SAPO gate temperature for tokens with A <= 0", gt=0)
+    # verl's entropy_coeff: loss - coef * entropy, aggregated like the loss
+    entropy_coef: float = field(0.0, doc="Entropy bonus: the loss minus this times the mean token entropy", ge=0)
+    # TRL: only the tokens at or above this quantile of entropy (in each micro-batch) get the policy loss
+    top_entropy_quantile: float = field(
+        1.0, doc="Policy loss on the top fraction of tokens by entropy (TRL; 0.2: the top 20 %); 1: all", gt=0, le=1
+    )
+    multi_objective_aggregation: RewardAggregation = field(
+        RewardAggregation.SUM_THEN_NORMALIZE,
+        doc="sum_then_normalize: advantage of the weighted sum; normalize_then_sum: GDPO, per reward, then the batch",
     )
     # KL coefficient; 0 = no reference model at all
     beta: float = field(0.0, doc="KL coefficient; 0: no reference model", ge=0)
@@ -154,6 +184,11 @@ class GRPOConfig(Section):
             "grpo.advantage=rloo is the leave-one-out baseline unscaled; set grpo.scale_rewards=none "
             f"(got {self.scale_rewards.value}: divided by a std it is G/(G-1) x the grpo advantage)",
         )
+        check(
+            self.policy_loss is not PolicyLoss.CISPO or self.epsilon_high >= 1,
+            "grpo.policy_loss=cispo caps the importance weight at grpo.epsilon_high itself (as TRL does; 5.0 is "
+            f"the usual value), so it must be >= 1, got {self.epsilon_high}",
+        )
         accum = 1 if self.grad_accum_steps == "auto" else self.grad_accum_steps
         per_update = self.minibatches_per_rollout * accum
         check(
@@ -161,6 +196,21 @@ class GRPOConfig(Section):
             f"grpo.prompts_per_step ({self.prompts_per_step}) must divide evenly into "
             f"minibatches_per_rollout * grad_accum_steps ({per_update}) micro-batches of whole groups",
         )
+
+    def warnings(self) -> list[str]:
+        """Combinations that run but that TRL and the papers advise against."""
+        out = []
+        if self.ratio_level is RatioLevel.SEQUENCE and self.loss_aggregation in (
+            LossAggregation.TOKEN_MEAN,
+            LossAggregation.BNPO,
+        ):
+            out.append(
+                f"grpo.ratio_level=sequence (GSPO) with grpo.loss_aggregation={self.loss_aggregation.value}: GSPO "
+                "weighs each sequence once (seq_mean_token_mean); a token-level mean gives long sequences more weight"
+            )
+        if self.policy_loss is not PolicyLoss.CLIP and self.dual_clip is not None:
+            out.append(f"grpo.dual_clip applies to policy_loss=clip only; with {self.policy_loss.value} it is unused")
+        return out
 
     def accumulation_choices(self) -> list[int]:
         """The grad_accum_steps values this batch allows (micro-batches of whole groups), fewest first."""

@@ -341,10 +341,10 @@ def _own_local_instance(hosts: int, resources: dict[str, float]) -> dict[str, An
     return {"_node_ip_address": "127.0.0.1", "object_store_memory": LOCAL_OBJECT_STORE_BYTES, "num_cpus": cpus}
 
 
-def _failure(index: int, count: int, code: int, tail: str) -> str:
+def _failure(index: int, count: int, code: int, tail: str, how: str | None = None) -> str:
     """How the driver reports a failed process on stderr: its stderr tail, then one line naming it
     (last, so that the caller's tail of the driver's stderr keeps it)."""
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    how = how or (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
     return "\n".join([*([tail] if tail else []), f"process {index} of {count} {how}"])
 
 
@@ -354,15 +354,20 @@ def _exit(rc: int) -> None:
     if rc < 0:
         sys.stdout.flush()
         sys.stderr.flush()
-        signal.signal(-rc, signal.SIG_DFL)
+        try:
+            signal.signal(-rc, signal.SIG_DFL)  # SIGKILL and SIGSTOP cannot be caught, nor set
+        except (OSError, ValueError):
+            pass
         os.kill(os.getpid(), -rc)
+        sys.exit(128 - rc)  # a signal whose default is not to end a process: the shell's code for it
     sys.exit(rc)
 
 
 def ray_main(argv: Sequence[str]) -> int:
     """`python -m grpo_core.launch.launchers ray ... -- grpo_core.stages.worker train ...`: one task per host in a
-    placement group, the coordinator on host 0; relays process 0's stdout; exits with the first
-    failing process's code (its stderr tail on stderr), after cancelling the others."""
+    placement group, the coordinator on host 0; relays process 0's stdout; returns the first
+    failing process's code (negative: killed by that signal; its stderr tail on stderr), after
+    cancelling the others. Ray is shut down before it returns (address local: the instance stops)."""
     ap = argparse.ArgumentParser(prog="python -m grpo_core.launch.launchers ray")
     ap.add_argument("--address", default="auto")
     ap.add_argument("--hosts", type=int, required=True)
@@ -374,16 +379,13 @@ def ray_main(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv)
     module_args = args.module_args[1:] if args.module_args[:1] == ["--"] else args.module_args
     env, resources = json.loads(args.env), json.loads(args.resources)
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.queue import Empty, Queue
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     init_kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if args.address == "local":
         init_kw.update(_own_local_instance(args.hosts, resources))
+    import ray
+
     ray.init(address=args.address, **init_kw)
-    try:  # leave no task running and, address local, stop the instance, whatever ends the driver
+    try:  # however _drive ends (an error too): no task left running; address local: the instance stopped
         return _drive(args, module_args, env, resources)
     finally:
         ray.shutdown()
@@ -437,12 +439,13 @@ def _drive(args: argparse.Namespace, module_args: list[str], env: dict[str, str]
         done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
         relay()
         for r in done:
+            how = None
             try:
                 code, tail = ray.get(r)
-            except ray.exceptions.RayError as exc:  # the task itself failed: its node or Ray worker died
-                code, tail = 1, f"its Ray task failed: {exc}"[-2000:]
+            except ray.exceptions.RayError as exc:  # the task itself failed: its Ray worker or node died
+                code, tail, how = 1, str(exc)[-2000:], f"lost its Ray task ({type(exc).__name__})"
             if code != 0:
-                print(_failure(index[r], args.hosts, code, tail), file=sys.stderr, flush=True)
+                print(_failure(index[r], args.hosts, code, tail, how), file=sys.stderr, flush=True)
                 for other in pending:
                     ray.cancel(other, force=True)
                 pending, rc = [], code

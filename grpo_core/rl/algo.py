@@ -100,6 +100,47 @@ def clipped_surrogate(
     return loss
 
 
+def cispo_loss(logp: jax.Array, log_r: jax.Array, adv: jax.Array, cap: float) -> jax.Array:
+    """CISPO's per-token loss -sg(min(rho, cap)) · A · log pi, (B, N): the importance weight is
+    clipped (and carries no gradient); the log-prob's gradient never is."""
+    a = adv[:, None] if adv.ndim == 1 else adv
+    weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_r), cap))
+    return -weight * a * logp
+
+
+def sapo_loss(log_r: jax.Array, adv: jax.Array, tau_pos: float, tau_neg: float) -> jax.Array:
+    """SAPO's per-token loss -A · sigmoid(tau (rho - 1)) · 4 / tau, (B, N), tau_pos where A > 0 and
+    tau_neg elsewhere: a soft gate in place of the clip, whose gradient at rho = 1 is the plain
+    policy gradient's (-A) and fades smoothly as rho leaves 1."""
+    a = adv[:, None] if adv.ndim == 1 else adv
+    tau = jnp.where(a > 0, tau_pos, tau_neg)
+    return -a * jax.nn.sigmoid(tau * (jnp.exp(log_r) - 1.0)) * 4.0 / tau
+
+
+def high_entropy_mask(entropy: jax.Array, mask: jax.Array, quantile: float) -> jax.Array:
+    """(B, N) 1.0 on the tokens whose entropy is at or above the (1 - quantile) quantile of the
+    masked tokens' entropies, 0.0 elsewhere (TRL's top_entropy_quantile; 1.0 keeps every token)."""
+    ent = jax.lax.stop_gradient(entropy)
+    threshold = jnp.nanquantile(jnp.where(mask > 0, ent, jnp.nan), 1.0 - quantile)
+    return ((ent >= threshold) & (mask > 0)).astype(mask.dtype)
+
+
+def normalize_then_sum(per_function: jax.Array, weights: jax.Array, group_size: int, eps: float = 1e-4) -> jax.Array:
+    """GDPO's advantages (TRL's multi_objective_aggregation=normalize_then_sum), (B, K) -> (B,):
+    each reward normalised within its group ((r - mean) / (std + eps), NaN rows left out), the
+    weighted sum over rewards, then that sum normalised over the batch. A row no reward scored
+    gets 0."""
+    b, k = per_function.shape
+    r = per_function.reshape(-1, group_size, k)  # (P, G, K)
+    mean, _ = _nan_mean(r, axis=1, keepdims=True)
+    z = (r - mean) / (_nan_std(r, axis=1, keepdims=True) + eps)
+    scored = ~jnp.all(jnp.isnan(per_function), axis=1)
+    total = jnp.sum(jnp.where(jnp.isnan(z), 0.0, z * weights), axis=2).reshape(b)
+    total = jnp.where(scored, total, jnp.nan)
+    m, _ = _nan_mean(total)
+    return jnp.where(scored, (total - m) / (_nan_std(total) + eps), 0.0)
+
+
 def clip_counts(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:
     """Tokens whose ratio the clip stopped: (low with A<0, high with A>0). Counts, so that
     micro-batches add up; token_means divides them by the update batch's tokens."""

@@ -26,6 +26,7 @@ from grpo_core.config.train import (
     KLEstimator,
     LossAggregation,
     OptimizerConfig,
+    PolicyLoss,
     RatioLevel,
     RematPolicy,
     TrainConfig,
@@ -53,6 +54,10 @@ class LossParams:
     temperature: float
     remat: RematPolicy = RematPolicy.NONE
     chunk_mib: int = DEFAULT_CHUNK_MIB  # one vocabulary chunk's f32 logits (grpo_core.rl.logprobs)
+    policy_loss: PolicyLoss = PolicyLoss.CLIP
+    sapo_tau: tuple[float, float] = (1.0, 1.05)  # (A > 0, A <= 0)
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
 
     @classmethod
     def from_config(
@@ -81,6 +86,10 @@ class LossParams:
             temperature,
             remat,
             chunk_mib,
+            g.policy_loss,
+            (g.sapo_temperature_pos, g.sapo_temperature_neg),
+            g.entropy_coef,
+            g.top_entropy_quantile,
         )
 
     @classmethod
@@ -153,9 +162,19 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
         head_grad=frozen is None,
     )
     log_r = algo.log_ratio(logp, micro.old_logp, micro.mask, hp.ratio_level)
-    per_token = algo.clipped_surrogate(log_r, micro.advantages, hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
+    if hp.policy_loss is PolicyLoss.CISPO:
+        per_token = algo.cispo_loss(logp, log_r, micro.advantages, hp.epsilon_high)
+    elif hp.policy_loss is PolicyLoss.SAPO:
+        per_token = algo.sapo_loss(log_r, micro.advantages, *hp.sapo_tau)
+    else:
+        per_token = algo.clipped_surrogate(log_r, micro.advantages, hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
+    if hp.top_entropy_quantile < 1.0:  # the policy loss on the high-entropy "forking" tokens only (TRL)
+        per_token = per_token * algo.high_entropy_mask(ent, micro.mask, hp.top_entropy_quantile)
     kl = algo.kl_penalty(logp, micro.ref_logp, hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)
-    loss = algo.weighted_sum(per_token + hp.beta * kl, weights)
+    per_token = per_token + hp.beta * kl
+    if hp.entropy_coef > 0:  # verl's entropy bonus, aggregated as the loss is
+        per_token = per_token - hp.entropy_coef * ent
+    loss = algo.weighted_sum(per_token, weights)
     # token sums; divided by the update batch's token count after accumulation
     sums = algo.token_sums(log_r, micro.advantages, kl, ent, micro.mask, hp.epsilon_low, hp.epsilon_high)
     return loss, jax.tree.map(jax.lax.stop_gradient, sums)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from grpo_core.config import memory as mem
 from grpo_core.config.model import DType
-from grpo_core.config.train import TrainConfig
+from grpo_core.config.train import RewardAggregation, TrainConfig
 from grpo_core.engines import make_engine
 from grpo_core.errors import NonFiniteError
 from grpo_core.nn import lora
@@ -105,6 +105,7 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
 
 
 _advantages = jax.jit(algo.advantages, static_argnums=(1, 2, 3, 4))
+_gdpo = jax.jit(algo.normalize_then_sum, static_argnums=(2, 3))
 
 
 class GRPOTrainer:
@@ -312,15 +313,20 @@ class GRPOTrainer:
     def _batch(self, ro: Rollout) -> Batch:
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
         c = ro.completions
-        adv = np.asarray(
-            _advantages(
-                jnp.asarray(ro.rewards, jnp.float32),
-                g_cfg.num_generations,
-                g_cfg.advantage,
-                g_cfg.scale_rewards,
-                g_cfg.advantage_eps,
-            )
-        )  # B floats: the batch goes up whole
+        if g_cfg.multi_objective_aggregation is RewardAggregation.NORMALIZE_THEN_SUM:
+            per = np.stack([ro.per_function[r.name] for r in self.rewards], axis=1).astype(np.float32)
+            weights = jnp.asarray([r.weight for r in self.rewards], jnp.float32)
+            adv = np.asarray(_gdpo(jnp.asarray(per), weights, g_cfg.num_generations, g_cfg.advantage_eps))
+        else:
+            adv = np.asarray(
+                _advantages(
+                    jnp.asarray(ro.rewards, jnp.float32),
+                    g_cfg.num_generations,
+                    g_cfg.advantage,
+                    g_cfg.scale_rewards,
+                    g_cfg.advantage_eps,
+                )
+            )  # B floats: the batch goes up whole
         mask = np.arange(n)[None, :] < c.lengths[:, None]
         if g_cfg.mask_truncated_completions:
             mask &= ~c.truncated[:, None]
