@@ -185,7 +185,15 @@ def two_runs(c: Case) -> tuple[bool, str]:
 
 
 def learns_nothing(c: Case) -> tuple[bool, str]:
-    rc, out, secs = c.run("--set", "data.format=plain")
+    """math_answer on data with no ground_truth column (data.format plain): no row can be scored."""
+    rows = [json.dumps({"question": f"{i}+{i}", "answer": f"so #### {2 * i}"}) for i in range(64)]
+    (c.dir / "q.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = f"data: {{source: '{c.dir}/q.jsonl', format: plain, prompt_column: question}}\n"
+    cfg += (
+        "rewards: [{function: math_answer}]\neval: {rewards: [{function: math_answer}], accuracy_reward: math_answer}\n"
+    )
+    (c.dir / "cfg.yaml").write_text(cfg)
+    rc, out, secs = c.run("--config", str(c.dir / "cfg.yaml"))
     ok = rc != 0 and secs < 90 and "train-epoch" not in out
     return ok, f"exit {rc} in {secs:.0f} s, before training; {why(out, 'scored', 'ground_truth')}"
 
@@ -216,7 +224,9 @@ def gcs_no_network(c: Case) -> tuple[bool, str]:
 def empty_csv_values(c: Case) -> tuple[bool, str]:
     rows = ["question,answer", ",7", "2+2,", *[f"{i}+1,{i + 1}" for i in range(60)]]
     (c.dir / "q.csv").write_text("\n".join(rows) + "\n")
-    rc, out, secs = c.run("--set", f"data.source={c.dir}/q.csv", "--set", "train.num_steps=4")
+    rc, out, secs = c.run(
+        "--set", f"data.source={c.dir}/q.csv", "--set", "data.prompt_column=question", "--set", "train.num_steps=4"
+    )
     manifest = next(c.run_dir.glob("data/*/manifest.json"), None)
     stats = json.loads(manifest.read_text()) if manifest else {}
     shown = {k: v for k, v in stats.items() if k.startswith("dropped") or "empty" in k}

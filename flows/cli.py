@@ -152,12 +152,15 @@ def run_command(args) -> int:
         )
         return 128 + (_SIGNALS[0] if _SIGNALS else signal.SIGINT)
     except Exception as exc:  # noqa: BLE001 - the flow logged it; say where the evidence is
+        from grpo_core.errors import StorageError
         from grpo_core.store.lease import LeaseHeld, RunRootInUse
 
         if isinstance(exc, RunRootInUse):  # another run owns the run root: its summary.json is not ours
             print(f"\nrun {'refused' if isinstance(exc, LeaseHeld) else 'stopped'}: {exc}", file=sys.stderr)
             return 1
-        print(f"\nrun failed: {type(exc).__name__}: {exc}\nsee {cfg.run_url}/summary.json", file=sys.stderr)
+        # a storage error may mean summary.json could not be written either: then point at the log only
+        where = "" if isinstance(exc, StorageError) else f"\nsee {cfg.run_url}/summary.json"
+        print(f"\nrun failed: {type(exc).__name__}: {exc}{where}", file=sys.stderr)
         return 1
     _print_summary(summary, time.perf_counter() - t)
     if args.command == "demo":

@@ -23,7 +23,7 @@ from grpo_core.config.run import RunConfig
 from grpo_core.errors import RunRootInUse
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, plot_curve
-from grpo_core.store.root import RunRoot
+from grpo_core.store.root import RunRoot, check_reachable
 from tasks.stages import (
     _key,
     can_retry,
@@ -131,6 +131,9 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     log = get_run_logger()
     from prefect.runtime import flow_run
 
+    # Seconds, not minutes of gcsfs retries, when a gs:// root has no network: the lease's first
+    # read is the run's first storage call (StorageError naming storage.root and the cause).
+    check_reachable(cfg.run_url)
     # The run root's owner (grpo_core.store.lease): a second run of it is refused, not run beside this one.
     lease = RunLease(cfg.run_url, ttl_s=cfg.pipeline.lease_ttl_s, flow_run_id=flow_run.id, logger=log)
     try:

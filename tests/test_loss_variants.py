@@ -9,9 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_core.config.model import DType
 from grpo_core.config.run import RunConfig
-from grpo_core.config.train import GRPOConfig, LossAggregation, OptimizerConfig, PolicyLoss, RatioLevel
+from grpo_core.config.train import (
+    GRPOConfig,
+    ISCorrection,
+    LossAggregation,
+    OptimizerConfig,
+    PolicyLoss,
+    RatioLevel,
+    RolloutConfig,
+)
+from grpo_core.data.synthetic import char_match, exact_match
 from grpo_core.errors import ConfigError
+from grpo_core.rewards.functions import Reward
 from grpo_core.rl import algo
 from grpo_core.rl.learner import Learner, LossParams
 from tests.test_trainer import _learner_batch, make
@@ -117,3 +128,45 @@ def test_config_refuses_and_warns_like_trl():
     gspo = GRPOConfig(ratio_level=RatioLevel.SEQUENCE, loss_aggregation=LossAggregation.TOKEN_MEAN)
     assert any("GSPO" in w for w in gspo.warnings())
     assert GRPOConfig(ratio_level=RatioLevel.SEQUENCE).warnings() == []
+
+
+def test_normalize_then_sum_in_a_training_step():
+    rewards = [Reward(char_match, 1.0), Reward(exact_match, 0.5)]
+    tr, _ = make(steps=1, rewards=rewards, grpo={"multi_objective_aggregation": "normalize_then_sum"})
+    ro, _ = tr.rollout(0)
+    batch = tr._batch(ro)
+    per = np.stack([ro.per_function["char_match"], ro.per_function["exact_match"]], axis=1)
+    want = _gdpo_reference(per, np.array([1.0, 0.5]), tr.cfg.grpo.num_generations)
+    np.testing.assert_allclose(np.asarray(batch.advantages), np.nan_to_num(want), rtol=1e-4, atol=1e-4)
+
+
+def test_rollout_weights_truncate_or_mask_per_token_or_sequence():
+    # learner vs sampler log-probs: token ratios 0.5, 3.0 (masked pad after); sequence ratio 1.5
+    learner = jnp.log(jnp.array([[0.25, 0.6, 0.9]]))
+    sampler = jnp.log(jnp.array([[0.5, 0.2, 0.1]]))
+    mask = jnp.array([[1.0, 1.0, 0.0]])
+    w, m = algo.rollout_weights(learner, sampler, mask, ISCorrection.TOKEN_TRUNCATE, 2.0)
+    np.testing.assert_allclose(w, [[0.5, 2.0, 0.0]], rtol=1e-6)  # 3.0 capped at C = 2; padding 0
+    assert float(m["rollout_is/frac_capped"]) == pytest.approx(0.5)
+    w, _ = algo.rollout_weights(learner, sampler, mask, ISCorrection.TOKEN_MASK, 2.0)
+    np.testing.assert_allclose(w, [[0.5, 0.0, 0.0]], rtol=1e-6)  # above C: no loss at all
+    w, m = algo.rollout_weights(learner, sampler, mask, ISCorrection.SEQUENCE_TRUNCATE, 2.0)
+    np.testing.assert_allclose(w, [[1.5, 1.5, 0.0]], rtol=1e-5)  # 0.5 * 3.0, for every token
+    assert float(m["rollout_is/frac_capped"]) == 0.0
+    w, _ = algo.rollout_weights(learner, sampler, mask, ISCorrection.SEQUENCE_MASK, 1.2)
+    np.testing.assert_allclose(w, [[0.0, 0.0, 0.0]])
+    # k3 of KL(sampler || learner) on the sampled tokens: mean of e^x - x - 1, x = log(sampler/learner)
+    xs = [math.log(0.5 / 0.25), math.log(0.2 / 0.6)]
+    assert float(m["rollout_is/mismatch_kl"]) == pytest.approx(np.mean([math.exp(x) - x - 1 for x in xs]), rel=1e-5)
+
+
+def test_mismatch_correction_is_on_where_the_learner_rescores():
+    assert RolloutConfig().is_mode(DType.FLOAT32) is ISCorrection.OFF  # f32 built-in sampler: the same numbers
+    assert RolloutConfig().is_mode(DType.BFLOAT16) is ISCorrection.TOKEN_TRUNCATE
+    assert RolloutConfig(engine="http", server="sglang-jax").is_mode() is ISCorrection.TOKEN_TRUNCATE
+    with pytest.raises(ConfigError, match=r"is_correction=sequence_mask weighs the rollout engine's log-probs"):
+        RunConfig.from_dict({"train": {"rollout": {"is_correction": "sequence_mask"}}})
+    tr, _ = make(steps=1, rollout={"recompute_logprobs": True, "is_correction": "token_mask", "is_cap": 1.5})
+    m = tr.train_step()
+    assert m["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-3)  # f32 sampler: ratios ~1, nothing masked
+    assert m["rollout_is/frac_capped"] == 0.0 and m["rollout_is/mismatch_kl"] < 1e-6

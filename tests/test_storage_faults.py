@@ -43,6 +43,24 @@ def test_gs_root_without_network_fails_in_seconds_naming_the_root(tmp_path):
     assert seconds < 60, f"{seconds:.0f} s to fail"  # before: about a minute per call, several calls
 
 
+@pytest.mark.usefixtures("prefect_server")
+def test_the_pipeline_checks_a_gs_root_before_its_first_storage_call(monkeypatch):
+    """The run-root lease is the flow's first storage call: an unreachable gs:// root must fail
+    there in seconds, naming storage.root (it took 100 s of gcsfs retries, then a raw error)."""
+    from flows.pipeline import grpo_pipeline
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")  # nothing listens there: refused
+    t = time.monotonic()
+    state = grpo_pipeline.with_options(retries=0)(
+        {"storage": {"root": "gs://grpo-bucket/runs"}, "run_name": "r"}, return_state=True
+    )
+    seconds = time.monotonic() - t
+    assert state.is_failed()
+    with pytest.raises(Exception, match=r"storage.root gs://grpo-bucket/runs/r: .*refused"):
+        state.result()
+    assert seconds < 30, f"{seconds:.0f} s to fail"
+
+
 def _mount_ns() -> bool:
     try:
         cmd = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt && umount /mnt"]

@@ -25,7 +25,7 @@ from typing import Any
 
 from grpo_core.config.fields import Section, apply_overrides, check, field, section
 from grpo_core.config.model import PATH_OVERRIDES, ModelConfig, ModelSection
-from grpo_core.config.train import TrainConfig
+from grpo_core.config.train import ISCorrection, TrainConfig
 from grpo_core.data.prepare import DataConfig, data_hash
 from grpo_core.errors import ConfigError
 from grpo_core.launch.launchers import LauncherConfig
@@ -219,7 +219,14 @@ class RunConfig:
             cfg.eval.accuracy_reward in names,
             f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards {names}",
         )
-        cfg.model_config()  # validate the model section now, not in a worker
+        compute = cfg.model_config().dtype  # validates the model section now, not in a worker
+        ro = cfg.train.rollout
+        check(
+            ro.is_correction in (ISCorrection.AUTO, ISCorrection.OFF) or ro.learner_logprobs(compute),
+            f"train.rollout.is_correction={ro.is_correction.value} weighs the rollout engine's log-probs against the "
+            "learner's rescoring of the same tokens, which this config does not do (the built-in float32 sampler's "
+            "own log-probs are the learner's): set train.rollout.recompute_logprobs: true, or is_correction: off",
+        )
         return cfg
 
     def to_dict(self) -> dict[str, Any]:

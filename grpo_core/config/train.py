@@ -109,9 +109,37 @@ class RewardAggregation(enum.Enum):
     NORMALIZE_THEN_SUM = "normalize_then_sum"  # GDPO: each reward normalised in its group, summed, then over the batch
 
 
+class ISCorrection(enum.Enum):
+    """Importance weights between the rollout engine's log-probs and the learner's on the same
+    tokens (TRL's vllm_importance_sampling_mode, verl's rollout correction): w = pi_learner /
+    pi_sampler, per token or per sequence, truncated at the cap (w <- min(w, cap)) or masked
+    above it (w <- 0), multiplying each token's policy loss."""
+
+    AUTO = "auto"  # token_truncate wherever the learner rescores (the numbers differ); off otherwise
+    OFF = "off"
+    TOKEN_TRUNCATE = "token_truncate"
+    TOKEN_MASK = "token_mask"
+    SEQUENCE_TRUNCATE = "sequence_truncate"
+    SEQUENCE_MASK = "sequence_mask"
+
+
 class RatioLevel(enum.Enum):
     TOKEN = "token"  # PPO/GRPO per-token importance ratio
     SEQUENCE = "sequence"  # GSPO: exp(mean over the sequence of the log-ratio)
+
+
+_ROLLOUT_ADDED = {"is_correction": "auto", "is_cap": 2.0}  # RolloutConfig fields added after runs existed
+
+
+# GRPOConfig fields added after runs existed, with the values that reproduce what ran before them
+_GRPO_ADDED = {
+    "policy_loss": "clip",
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
+    "entropy_coef": 0.0,
+    "top_entropy_quantile": 1.0,
+    "multi_objective_aggregation": "sum_then_normalize",
+}
 
 
 @section(path="train.grpo")
@@ -301,6 +329,12 @@ class RolloutConfig(Section):
             "built-in sampler in float32 no"
         ),
     )
+    is_correction: ISCorrection = field(
+        ISCorrection.AUTO,
+        doc="Sampler/learner mismatch correction: token_/sequence_ truncate or mask at is_cap, off; auto: "
+        "token_truncate wherever old_logp is rescored by the learner",
+    )
+    is_cap: float = field(2.0, doc="Cap C of the mismatch importance weights (TRL's importance_sampling_cap)", gt=1)
     # sglang-jax: the in-process engine, and the servers the http engine starts (server: sglang-jax)
     # engine weights/compute; null: the policy's compute dtype
     dtype: str | None = field(None, doc="sglang/http engine dtype (float32, bfloat16); empty: the policy's")
@@ -382,6 +416,12 @@ class RolloutConfig(Section):
                 "train.rollout.server=sglang-jax",
             )
 
+    def is_mode(self, compute_dtype: DType = DType.FLOAT32) -> ISCorrection:
+        """The mismatch correction in force: `auto` resolved (on where the learner rescores)."""
+        if self.is_correction is ISCorrection.AUTO:
+            return ISCorrection.TOKEN_TRUNCATE if self.learner_logprobs(compute_dtype) else ISCorrection.OFF
+        return self.is_correction
+
     def learner_logprobs(self, compute_dtype: DType = DType.FLOAT32) -> bool:
         """Whether the learner rescores old_logp (see recompute_logprobs) for a policy computing in `compute_dtype`."""
         if self.recompute_logprobs is not None:
@@ -392,12 +432,17 @@ class RolloutConfig(Section):
         """The fields that change what training computes (part of the training hash); None for
         the built-in engine, so runs that never set this section keep their hashes. Addresses,
         time limits and memory knobs change no result."""
+        # the mismatch correction, once set (runs from before it keep their hashes)
+        correction = {
+            k: v for k, v in self.to_dict().items() if k in ("is_correction", "is_cap") and v != _ROLLOUT_ADDED[k]
+        }
         if self.engine is RolloutEngineKind.JAX:
-            return None
+            return correction or None
         keep = ["engine", "dtype", "deterministic"]
         if self.engine is RolloutEngineKind.HTTP:
             keep += ["api", "sync_every"]
-        return dict({k: v for k, v in self.to_dict().items() if k in keep}, learner_logprobs=self.learner_logprobs())
+        out = dict({k: v for k, v in self.to_dict().items() if k in keep}, learner_logprobs=self.learner_logprobs())
+        return dict(out, **correction)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -541,6 +586,9 @@ class TrainConfig(Section):
             out["grpo"]["grad_accum_steps"] = 1
         if self.optimizer.mu_dtype is None:  # runs that never set it keep their hashes
             del out["optimizer"]["mu_dtype"]
+        for k, default in _GRPO_ADDED.items():  # fields added later: at their defaults, hashes stay as they were
+            if out["grpo"].get(k) == default:
+                del out["grpo"][k]
         return out
 
     @property

@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import posixpath
+import typing
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,12 @@ class DataConfig(Section):
     eval_split: str | None = field(
         None, doc="Split to evaluate on; empty: hold out data.eval_fraction of the training rows"
     )
+    # a file of evaluation rows (e.g. a benchmark's test split as .jsonl / .parquet)
+    eval_source: str | None = field(
+        None,
+        doc="A .jsonl/.json/.parquet/.csv file (path or gs:// URL) to evaluate on, read like data.source; "
+        "empty: data.eval_split, or a held-out fraction",
+    )
     # auto, plain, gsm8k, verl: see grpo_core.data.formats
     format: DataFormat = field(
         DataFormat.AUTO,
@@ -74,8 +81,10 @@ class DataConfig(Section):
     max_prompt_tokens: int = field(256, doc="Prompts longer than this are dropped (and counted)", ge=1)
     max_rows: int | None = field(None, doc="Use at most this many rows", ge=2)
     eval_fraction: float = field(0.1, doc="Fraction of rows held out for evaluation", ge=0, le=0.9)
-    # cap on the eval set
-    eval_rows: int = field(128, doc="At most this many evaluation rows", ge=1)
+    # cap on the eval set; "all": every row of eval_split / eval_source (a whole benchmark)
+    eval_rows: int | typing.Literal["all"] = field(
+        128, doc="At most this many evaluation rows (a seeded sample of a longer split); all: every row", ge=1
+    )
     # shuffles before the split, and the order prompts are drawn in
     seed: int = field(0, doc="Shuffle seed for the split and the prompt order", ge=0)
     # ReverseTask fields: alphabet, min_len, max_len, seed
@@ -98,8 +107,24 @@ class DataConfig(Section):
         if self.is_file:
             check(
                 self.eval_split is None,
-                f"data.eval_split applies to Hugging Face datasets; {self.source} is one file: use data.eval_fraction",
+                f"data.eval_split applies to Hugging Face datasets; {self.source} is one file: evaluate on another "
+                "file with data.eval_source=path/to/test.jsonl, or make data.source a folder of split files "
+                "(train-*.parquet, test-*.parquet, as on the Hub) with data.eval_split=test, or hold out "
+                "data.eval_fraction of it",
             )
+        check(
+            self.eval_source is None or self.eval_split is None,
+            "set data.eval_source (a file) or data.eval_split (a split of data.source), not both",
+        )
+        check(
+            self.eval_source is None or self.eval_source.lower().endswith(FILE_FORMATS),
+            f"data.eval_source must be a {'/'.join(FILE_FORMATS)} file, got {self.eval_source!r}",
+        )
+        check(
+            self.eval_rows != "all" or self.eval_source is not None or self.eval_split is not None,
+            "data.eval_rows=all takes every row of data.eval_split or data.eval_source; without either, the eval "
+            "rows are a held-out data.eval_fraction of data.source: give a number",
+        )
         if self.source == "synthetic":
             check(
                 self.format in (DataFormat.AUTO, DataFormat.PLAIN),
@@ -142,7 +167,7 @@ def _check_template(template: str) -> None:
 
 # Fields added after runs existed, left out of the hash at their default so that those runs
 # keep their data hash (and so their training hash and checkpoints).
-_HASH_OMITS_DEFAULT = {"format": DataFormat.AUTO.value}
+_HASH_OMITS_DEFAULT = {"format": DataFormat.AUTO.value, "eval_source": None}
 
 
 def data_hash(cfg: DataConfig, tokenizer_id: str) -> str:
@@ -389,6 +414,12 @@ def _load_rows(cfg: DataConfig) -> tuple[list[dict], list[dict] | None, str]:
     if cfg.source == "synthetic":
         task = cfg.task()
         return task.sample(0, 0, cfg.synthetic_rows), task.eval_rows(cfg.eval_rows), "synthetic task"
+    if cfg.eval_source is not None and not cfg.is_file and cfg.source != "synthetic":
+        return _read_hub(cfg, cfg.split), _read_file(cfg.eval_source), f"dataset {cfg.source!r}"
+    if cfg.eval_source is not None:
+        if cfg.source == "synthetic":
+            raise DataError("data.eval_source evaluates a dataset; the synthetic task has its own eval rows")
+        return _read_file(cfg.source), _read_file(cfg.eval_source), cfg.source
     if cfg.is_file:
         return _read_file(cfg.source), None, cfg.source
     import os
@@ -426,10 +457,11 @@ def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str
         train, evals = _split(cfg, train, where)
         eval_stats = {"dropped_too_long": 0, "dropped_empty": {}, "dropped_columns": []}
     else:  # read in the training split's format, so both splits have the same kind of rows
-        evals, eval_stats = _shape(
-            cfg, raw_eval, f"{where} ({cfg.eval_split or 'eval'} split)", tokenizer, DataFormat(stats["format"])
-        )
-        evals = evals[: cfg.eval_rows]
+        label = cfg.eval_source or f"{where} ({cfg.eval_split or 'eval'} split)"
+        evals, eval_stats = _shape(cfg, raw_eval, label, tokenizer, DataFormat(stats["format"]))
+        if cfg.eval_rows != "all" and len(evals) > cfg.eval_rows:  # a seeded sample, not the split's first rows
+            keep = np.sort(np.random.default_rng([cfg.seed, 1]).permutation(len(evals))[: cfg.eval_rows])
+            evals = [evals[i] for i in keep]
         if cfg.max_rows:
             train = train[: cfg.max_rows]
     for name, rows in (("train", train), ("eval", evals)):
@@ -439,6 +471,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str
         "subset": cfg.subset,
         "split": cfg.split,
         "eval_split": cfg.eval_split,
+        "eval_source": cfg.eval_source,
         "format": stats["format"],
         "hash": h,
         "uri": root.uri(stage),

@@ -15,7 +15,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from grpo_core.config.train import AdvantageEstimator, KLEstimator, LossAggregation, RatioLevel, RewardScaling
+from grpo_core.config.train import (
+    AdvantageEstimator,
+    ISCorrection,
+    KLEstimator,
+    LossAggregation,
+    RatioLevel,
+    RewardScaling,
+)
 
 
 def _nan_mean(x, axis=None, keepdims=False):
@@ -139,6 +146,36 @@ def normalize_then_sum(per_function: jax.Array, weights: jax.Array, group_size: 
     total = jnp.where(scored, total, jnp.nan)
     m, _ = _nan_mean(total)
     return jnp.where(scored, (total - m) / (_nan_std(total) + eps), 0.0)
+
+
+def rollout_weights(
+    learner_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array, mode: ISCorrection, cap: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The sampler/learner mismatch correction, (B, N) weights and their metrics. w = pi_learner /
+    pi_sampler of each token (token_*), or of the whole sequence, exp(sum of the token log
+    ratios), for every token of it (sequence_*); *_truncate caps w at `cap`, *_mask zeroes it
+    above. Metrics: the mismatch KL(sampler || learner) estimated on the sampled tokens (k3), and
+    the fraction of tokens (token_*) or sequences (sequence_*) capped or masked."""
+    log_w = (learner_logp - sampler_logp) * mask
+    if mode in (ISCorrection.SEQUENCE_TRUNCATE, ISCorrection.SEQUENCE_MASK):
+        seq = jnp.sum(log_w, axis=-1, keepdims=True)
+        log_w = jnp.broadcast_to(seq, mask.shape)
+        units = jnp.maximum(jnp.sum(jnp.any(mask > 0, axis=-1)), 1)
+        over = jnp.sum((seq[:, 0] > jnp.log(cap)) & jnp.any(mask > 0, axis=-1)) / units
+    else:
+        over = jnp.sum((log_w > jnp.log(cap)) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    w = jnp.exp(jnp.minimum(log_w, 60.0))  # exp of a long sequence's sum stays finite before the cap
+    if mode in (ISCorrection.TOKEN_TRUNCATE, ISCorrection.SEQUENCE_TRUNCATE):
+        w = jnp.minimum(w, cap)
+    else:
+        w = jnp.where(w > cap, 0.0, w)
+    x = sampler_logp - learner_logp  # k3 estimate of KL(sampler || learner) from the sampler's tokens
+    kl = jnp.sum((jnp.exp(x) - x - 1.0) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return w * mask, {
+        "rollout_is/mismatch_kl": kl,
+        "rollout_is/frac_capped": over,
+        "rollout_is/weight_mean": (jnp.sum(w * mask) / jnp.maximum(jnp.sum(mask), 1.0)),
+    }
 
 
 def clip_counts(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:

@@ -168,6 +168,8 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
         per_token = algo.sapo_loss(log_r, micro.advantages, *hp.sapo_tau)
     else:
         per_token = algo.clipped_surrogate(log_r, micro.advantages, hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
+    if micro.rollout_weight is not None:  # the sampler/learner mismatch correction (train.rollout.is_correction)
+        per_token = per_token * micro.rollout_weight
     if hp.top_entropy_quantile < 1.0:  # the policy loss on the high-entropy "forking" tokens only (TRL)
         per_token = per_token * algo.high_entropy_mask(ent, micro.mask, hp.top_entropy_quantile)
     kl = algo.kl_penalty(logp, micro.ref_logp, hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)

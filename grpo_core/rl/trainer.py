@@ -24,7 +24,7 @@ from flax import nnx
 
 from grpo_core.config import memory as mem
 from grpo_core.config.model import DType
-from grpo_core.config.train import RewardAggregation, TrainConfig
+from grpo_core.config.train import ISCorrection, RewardAggregation, TrainConfig
 from grpo_core.engines import make_engine
 from grpo_core.errors import NonFiniteError
 from grpo_core.nn import lora
@@ -106,6 +106,7 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
 
 _advantages = jax.jit(algo.advantages, static_argnums=(1, 2, 3, 4))
 _gdpo = jax.jit(algo.normalize_then_sum, static_argnums=(2, 3))
+_rollout_weights = jax.jit(algo.rollout_weights, static_argnums=(3, 4))
 
 
 class GRPOTrainer:
@@ -160,6 +161,8 @@ class GRPOTrainer:
             self.ref_params = _in_compute_dtype(self.ref_params, model.config.dtype)
         # old_logp from the learner where the engine's numbers can differ from its own
         self.rescore = cfg.rollout.learner_logprobs(model.config.dtype)
+        # the mismatch correction needs both log-probs: the engine's and the learner's rescoring
+        self.is_mode = cfg.rollout.is_mode(model.config.dtype) if self.rescore else ISCorrection.OFF
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
         self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
@@ -227,6 +230,7 @@ class GRPOTrainer:
                 advantages=jax.ShapeDtypeStruct((b,), jnp.float32),
                 old_logp=per_token(jnp.float32),
                 ref_logp=per_token(jnp.float32),
+                rollout_weight=per_token(jnp.float32) if self.is_mode is not ISCorrection.OFF else None,
             )
         )
         sampler_jobs = self.engine.compile_jobs(ptok, pval, key, g_cfg.num_generations)
@@ -378,6 +382,12 @@ class GRPOTrainer:
             behaviour = self.learner.score_policy(self.params, batch).block_until_ready()  # the current policy's
             batch = batch._replace(old_logp=behaviour)
             info.update(_logprob_gap(sampler_logp, batch.old_logp, batch.mask))
+            if self.is_mode is not ISCorrection.OFF:
+                weights, is_metrics = _rollout_weights(
+                    batch.old_logp, sampler_logp, batch.mask, self.is_mode, self.cfg.rollout.is_cap
+                )
+                batch = batch._replace(rollout_weight=weights)
+                info.update(is_metrics)  # read with the step's metrics: no sync here
             self._t["rescore"] = time.perf_counter() - t
         if self.ref_params is not None:
             t = time.perf_counter()
@@ -423,7 +433,7 @@ class GRPOTrainer:
         for name, v in ro.per_function.items():
             v = v[~np.isnan(v)]
             out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _mean(v), _std(v)
-        out.update({k: float(v) for k, v in info.items() if k.startswith("logprobs/")})
+        out.update({k: float(v) for k, v in info.items() if k.startswith(("logprobs/", "rollout_is/"))})
         out["frac_reward_zero_std"] = info["frac_reward_zero_std"]
         out["sampling_rounds"] = info["sampling_rounds"]
         lengths = ro.completions.lengths

@@ -35,6 +35,9 @@ class Batch(NamedTuple):
     advantages: Any  # (B,) float32
     old_logp: Any  # (B, N) float32: the behaviour policy's log-probs (the sampler's, or rescored)
     ref_logp: Any  # (B, N) float32: the reference policy's (zeros when beta == 0)
+    # (B, N) float32: the truncated importance weight of each token between the learner's and the
+    # rollout engine's log-probs (train.rollout.is_correction); None: no correction (all 1)
+    rollout_weight: Any = None
 
     PER_PROMPT = ("prompt_tokens", "prompt_valid")  # (P, ...) fields; the others have B rows
 
@@ -42,7 +45,7 @@ class Batch(NamedTuple):
         """The batch with `per_prompt` applied to its (P, ...) arrays and `per_completion` to its
         (B, ...) arrays (e.g. a gather of some groups' prompts and of their rows)."""
         fn = lambda k: per_prompt if k in self.PER_PROMPT else per_completion
-        return Batch(**{k: fn(k)(v) for k, v in self._asdict().items()})
+        return Batch(**{k: None if v is None else fn(k)(v) for k, v in self._asdict().items()})
 
 
 class TrainState(TypedDict):

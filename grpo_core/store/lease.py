@@ -47,7 +47,7 @@ from typing import Any
 from urllib.parse import quote
 
 from grpo_core.errors import RunRootInUse, StorageError
-from grpo_core.store.root import RunRoot
+from grpo_core.store.root import RunRoot, describe_storage_error
 
 LEASE = "lease.json"
 DEFAULT_TTL_S = 120.0
@@ -365,7 +365,7 @@ class RunLease:
         try:
             data, gen = self._backend.read()
         except OSError as exc:
-            raise StorageError(f"cannot read {self.uri}: {exc}") from exc
+            raise StorageError(describe_storage_error(self.uri, exc)) from exc
         if data is None:
             return None, None
         try:
