@@ -31,6 +31,7 @@ class RewardParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     function: str = Field(description=doc_of(_REWARD["function"]), **bounds_of(_REWARD["function"]))
     weight: float = Field(1.0, description=doc_of(_REWARD["weight"]))
+    params: dict[str, Any] | None = Field(None, description=doc_of(_REWARD["params"]))
 
 
 def _annotation(hint: Any, enum_cls: type[enum.Enum] | None, bounds: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

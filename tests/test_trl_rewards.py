@@ -4,11 +4,15 @@ conversational format, `completion[0]["content"]`). Functions that take neither 
 
 import copy
 
+import pytest
 from flax import nnx
 
+from grpo_core.config.run import RunConfig
 from grpo_core.data.synthetic import exact_match
-from grpo_core.rewards.functions import Reward, TrainerState, reward_inputs, score
+from grpo_core.errors import ConfigError
+from grpo_core.rewards.functions import Reward, TrainerState, reward_inputs, score, soft_overlong
 from grpo_core.rewards.probe import probe
+from grpo_core.rewards.registry import config_rewards
 from grpo_core.rl.evaluation import evaluate
 from grpo_core.rl.trainer import GRPOTrainer
 from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
@@ -107,3 +111,35 @@ def test_the_data_stage_probe_calls_a_trl_reward_with_messages():
     cov = probe(Reward(conversational), rows, "train")
     assert cov.scored == 1 and SEEN[0]["prompts"] == [[{"role": "user", "content": "ab="}]]
     assert SEEN[0]["completions"][0][0]["role"] == "assistant"
+
+
+def test_soft_overlong_punishment_pinned():
+    """DAPO's: L_max 10, L_cache 4: 0 up to 6 tokens, then (6 - L) / 4 down to -1 at 10, -1 past it."""
+    ids = [[0] * n for n in (3, 6, 7, 8, 10, 11)]
+    got = soft_overlong(None, [""] * 6, ids, max_completion_len=10, soft_punish_cache=4)
+    assert got == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+
+
+def test_soft_overlong_from_a_config_with_its_params():
+    cfg = RunConfig.from_dict(
+        {
+            "rewards": [
+                {"function": "char_match"},
+                {"function": "soft_overlong", "params": {"max_completion_len": 6, "soft_punish_cache": 2}},
+            ]
+        }
+    )
+    rewards, _ = config_rewards(cfg)
+    over = rewards[1]
+    assert over.name == "soft_overlong" and over.takes("completion_ids")
+    rows = [{"prompt": "ab=", "answer": "ba"}] * 3
+    prompts, completions, columns = reward_inputs(
+        rows, ["ba", "baaaa", "baaaaaa"], completion_ids=[[1] * 3, [1] * 5, [1] * 7]
+    )
+    out = score([over], prompts, completions, columns)
+    assert list(out.per_function["soft_overlong"]) == [0.0, -0.5, -1.0]
+    assert RunConfig.from_dict({}).train_hash == "c56fddb0e548"  # rewards without params keep their hashes
+    with pytest.raises(ConfigError, match=r"rewards\[0\].params: 'soft_overlong' needs 'soft_punish_cache'"):
+        config_rewards(
+            RunConfig.from_dict({"rewards": [{"function": "soft_overlong", "params": {"max_completion_len": 6}}]})
+        )

@@ -76,12 +76,25 @@ class RewardSpec(Section):
 
     function: str = field(doc="built-in name, path/to/file.py:function or module:function", min_length=1)
     weight: float = field(1.0, doc="weight in the total reward (0: reported, not optimised)")
+    # keyword arguments of the call, e.g. soft_overlong's {max_completion_len: 512, soft_punish_cache: 128}
+    params: dict | None = field(None, doc="keyword arguments the function is called with (a built-in's settings)")
 
     def validate(self) -> None:
         check(
             isinstance(self.function, str) and bool(self.function),
             f"rewards[].function must be a name or 'file.py:function', got {self.function!r}",
         )
+        check(
+            self.params is None or (isinstance(self.params, dict) and all(isinstance(k, str) for k in self.params)),
+            f"rewards[].params must map keyword names to values, got {self.params!r}",
+        )
+
+    def hash_dict(self) -> dict[str, Any]:
+        """to_dict() without params when there are none: rewards written before it keep their hashes."""
+        d = self.to_dict()
+        if not d.get("params"):
+            d.pop("params", None)
+        return d
 
 
 def _reward_specs(value: Any, field: str) -> tuple[RewardSpec, ...]:
@@ -299,7 +312,7 @@ class RunConfig:
             {
                 "model": self.model.to_dict(),
                 "data": self.data_hash,
-                "rewards": [r.to_dict() for r in self.rewards],
+                "rewards": [r.hash_dict() for r in self.rewards],
                 "train": self.train.hash_fields(),
             }
         )
@@ -308,7 +321,7 @@ class RunConfig:
     def eval_hash(self) -> str:
         return config_hash(
             {
-                "eval": self.eval.to_dict(),
+                "eval": dict(self.eval.to_dict(), rewards=[r.hash_dict() for r in self.eval.rewards]),
                 "data": self.data_hash,
                 "model": self.model.to_dict(),
                 "max_new_tokens": self.train.sampling.max_new_tokens,

@@ -106,6 +106,25 @@ def reward_inputs(
     return prompts, completions, columns
 
 
+def soft_overlong(
+    prompts, completions, completion_ids, max_completion_len: int, soft_punish_cache: int, **_
+) -> list[float]:
+    """DAPO's soft overlong punishment (a built-in; rewards[].params sets its two lengths): 0 up to
+    max_completion_len - soft_punish_cache tokens, then falling linearly to -1 at
+    max_completion_len, and -1 beyond (L_max and L_cache in the DAPO paper, TRL's
+    get_soft_overlong_punishment)."""
+    start = max_completion_len - soft_punish_cache
+    out = []
+    for ids in completion_ids:
+        n = len(ids)
+        out.append(0.0 if n <= start else -1.0 if n > max_completion_len else (start - n) / soft_punish_cache)
+    return out
+
+
+soft_overlong.REQUIRED_PARAMS = ("max_completion_len", "soft_punish_cache")
+soft_overlong.PARAMS_EXAMPLE = "params: {max_completion_len: 512, soft_punish_cache: 128}"
+
+
 def _short(text: Any, n: int = 60) -> str:
     s = repr(text)
     return s if len(s) <= n else s[: n - 3] + "..."
@@ -242,7 +261,7 @@ def _takes(fn: Any, keyword: str) -> bool:
 
 # Passed only to functions that take them (a function written before them may have no **kwargs);
 # trainer_state is one object for the batch, not a value per row.
-_OPTIONAL = ("completion_ids", "trainer_state")
+_OPTIONAL = PASSED_TO_REWARDS = ("completion_ids", "trainer_state")
 
 
 @dataclasses.dataclass

@@ -22,7 +22,14 @@ import numpy as np
 from grpo_core.config.run import RunConfig
 from grpo_core.data.formats import REFERENCE_COLUMNS
 from grpo_core.errors import ConfigError, DataError, RewardFunctionError, RewardTimeout
-from grpo_core.rewards.functions import Reward, ThreadedRewardError, reward_inputs, score
+from grpo_core.rewards.functions import (
+    PASSED_TO_REWARDS,
+    Reward,
+    ThreadedRewardError,
+    TrainerState,
+    reward_inputs,
+    score,
+)
 
 SAMPLE_ROWS = 32  # rows each reward is tried on, spread over the split
 # Where a row's reference answer may be, in order: the math formats' ground_truth, then the
@@ -97,10 +104,11 @@ def check_signature(reward: Reward, columns: Sequence[str], where: str) -> None:
         why = str(exc)
     params = list(sig.parameters.values())
     named = {p.name for p in params}
+    given = {*columns, *PASSED_TO_REWARDS}  # completion_ids and trainer_state always arrive
     missing = [
         p.name
         for p in params[2:]
-        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in columns
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
     ]
     extra = [c for c in columns if c not in named] if not any(p.kind is p.VAR_KEYWORD for p in params) else []
     label = reward.field or repr(reward.name)
@@ -124,7 +132,11 @@ def probe(reward: Reward, rows: list[dict[str, Any]], split: str, timeout_s: flo
     refs = [reference(r) for r in rows]
     failed = []
     for label, make in _PROBES:
-        prompts, completions, columns = reward_inputs(rows, [make(a) for a in refs])  # chat rows: messages
+        texts = [make(a) for a in refs]
+        # chat rows: messages; stand-in ids (one per character) and step 0 for functions that read them
+        prompts, completions, columns = reward_inputs(
+            rows, texts, completion_ids=[[0] * len(t) for t in texts], state=TrainerState(0, 0)
+        )
         try:
             result = score(
                 [reward],

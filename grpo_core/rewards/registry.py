@@ -13,8 +13,14 @@ def builtin_rewards() -> dict[str, RewardFn]:
     (math_answer, think_format, integer_answer) that read data.format's ground_truth column."""
     from grpo_core.data.synthetic import char_match, exact_match
     from grpo_core.rewards import math_answer as math_rewards
+    from grpo_core.rewards.functions import soft_overlong
 
-    return {"char_match": char_match, "exact_match": exact_match, **math_rewards.BUILTIN}
+    return {
+        "char_match": char_match,
+        "exact_match": exact_match,
+        "soft_overlong": soft_overlong,
+        **math_rewards.BUILTIN,
+    }
 
 
 def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_missing: bool = False) -> list[Reward]:
@@ -42,11 +48,38 @@ def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_mis
             except (ValueError, AttributeError, TypeError, SyntaxError) as exc:
                 raise ConfigError(f"{where}: {exc}") from None
         name = spec.function.rsplit(":", 1)[-1]
+        if spec.params:  # a built-in's settings (soft_overlong's lengths) or a user function's keywords
+            fn = _with_params(fn, dict(spec.params), f"{field}[{i}].params", name)
         out.append(Reward(fn, weight=spec.weight, name=name, field=where, spec=spec.function))
     names = [r.name for r in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"{field}: reward names must be unique, got {names}")
     return out
+
+
+def _with_params(fn: RewardFn, params: dict, where: str, name: str) -> RewardFn:
+    """fn with `params` bound as keywords, checked against its signature now (ConfigError naming
+    `where`): a keyword it does not take, or a required one left out."""
+    import functools
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        ps = sig.parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in ps.values())
+        unknown = [k for k in params if k not in ps and not takes_any]
+        if unknown:
+            raise ConfigError(f"{where}: {name!r} takes no keyword {', '.join(map(repr, unknown))}; it takes {sig}")
+        required = getattr(fn, "REQUIRED_PARAMS", ())
+        missing = [k for k in required if k not in params]
+        if missing:
+            raise ConfigError(f"{where}: {name!r} needs {', '.join(map(repr, missing))} (e.g. {fn.PARAMS_EXAMPLE})")
+    bound = functools.partial(fn, **params)
+    functools.update_wrapper(bound, fn)
+    return bound
 
 
 def config_rewards(cfg: RunConfig, skip_missing: bool = False) -> tuple[list[Reward], list[Reward]]:
