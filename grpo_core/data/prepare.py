@@ -312,7 +312,9 @@ def _prompt_text(
             "has none); use a Hugging Face tokenizer with one, or text prompts and a data.template"
         )
     try:
-        return apply(messages, tokenize=False, add_generation_prompt=True), messages
+        # messages for the rewards only where the data held messages (TRL's conversational rows);
+        # a text prompt rendered by data.chat stays text for them, as in TRL
+        return apply(messages, tokenize=False, add_generation_prompt=True), messages if is_messages(prompt) else None
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects the messages
         raise DataError(
             f"{where} {why}, but the tokenizer has no usable chat template ({type(exc).__name__}: "

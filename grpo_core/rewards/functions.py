@@ -241,9 +241,16 @@ def _find_bad_row(reward, prompts, completions, columns, exc, timeout_s=None, ba
         except RewardTimeout:
             raise
         except Exception as row_exc:  # noqa: BLE001
+            chat = isinstance(completions[i], list)  # TRL's conversational form: say so, it may be the cause
             return (
                 f"reward function {reward.name!r} raised {type(row_exc).__name__}: {row_exc} on row {i} "
                 f"(prompt {_short(prompts[i])}, completion {_short(completions[i])})"
+                + (
+                    "; the data's prompts are chat messages, so completions arrive as message lists, as TRL "
+                    "passes them: read completion[0]['content']"
+                    if chat
+                    else ""
+                )
             )
     return (
         f"reward function {reward.name!r} raised {type(exc).__name__}: {exc} (on the whole batch of {len(completions)})"
