@@ -123,7 +123,25 @@ def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
     return RunConfig.from_dict(config or {})
 
 
-@flow(name="grpo-pipeline", retries=1, retry_delay_seconds=5)
+def _run_named(prefix: str = ""):
+    """A flow_run_name: the run's folder name (run_name, or preset and config hash), so the UI's
+    list says which run each flow run is; Prefect's random pair of words where it cannot tell."""
+
+    def name() -> str:
+        from prefect.runtime import flow_run
+
+        params = flow_run.parameters or {}
+        try:
+            if "run_url" in params:  # grpo-evaluate: the run folder it reads
+                return prefix + str(params["run_url"]).rstrip("/").rsplit("/", 1)[-1]
+            return prefix + _config(params.get("config")).name
+        except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
+            return prefix + "invalid-config"
+
+    return name
+
+
+@flow(name="grpo-pipeline", retries=1, retry_delay_seconds=5, flow_run_name=_run_named())
 def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     """Run GRPO end to end: prepare the data, check readiness, train in epochs (each resumable
     from its last checkpoint), evaluate each epoch's checkpoint, and write summary.json."""
@@ -198,7 +216,7 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
     return summary
 
 
-@flow(name="grpo-evaluate")
+@flow(name="grpo-evaluate", flow_run_name=_run_named("evaluate-"))
 def grpo_evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     """Evaluate checkpoints of an existing run (0: the starting policy) into {run}/eval/."""
     cfg = load_run(run_url)
@@ -208,7 +226,7 @@ def grpo_evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     return evaluate.with_options(**opts)(run_url, steps)
 
 
-@flow(name="grpo-readiness")
+@flow(name="grpo-readiness", flow_run_name=_run_named("readiness-"))
 def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
     """The readiness report alone (storage probe, devices, memory budget), as an artifact."""
     cfg = _config(config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -115,6 +116,7 @@ def run_worker(
     env: dict[str, str] | None = None,
     python: str | None = None,
     launcher: LauncherConfig | None = None,
+    timeout_field: str = "pipeline.*_timeout_s",
 ) -> list[dict[str, Any]]:
     """Run `python -m <args>` (`python`: another interpreter, e.g. the sglang-jax environment's;
     default this one) through `launcher` (grpo_core.launch.launchers; default: one local process); call
@@ -130,14 +132,14 @@ def run_worker(
     launched = start(launcher, args, env, python)
     _LIVE[id(launched)] = launched
     try:
-        return _watch(launched, timeout_s=timeout_s, on_event=on_event, what=what)
+        return _watch(launched, timeout_s=timeout_s, on_event=on_event, what=what, timeout_field=timeout_field)
     finally:
         if any(p.poll() is None for p in launched.procs):  # an exception on the way out: never leave them
             launched.stop(STOP_GRACE_S)
         _LIVE.pop(id(launched), None)
 
 
-def _watch(launched: Launched, *, timeout_s: float, on_event, what: str) -> list[dict[str, Any]]:
+def _watch(launched: Launched, *, timeout_s: float, on_event, what: str, timeout_field: str) -> list[dict[str, Any]]:
     procs = launched.procs
     lines: queue.Queue = queue.Queue()
     tails: list[deque[str]] = [deque(maxlen=40) for _ in procs]
@@ -193,8 +195,9 @@ def _watch(launched: Launched, *, timeout_s: float, on_event, what: str) -> list
         raise RunInterrupted(f"{what} was interrupted and its workers stopped; the next run resumes from {where}")
     if timed_out:
         raise StageError(
-            f"{what} passed its time limit of {timeout_s:g} s and was stopped "
-            f"(raise it with --set pipeline.*_timeout_s=...); it resumes from its last checkpoint",
+            f"{what} passed its time limit of {timeout_s:g} s ({timeout_field}) and was stopped; raise it with "
+            f"--set {timeout_field}=SECONDS (the same field in the deployment's form); it resumes from its last "
+            "checkpoint",
             retryable=True,
         )
     if failed is None:
@@ -210,8 +213,24 @@ def _watch(launched: Launched, *, timeout_s: float, on_event, what: str) -> list
     if rc == ExitCode.INTERRUPTED:  # SIGTERM from something else than this process: resumable
         stopped = next((e for e in reversed(events) if e.get("event") == "interrupted"), {})
         raise StageError(f"{what}{who} was stopped: {stopped.get('message', detail)}", retryable=True)
-    how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-    raise StageError(f"{what}{who} {how}: {detail}", retryable=True)
+    if rc < 0:  # its last output is not the cause of a kill: name the signal, then show the output as such
+        raise StageError(f"{what}{who} was killed by {_signal_cause(-rc)}; its last output: {detail}", retryable=True)
+    raise StageError(f"{what}{who} exited with code {rc}: {detail}", retryable=True)
+
+
+def _signal_cause(sig: int) -> str:
+    """A signal's name and what usually sends it to a worker."""
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+    why = {
+        "SIGKILL": "the kernel's out-of-memory killer, a scheduler or someone's kill -9",
+        "SIGTERM": "a scheduler or a shutdown",
+        "SIGSEGV": "a crash in native code (XLA, a library)",
+        "SIGABRT": "an abort in native code",
+    }.get(name)
+    return f"signal {sig} ({name}" + (f": {why})" if why else ")")
 
 
 def _next_line(lines: queue.Queue, timeout_s: float) -> str | None:

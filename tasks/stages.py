@@ -350,6 +350,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     events = run_worker(
         ["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until)],
         timeout_s=cfg.pipeline.train_timeout_s,
+        timeout_field="pipeline.train_timeout_s",
         on_event=on_event,
         what=f"training epoch {epoch}",
         python=worker_python(cfg),
@@ -397,6 +398,7 @@ def export_model(run_url: str, step: int) -> dict[str, Any]:
     events = run_worker(
         ["grpo_core.stages.worker", "export", "--root", run_url, "--step", str(step)],
         timeout_s=cfg.pipeline.export_timeout_s,
+        timeout_field="pipeline.export_timeout_s",
         on_event=lambda e: None,
         what=f"export of step {step}",
         launcher=cfg.pipeline.launcher.single(),
@@ -449,6 +451,7 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
         events = run_worker(
             ["grpo_core.stages.worker", "eval", "--root", run_url, "--steps", ",".join(map(str, steps))],
             timeout_s=cfg.pipeline.eval_timeout_s,
+            timeout_field="pipeline.eval_timeout_s",
             on_event=on_event,
             what=f"evaluation of steps {steps}",
             launcher=cfg.pipeline.launcher.single(),

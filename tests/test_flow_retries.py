@@ -37,3 +37,18 @@ def test_a_retryable_error_is_still_retried_by_the_flow(tmp_path):
     state = grpo_pipeline.with_options(retries=1, retry_delay_seconds=0)(cfg, return_state=True)
     assert state.is_failed()
     assert _flow_run_count(state) == 2
+
+
+def test_a_flow_run_is_named_after_its_run(tmp_path):
+    """The UI's list of flow runs says which run each one is (it showed random pairs of words)."""
+    from prefect.client.orchestration import get_client
+
+    from flows.pipeline import grpo_pipeline
+
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n' * 4)
+    state = grpo_pipeline.with_options(retries=0)(
+        small_config(str(tmp_path), "gsm8k-lr3e-6", data={"source": str(data)}), return_state=True
+    )
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(state.state_details.flow_run_id).name == "gsm8k-lr3e-6"

@@ -178,7 +178,7 @@ def test_ray_launcher_trains_is_killed_resumes_and_stops_in_a_network_namespace(
         killed = make_run(str(tmp_path), "killed")
         seen: list[dict] = []
         env = {"GRPO_TEST_HOOK": HOOK, "GRPO_FAULT": f"step:3:{tmp_path / 'fault-fired'}", "GRPO_FAULT_PROCESS": "1"}
-        with pytest.raises(StageError, match=r"training was killed by signal 9: ") as err:
+        with pytest.raises(StageError, match=r"training was killed by signal 9 \(SIGKILL: .*; its last output") as err:
             train(killed, on_event=seen.append, env=env)
         assert err.value.retryable
         assert "process 1 of 2 was killed by signal 9" in str(err.value), str(err.value)[-500:]

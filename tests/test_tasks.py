@@ -24,8 +24,18 @@ def _alive(pid: int) -> bool:
 def test_time_limit_stops_the_worker_and_its_children():
     seen = []
     t = time.monotonic()
-    with pytest.raises(StageError, match="passed its time limit of 2 s and was stopped") as err:
-        run_worker(["tests.sleepy_worker", "sleep"], timeout_s=2, on_event=seen.append, what="sleepy")
+    with pytest.raises(
+        StageError,
+        match=r"passed its time limit of 2 s \(pipeline.train_timeout_s\) and was stopped; raise it with "
+        r"--set pipeline.train_timeout_s=SECONDS",
+    ) as err:
+        run_worker(
+            ["tests.sleepy_worker", "sleep"],
+            timeout_s=2,
+            on_event=seen.append,
+            what="sleepy",
+            timeout_field="pipeline.train_timeout_s",
+        )
     assert err.value.retryable and time.monotonic() - t < 30
     assert [e["event"] for e in seen] == ["start"]  # stray output is not an event
     deadline = time.monotonic() + 10
@@ -123,3 +133,12 @@ def test_out_of_memory_errors_are_recognised():
     assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 21.5GiB"))
     assert is_out_of_memory(MemoryError())
     assert not is_out_of_memory(ValueError("model.hidden_size must be a positive integer"))
+
+
+def test_a_killed_worker_is_named_by_its_signal_not_by_its_last_line():
+    with pytest.raises(StageError) as err:
+        run_worker(["tests.sleepy_worker", "kill9"], timeout_s=60, on_event=lambda e: None, what="sleepy")
+    msg = str(err.value)
+    assert msg.startswith("sleepy was killed by signal 9 (SIGKILL: the kernel's out-of-memory killer"), msg
+    assert msg.endswith("its last output: WARNING:absl:Waiting for previous save to finish"), msg
+    assert err.value.retryable
