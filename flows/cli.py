@@ -32,6 +32,15 @@ def _prefect_defaults() -> None:
 _SIGNALS: list[int] = []  # what stopped the command: it exits with 128 + the first
 
 
+def _say(text: str) -> None:
+    """A line on stderr that cannot fail: with the terminal or the pipe gone (the parent that read
+    our output died), a signal handler must still do its job."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 @contextlib.contextmanager
 def _interruptible():
     """Ctrl-C (SIGINT) and SIGTERM, what a user and a scheduler send. The first stops the running
@@ -50,16 +59,16 @@ def _interruptible():
         _SIGNALS.append(signum)
         name = signal.Signals(signum).name
         if count > 1:
-            kill_live_workers()
-            print(f"\n{name} again: exiting now", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+            try:
+                kill_live_workers()
+                _say(f"\n{name} again: exiting now")
+            finally:  # whatever happens above (a closed terminal), exit
+                os._exit(128 + signum)
         live = request_interrupt()
-        print(
+        _say(
             f"\n{name}: stopping the run"
             + (" (its workers save a checkpoint at the next step boundary, within ~10 s)" if live else "")
-            + "; press Ctrl-C again to exit at once",
-            file=sys.stderr,
-            flush=True,
+            + "; press Ctrl-C again to exit at once"
         )
         if not live:  # no worker to wait for: stop the in-process stage where it is
             raise RunInterrupted(f"interrupted by {name}")

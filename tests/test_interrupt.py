@@ -158,3 +158,21 @@ def test_kill_9_of_the_cli_leaves_nothing_running(tmp_path):
     while _alive(children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(children), f"left running after kill -9 of the CLI: {_alive(children)}"
+
+
+def test_second_ctrl_c_exits_even_when_nobody_reads_the_output(tmp_path):
+    """The parent that read the CLI's output is gone (a closed pipe): the handler's message fails
+    to print, and the second Ctrl-C must still exit with 130 (before: 1, from BrokenPipeError)."""
+    proc = _start(tmp_path, _api_url(), "--set", "train.sampling.max_new_tokens=64")
+    _read_until(proc, "step ")
+    workers = _descendants(proc.pid)
+    proc.stdout.close()
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    deadline = time.monotonic() + 10
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(workers), "a worker outlived a second Ctrl-C"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo_core.config.run import DEFAULT, RunConfig, load_config
+from grpo_core.config.run import DEFAULT, RunConfig, _merge, load_config
 from grpo_core.errors import ConfigError
 
 
@@ -12,7 +12,7 @@ def test_defaults_and_run_placement(tmp_path):
     assert cfg.model_config(vocab_size=50).vocab_size == 50  # the tokenizer's size, unless set
     gs = load_config(None, ["storage.root=gs://bucket/prefix/"])
     assert gs.run_url == f"gs://bucket/prefix/{gs.name}" and gs.name.startswith("tiny-")
-    assert [cfg.epoch_end(e) for e in range(4)] == [200, 400, 600, 800]
+    assert [cfg.epoch_end(e) for e in range(4)] == [150, 300, 450, 600]
     assert RunConfig.from_dict(cfg.to_dict()) == cfg  # config.json round-trips
 
 
@@ -145,9 +145,23 @@ PINNED_HASHES = {
     "http": ["f328d1dc4fa9", "97eb0009667b", "bf4e622b8a84", "tiny-f328d1dc"],
     "accum": ["c56fddb0e548", "97eb0009667b", "bf4e622b8a84", "tiny-c56fddb0"],
 }
+DEMO_HASHES = ["ecc6c5c954ea", "97eb0009667b", "bf4e622b8a84", "tiny-ecc6c5c9"]
+
+
+# The embedded default's training recipe before it learned to solve its task: the pinned configs
+# were written over it, and a run started with it keeps its hashes.
+PREVIOUS_DEFAULT = {
+    "train": {"num_steps": 800, "grpo": {"dynamic_sampling": False, "epsilon_high": 0.2, "entropy_coef": 0.0}}
+}
 
 
 @pytest.mark.parametrize("name", sorted(HASH_CONFIGS))
 def test_stage_hashes_are_stable(name):
-    cfg = RunConfig.from_dict(HASH_CONFIGS[name])
+    cfg = RunConfig.from_dict(_merge(PREVIOUS_DEFAULT, HASH_CONFIGS[name]))
     assert [cfg.train_hash, cfg.data_hash, cfg.eval_hash, cfg.name] == PINNED_HASHES[name]
+
+
+def test_the_embedded_defaults_hashes():
+    """Today's default (dynamic sampling, clip-higher, an entropy bonus, 600 steps)."""
+    cfg = RunConfig.from_dict({})
+    assert [cfg.train_hash, cfg.data_hash, cfg.eval_hash, cfg.name] == DEMO_HASHES

@@ -43,10 +43,20 @@ DEFAULT: dict[str, Any] = {
     },
     # char_match is optimised; exact_match (weight 0) is reported as a training metric.
     "rewards": [{"function": "char_match", "weight": 1.0}, {"function": "exact_match", "weight": 0.0}],
+    # The recipe that solves the task (greedy accuracy 1.0 on 3 seeds by step 450 here, where the
+    # plain one stalled at 0.54 with its entropy collapsed): DAPO's dynamic sampling and
+    # clip-higher, and an entropy bonus.
     "train": {
-        "num_steps": 800,
+        "num_steps": 600,
         "seed": 0,
-        "grpo": {"num_generations": 8, "prompts_per_step": 16, "loss_aggregation": "token_mean"},
+        "grpo": {
+            "num_generations": 8,
+            "prompts_per_step": 16,
+            "loss_aggregation": "token_mean",
+            "dynamic_sampling": True,
+            "epsilon_high": 0.28,
+            "entropy_coef": 0.03,
+        },
         "sampling": {"max_new_tokens": 6, "temperature": 1.0},
         "optimizer": {"learning_rate": 5e-4, "warmup_steps": 5, "max_grad_norm": 1.0},
     },
