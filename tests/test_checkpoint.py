@@ -53,3 +53,16 @@ def test_max_to_keep_and_unfinished_saves_are_invisible(tmp_path):
     (d / "4.orbax-checkpoint-tmp-123").mkdir()
     with Checkpointer(str(d)) as ckpt:
         assert ckpt.latest_step() == 3
+
+
+def test_epoch_checkpoints_are_kept_besides_the_newest(tmp_path):
+    """pipeline.keep_epoch_checkpoints: each epoch's last checkpoint (here 2 and 4) stays, so it can
+    be evaluated or exported later; the others go once they are not among the newest 2 (before:
+    only the newest 3 of all were kept)."""
+    tr, _ = make(steps=6)
+    with Checkpointer(str(tmp_path / "c"), max_to_keep=2, keep_steps=[2, 4, 6]) as ckpt:
+        for _ in range(6):
+            tr.train(num_steps=tr.step + 1)
+            tr.save(ckpt)
+            ckpt.wait()
+        assert ckpt.all_steps() == [2, 4, 5, 6]

@@ -153,6 +153,10 @@ class PipelineConfig(Section):
     epochs: int = field(4, doc="Training stages; train.num_steps is split evenly across them", ge=1)
     # steps between checkpoints (and metric shards)
     checkpoint_every: int = field(50, doc="Steps between checkpoints", ge=1)
+    # the 3 newest checkpoints are kept; with this, each epoch's last one too
+    keep_epoch_checkpoints: bool = field(
+        True, doc="Keep each epoch's last checkpoint (to evaluate or export later) besides the 3 newest"
+    )
     # readiness fails unless the worker sees a TPU
     require_tpu: bool = field(False, doc="Fail readiness unless the worker sees a TPU")
     # task retries of crashes, preemption and storage errors

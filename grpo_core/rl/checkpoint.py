@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import posixpath
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -83,9 +83,23 @@ class SetAside:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, max_to_keep: int | None = 3, async_save: bool = True):
+    def __init__(
+        self, directory: str, max_to_keep: int | None = 3, async_save: bool = True, keep_steps: Sequence[int] = ()
+    ):
+        """`max_to_keep` newest checkpoints are kept (None: all), and those of `keep_steps` (each
+        epoch's last, so that it can be evaluated or exported later) whatever their age."""
         self.directory = directory
-        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+        if max_to_keep is not None and keep_steps:
+            policy = ocp.checkpoint_managers.AnyPreservationPolicy(
+                [ocp.checkpoint_managers.LatestN(n=max_to_keep), ocp.checkpoint_managers.CustomSteps(list(keep_steps))]
+            )
+            opts = ocp.CheckpointManagerOptions(
+                preservation_policy=policy, enable_async_checkpointing=async_save, create=True
+            )
+        else:
+            opts = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+            )
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._mngr = ocp.CheckpointManager(directory, options=opts, item_handlers=handlers)
 

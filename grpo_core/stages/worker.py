@@ -162,7 +162,8 @@ def train(parts, until_step: int) -> int:
         placement=placement,
         memory_plan=plan,
     )
-    with Checkpointer(root.uri("checkpoints")) as ckpt, contextlib.closing(trainer):  # closing: the rollout engine
+    ends = [cfg.epoch_end(e) for e in range(cfg.pipeline.epochs)] if cfg.pipeline.keep_epoch_checkpoints else []
+    with Checkpointer(root.uri("checkpoints"), keep_steps=ends) as ckpt, contextlib.closing(trainer):  # the engine
         # A newest checkpoint that fails to restore is set aside (moved, not deleted) and the next
         # older one tried; each one says so: step, uri, moved_to, error, next_step and a message.
         resumed = trainer.restore(
