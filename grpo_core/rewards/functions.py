@@ -268,7 +268,7 @@ def _takes(fn: Any, keyword: str) -> bool:
 
 # Passed only to functions that take them (a function written before them may have no **kwargs);
 # trainer_state is one object for the batch, not a value per row.
-_OPTIONAL = PASSED_TO_REWARDS = ("completion_ids", "trainer_state")
+PASSED_TO_REWARDS = ("completion_ids", "trainer_state")
 
 
 @dataclasses.dataclass
@@ -302,7 +302,7 @@ def score(
     weighted = np.zeros(len(completions))
     applies = np.zeros(len(completions), bool)
     for r in rewards:
-        cols = {k: v for k, v in columns.items() if k not in _OPTIONAL or r.takes(k)}
+        cols = {k: v for k, v in columns.items() if k not in PASSED_TO_REWARDS or r.takes(k)}
         vals = _call_one(r, list(prompts), list(completions), cols, timeout_s, batch)
         per[r.name] = vals
         ok = ~np.isnan(vals)
