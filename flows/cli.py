@@ -294,7 +294,11 @@ def serve_command(args) -> int:
         cfg = _config(args)
         if cfg is None:
             return 2
-        params = cfg.to_dict()
+        from grpo_core.config.run import read_config
+
+        # what the user gave, not the resolved config: a form field left as the deployment
+        # shows it then means the default for the config the run is started with
+        params = read_config(args.config, args.set)
     from flows.serve import serve
 
     serve(params, cron=args.cron, interval=args.interval, limit=args.limit)

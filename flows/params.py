@@ -7,12 +7,14 @@ RunConfig when the run starts, with messages that name the field.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import types
 import typing
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer
 
 from grpo_core.config.fields import bounds_of, doc_of, enum_type, section_type
 from grpo_core.config.model import LoraConfig, ModelSection
@@ -27,11 +29,42 @@ _DEFAULTS = RunConfig.from_dict({}).to_dict()
 _REWARD = {name: f for name, _, f in RewardSpec.describe()}
 
 
+def _plain(schema: dict[str, Any]) -> None:
+    """An empty-means-default field as the form shows it: an input of its own type, empty until
+    filled (no null default to pre-fill, no "int | None" switch)."""
+    if "default" in schema and schema["default"] is None:
+        del schema["default"]
+    kinds = [k for k in schema.get("anyOf", ()) if k.get("type") != "null"]
+    if "anyOf" in schema and len(kinds) < len(schema["anyOf"]):
+        del schema["anyOf"]
+        if len(kinds) == 1:
+            schema.update(kinds[0])
+        else:
+            schema["anyOf"] = kinds
+
+
+class _Form(BaseModel):
+    """A section of the form: empty fields are left out when it is written out (the flow's
+    default parameters, a flow run's parameters), so they stay empty in the UI."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty(self, handler):
+        data, fields = handler(self), type(self).model_fields
+        return {
+            k: v for k, v in data.items() if not (v is None and k in fields and fields[k].json_schema_extra is _plain)
+        }
+
+
+def _empty(**kw: Any) -> Any:
+    """A field that is empty unless filled: the default for this config."""
+    return Field(None, json_schema_extra=_plain, **kw)
+
+
 class RewardParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", title="Reward")
     function: str = Field(description=doc_of(_REWARD["function"]), **bounds_of(_REWARD["function"]))
     weight: float = Field(1.0, description=doc_of(_REWARD["weight"]))
-    params: dict[str, Any] | None = Field(None, description=doc_of(_REWARD["params"]))
+    params: dict[str, Any] | None = _empty(description=doc_of(_REWARD["params"]))
 
 
 def _annotation(hint: Any, enum_cls: type[enum.Enum] | None, bounds: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -56,72 +89,191 @@ def _annotation(hint: Any, enum_cls: type[enum.Enum] | None, bounds: dict[str, A
     return hint, bounds
 
 
-def _title(path: str) -> str:
-    return "".join(p.capitalize() for p in path.replace("_", ".").split(".")) + "Params"
+# The fields a user changes, first in their section; the rest keep their declaration order.
+_FIRST = {
+    "model": ("path", "preset"),
+    "data": ("source", "format", "eval_source"),
+    "train": ("num_steps",),
+    "pipeline": ("epochs",),
+}
+# Section titles as the form shows them.
+_TITLES = {
+    "storage": "Storage",
+    "model": "Model",
+    "model.lora": "Model: LoRA adapters",
+    "data": "Data",
+    "train": "Training",
+    "train.grpo": "Training (advanced): the GRPO objective",
+    "train.sampling": "Training (advanced): sampling of completions",
+    "train.optimizer": "Training (advanced): optimizer",
+    "train.rollout": "Training (advanced): rollout engine",
+    "train.mesh": "Training (advanced): device mesh",
+    "pipeline": "Pipeline stages",
+    "pipeline.launcher": "Pipeline stages (advanced): where workers run",
+    "eval": "Evaluation",
+}
+_SYMBOLS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "length ≥"}
+_EMPTY = "Empty: the default for this config"
 
 
-def _model_for(cls, path: str, defaults: dict[str, Any], title: str | None = None) -> type[BaseModel]:
-    """A pydantic model mirroring section `cls`: same names, types and defaults (the resolved run
-    defaults), descriptions and bounds from each field's declaration."""
+def _shown(v: Any) -> str:
+    v = v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, tuple) else v
+    return json.dumps(v) if isinstance(v, (str, list, dict, bool)) or v is None else str(v)
+
+
+def _describe(doc: str, bounds: dict[str, Any], default: Any, demo: Any, fill: bool) -> str:
+    """A field's description as the form shows it: what it does, its bounds, and what an empty
+    field means (the default for this config, as on the command line)."""
+    text = doc.rstrip(". ") + "." if doc else ""
+    if bounds:
+        text += " Allowed: " + ", ".join(f"{_SYMBOLS[k]} {v}" for k, v in bounds.items()) + "."
+    if fill:  # empty means something else here (e.g. no clipping): the default is filled in
+        return f"{text} Default: {_shown(default)}.".strip()
+    if default is None:
+        said = "empty" in text.lower() or "null" in text.lower()
+        return (text if said else f"{text} {_EMPTY}.").strip()
+    if demo is None or _shown(default) == _shown(demo):
+        return f"{text} {_EMPTY} ({_shown(default)}).".strip()
+    return f"{text} {_EMPTY} ({_shown(default)}; on the built-in synthetic task: {_shown(demo)}).".strip()
+
+
+def _ordered(described: list[tuple[str, Any, Any]], path: str) -> list[tuple[str, Any, Any]]:
+    first = _FIRST.get(path, ())
+    return sorted(described, key=lambda d: first.index(d[0]) if d[0] in first else len(first))
+
+
+def _section_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def _model_for(cls, path: str, demo: dict[str, Any], name: str | None = None, varies: bool = True) -> type[BaseModel]:
+    """A pydantic model mirroring section `cls`: same names and types, descriptions and bounds
+    from each field's declaration. Every field is optional and empty unless filled: an empty
+    field means the default for this config, exactly as a key left out on the command line.
+    `demo` holds the embedded default's values; `varies`: whether a section's own defaults
+    replace them when the user brings their own data, model or rewards (else `demo` is the
+    default of every config)."""
     fields: dict[str, Any] = {}
-    for name, hint, f in cls.describe():
-        doc, bounds = doc_of(f) or None, bounds_of(f)
+    for fname, hint, f in _ordered(cls.describe(), path):
+        doc, default = doc_of(f), _section_default(f)
+        if not varies and (demo or {}).get(fname) is not None:
+            default = demo[fname]
         sub = section_type(hint)
-        if sub is not None and defaults.get(name) is not None:
-            model = _model_for(sub, f"{path}.{name}", defaults[name])
-            fields[name] = (model, Field(default_factory=model, description=doc))
-        elif name == "rewards":
-            fields[name] = (list[RewardParams], Field(default=defaults[name], description=doc, validate_default=True))
+        if sub is not None:
+            model = _model_for(sub, f"{path}.{fname}", (demo or {}).get(fname) or {}, varies=varies)
+            title = _TITLES.get(f"{path}.{fname}")
+            doc = doc or title
+            if default is None:  # an optional section: off (null) unless given, a None/object switch in the form
+                fields[fname] = (Optional[model], Field(None, title=title, description=doc))
+            else:
+                fields[fname] = (model, Field(default_factory=model, title=title, description=doc))
+            continue
+        # Shown with their default instead of empty (a default that is the same for every
+        # config): a field whose empty value means something (max_grad_norm: empty = no
+        # clipping), and a switch, which the form submits as false when untouched.
+        nullable = type(None) in typing.get_args(hint)
+        fill = default is not None and (nullable or hint is bool)
+        ann, bounds = _annotation(hint, enum_type(hint), bounds_of(f))
+        description = _describe(doc, bounds_of(f), default, (demo or {}).get(fname), fill)
+        if fill:
+            fields[fname] = (ann, Field(default=default, description=description, **bounds))
+        elif nullable and bool in typing.get_args(hint):  # true, false or empty (auto): a three-way switch
+            fields[fname] = (ann, Field(default=None, description=description))
         else:
-            ann, bounds = _annotation(hint, enum_type(hint), bounds)
-            fields[name] = (ann, Field(default=defaults[name], description=doc, **bounds))
-    return create_model(title or _title(path), __config__=ConfigDict(extra="forbid"), **fields)
+            fields[fname] = (Optional[ann], _empty(description=description, **bounds))
+    cls_name = name or "".join(p.capitalize() for p in path.replace("_", ".").split(".")) + "Params"
+    base = type(cls_name, (_Form,), {"model_config": ConfigDict(extra="forbid", title=_TITLES.get(path, path))})
+    return create_model(cls_name, __base__=base, **fields)
 
 
-class StorageParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    root: str = Field(_DEFAULTS["storage"]["root"], description=RUN_DOCS["storage.root"], min_length=1)
+class StorageParams(_Form):
+    model_config = ConfigDict(extra="forbid", title=_TITLES["storage"])
+    root: Optional[str] = _empty(
+        description=f"{RUN_DOCS['storage.root']}. {_EMPTY} ({_shown(_DEFAULTS['storage']['root'])}, "
+        "relative to the folder the flow runs in).",
+        min_length=1,
+    )
 
 
-LoraParams = _model_for(LoraConfig, "model.lora", LoraConfig().to_dict(), title="LoraParams")
 _MODEL = {name: f for name, _, f in ModelSection.describe()}
+LoraParams = _model_for(LoraConfig, "model.lora", LoraConfig().to_dict(), name="LoraParams")
 
 
-class ModelParams(BaseModel):
+def _model_field(name: str) -> Any:
+    f = _MODEL[name]
+    description = _describe(doc_of(f), bounds_of(f), _section_default(f), _DEFAULTS["model"].get(name), False)
+    return _empty(description=description, **bounds_of(f))
+
+
+class ModelParams(_Form):
     # Other keys override the preset's fields (Hugging Face names: hidden_size, dtype, ...).
-    model_config = ConfigDict(extra="allow")
-    path: Optional[str] = Field(None, description=doc_of(_MODEL["path"]))
-    revision: Optional[str] = Field(None, description=doc_of(_MODEL["revision"]))
-    preset: Literal[tuple(PRESETS)] = Field(_DEFAULTS["model"]["preset"], description=doc_of(_MODEL["preset"]))
-    seed: int = Field(_DEFAULTS["model"]["seed"], description=doc_of(_MODEL["seed"]), **bounds_of(_MODEL["seed"]))
-    tokenizer: Optional[str] = Field(None, description=doc_of(_MODEL["tokenizer"]))
+    model_config = ConfigDict(extra="allow", title=_TITLES["model"])
+    path: Optional[str] = _model_field("path")
+    preset: Optional[Literal[tuple(PRESETS)]] = _model_field("preset")
+    revision: Optional[str] = _model_field("revision")
+    tokenizer: Optional[str] = _model_field("tokenizer")
+    seed: Optional[int] = _model_field("seed")
     lora: Optional[LoraParams] = Field(None, description=doc_of(_MODEL["lora"]))
 
 
 DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"])
-TrainParams = _model_for(TrainConfig, "train", _DEFAULTS["train"])
+# Training and the stages keep the embedded defaults whatever the data or model (RunConfig.from_dict).
+TrainParams = _model_for(TrainConfig, "train", _DEFAULTS["train"], varies=False)
 EvalParams = _model_for(EvalConfig, "eval", _DEFAULTS["eval"])
-PipelineParams = _model_for(PipelineConfig, "pipeline", _DEFAULTS["pipeline"])
+PipelineParams = _model_for(PipelineConfig, "pipeline", _DEFAULTS["pipeline"], varies=False)
 
 
-class RunParams(BaseModel):
-    """A GRPO run: where it lives, the model, the data, the rewards, training, evaluation and how
-    the stages run. Every field has the embedded default (the tiny preset on the synthetic task)."""
+def _given(m: BaseModel) -> dict[str, Any]:
+    """The fields of `m` that were given and not left empty, as a config mapping. An empty field
+    (None where the form's default is None) means "the default for this config", as a key left
+    out of a YAML file or the command line does; RunConfig then derives it from what was given
+    (prompt length from the data, evaluation rewards from the rewards, ...)."""
+    out: dict[str, Any] = {}
+    for name in m.model_fields_set:
+        v, f = getattr(m, name), type(m).model_fields.get(name)
+        if v is None and (f is None or f.default is None):
+            continue
+        if isinstance(v, BaseModel):
+            v = _given(v)
+        elif isinstance(v, list):
+            v = [_given(x) if isinstance(x, BaseModel) else x for x in v]
+        out[name] = v
+    return out
 
-    model_config = ConfigDict(extra="forbid")
-    run_name: Optional[str] = Field(None, description=RUN_DOCS["run_name"])
-    storage: StorageParams = Field(default_factory=StorageParams)
-    model: ModelParams = Field(default_factory=ModelParams)
-    data: DataParams = Field(default_factory=DataParams)
-    rewards: list[RewardParams] = Field(
-        default=_DEFAULTS["rewards"], description=RUN_DOCS["rewards"], min_length=1, validate_default=True
+
+class RunParams(_Form):
+    """A GRPO run: where it lives, the model, the data, the rewards, training, the pipeline's
+    stages and evaluation. A field left empty takes the default for this config, as on the
+    command line (the embedded default is the tiny preset on the synthetic task)."""
+
+    model_config = ConfigDict(extra="forbid", title="GRPO run")
+    storage: StorageParams = Field(
+        title=_TITLES["storage"], default_factory=StorageParams, description="Where the run folder lives"
     )
-    train: TrainParams = Field(default_factory=TrainParams)
-    eval: EvalParams = Field(default_factory=EvalParams)
-    pipeline: PipelineParams = Field(default_factory=PipelineParams)
+    run_name: Optional[str] = _empty(title="Run folder", description=RUN_DOCS["run_name"])
+    model: ModelParams = Field(title=_TITLES["model"], default_factory=ModelParams, description="The starting policy")
+    data: DataParams = Field(
+        title=_TITLES["data"], default_factory=DataParams, description="The prompts: source, format, split, length"
+    )
+    rewards: Optional[list[RewardParams]] = _empty(
+        description=RUN_DOCS["rewards"] + f". {_EMPTY} (char_match on the built-in synthetic task)",
+        min_length=1,
+    )
+    train: TrainParams = Field(
+        title=_TITLES["train"], default_factory=TrainParams, description="Steps, objective, sampling, optimizer"
+    )
+    pipeline: PipelineParams = Field(
+        title=_TITLES["pipeline"],
+        default_factory=PipelineParams,
+        description="Epochs, checkpoints, retries and time limits of the stages",
+    )
+    eval: EvalParams = Field(
+        title=_TITLES["eval"], default_factory=EvalParams, description="Evaluation on the eval split after each epoch"
+    )
 
     def to_config(self) -> RunConfig:
-        # Only the fields that were given: RunConfig applies the defaults that depend on them
-        # (evaluation with the user's rewards, no preset or synthetic task with a checkpoint or
-        # dataset). A form that sends every field is a complete config and is read as one.
-        return RunConfig.from_dict(self.model_dump(exclude_unset=True))
+        # The fields that were given and not left empty: RunConfig applies the defaults that
+        # depend on them, as for a YAML file or --set overrides.
+        return RunConfig.from_dict(_given(self))

@@ -9,12 +9,13 @@ and after, checkpoint) and `curve.png` land in the run root, with a markdown art
 
 from __future__ import annotations
 
+import base64
 import time
 import traceback
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 
@@ -45,21 +46,20 @@ def summarize(run_url: str, status: str, extra: dict[str, Any], this: dict[str, 
     """summary.json, curve.png and a markdown artifact from what the run root holds. `this` is
     this invocation's timing and whether it did any work (see run_timing)."""
     root = RunRoot(run_url)
-    png = plot_curve(root)
-    curve = root.write_bytes("curve.png", png) if png else None
+    if not this["did_work"] and root.exists("curve.png"):  # nothing new to draw
+        png, curve = root.read_bytes("curve.png"), root.uri("curve.png")
+    else:
+        png = plot_curve(root)
+        curve = root.write_bytes("curve.png", png) if png else None
     timing = run_timing(root, this["timing"], this["did_work"])
     last = {"wall_s": round(this["timing"]["wall_s"], 2), "did_work": this["did_work"]}
     summary = build_summary(root, status, curve_uri=curve, timing=timing, last_invocation=last, **extra)
     root.write_json("summary.json", summary)
     name = run_url.rsplit("/", 1)[-1]
-    create_markdown_artifact(summary_markdown(summary), key=_key(f"summary-{name}"), description="GRPO run summary")
-    if curve:
-        create_link_artifact(
-            curve,
-            link_text=f"{name}: reward and accuracy curve (PNG)",
-            key=_key(f"curve-{name}"),
-            description="Training reward and eval accuracy / pass@k against steps",
-        )
+    # The curve is embedded in the artifact (a data URI), so the UI shows it wherever the run
+    # root is: a link to a local path or a gs:// object opens nothing in a browser.
+    markdown = summary_markdown(summary, png)
+    create_markdown_artifact(markdown, key=_key(f"summary-{name}"), description="GRPO run summary")
     return summary
 
 
@@ -78,7 +78,7 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else ("—" if v is None else str(v))
 
 
-def summary_markdown(s: dict[str, Any]) -> str:
+def summary_markdown(s: dict[str, Any], curve_png: bytes | None = None) -> str:
     before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
     keys = sorted({k for k in (*before, *after) if k != "step"})
     lines = [
@@ -92,12 +92,18 @@ def summary_markdown(s: dict[str, Any]) -> str:
     ]
     if s.get("curve_uri"):
         lines.append(f"- curve: `{s['curve_uri']}`")
+    if curve_png:
+        lines += ["", f"![training reward and eval accuracy against steps]({png_data_uri(curve_png)})"]
     if s.get("error"):
         lines.append(f"- error: {s['error']}")
     if keys:
         lines += ["", "| eval | before | after |", "|---|---|---|"]
         lines += [f"| {k} | {_fmt(before.get(k))} | {_fmt(after.get(k))} |" for k in keys]
     return "\n".join(lines)
+
+
+def png_data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
 def _no_flow_retry(log) -> None:
@@ -118,9 +124,8 @@ def _no_flow_retry(log) -> None:
 
 
 def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
-    if isinstance(config, RunParams):
-        return config.to_config()
-    return RunConfig.from_dict(config or {})
+    # A mapping is read as the form's parameters are: an empty (null) field is the config's default.
+    return (config if isinstance(config, RunParams) else RunParams.model_validate(config or {})).to_config()
 
 
 def _run_named(prefix: str = ""):
@@ -144,7 +149,13 @@ def _run_named(prefix: str = ""):
 @flow(name="grpo-pipeline", retries=1, retry_delay_seconds=5, flow_run_name=_run_named())
 def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     """Run GRPO end to end: prepare the data, check readiness, train in epochs (each resumable
-    from its last checkpoint), evaluate each epoch's checkpoint, and write summary.json."""
+    from its last checkpoint), evaluate each epoch's checkpoint, and write summary.json.
+
+    Args:
+        config: The run: storage root, model, data, rewards, steps and epochs first, then the
+            advanced sections. A field left empty takes the default for this config, as on the
+            command line; the same config resumes its own run.
+    """
     cfg = _config(config)
     log = get_run_logger()
     from prefect.runtime import flow_run
@@ -218,7 +229,14 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
 
 @flow(name="grpo-evaluate", flow_run_name=_run_named("evaluate-"))
 def grpo_evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
-    """Evaluate checkpoints of an existing run (0: the starting policy) into {run}/eval/."""
+    """Evaluate checkpoints of an existing run (0: the starting policy) into {run}/eval/.
+
+    Args:
+        run_url: The run's folder: storage.root/run_name, e.g. gs://bucket/grpo-runs/tiny-ecc6c5c9
+            or /data/runs/my-run (`grpo status` and the summary artifact print it).
+        steps: Checkpoint steps to evaluate; 0 is the starting policy. Each result lands in
+            {run_url}/eval/{step}.json; a step already evaluated with this config is read back.
+    """
     cfg = load_run(run_url)
     opts = dict(
         retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s, retry_condition_fn=retryable
@@ -228,7 +246,12 @@ def grpo_evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
 
 @flow(name="grpo-readiness", flow_run_name=_run_named("readiness-"))
 def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
-    """The readiness report alone (storage probe, devices, memory budget), as an artifact."""
+    """The readiness report alone (storage probe, devices, memory budget), as an artifact.
+
+    Args:
+        config: The run to check, as for the pipeline: its storage root is probed and its
+            memory plan checked on this worker's devices. Empty fields: the config's defaults.
+    """
     cfg = _config(config)
     report = readiness_report(cfg)
     publish_readiness(report, cfg.name)

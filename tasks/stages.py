@@ -263,10 +263,37 @@ def publish_readiness(report: dict[str, Any], run_name: str) -> None:
         raise StageError("not ready: " + "; ".join(failed), retryable=False)
 
 
+def nothing_left(cfg: RunConfig, root: RunRoot) -> bool:
+    """Whether every stage that needs the devices is done for this config: each epoch trained
+    (its marker, same training hash), each evaluated step stored (same eval hash), the export
+    written. A scheduled or repeated run of a finished config then starts no worker process."""
+    ends = [cfg.epoch_end(e) for e in range(cfg.pipeline.epochs)]
+    for epoch in range(cfg.pipeline.epochs):
+        stage = f"stages/train-epoch-{epoch}"
+        if not root.is_done(stage) or root.done_info(stage).get("train_hash") != cfg.train_hash:
+            return False
+    for step in [0, *ends]:
+        rel = f"eval/{step}.json"
+        if not root.exists(rel) or read_eval(root, rel).get("eval_hash") != cfg.eval_hash:
+            return False
+    return not cfg.pipeline.export or _exported(cfg, root, ends[-1])
+
+
+def _exported(cfg: RunConfig, root: RunRoot, step: int) -> dict[str, Any] | None:
+    """The export marker of `step` when it is this training config's, else None."""
+    stage = f"export/{step}"
+    info = root.done_info(stage) if root.is_done(stage) else None
+    return info if info and info.get("train_hash") == cfg.train_hash else None
+
+
 @task(name="check-readiness", cache_policy=NO_CACHE)
 def check_readiness(run_url: str) -> dict[str, Any]:
-    """Preflight: storage, devices, memory budget. Writes readiness.json; fails fast if not ready."""
+    """Preflight: storage, devices, memory budget. Writes readiness.json; fails fast if not ready.
+    Skipped (no worker started) when every stage that needs the devices is done."""
     cfg, log = load_run(run_url), get_run_logger()
+    if nothing_left(cfg, RunRoot(run_url)):
+        log.info("every stage of this run is done: readiness not checked (no device is needed)")
+        return {"ready": True, "skipped": True}
     report = readiness_report(cfg)
     RunRoot(run_url).write_json("readiness.json", report)
     for c in report["checks"]:
@@ -300,11 +327,18 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
             info["reward"],
         )
         return dict(info, skipped=True)
+    # The whole run's progress (steps done of train.num_steps), from where a resumed attempt
+    # starts: its newest checkpoint at or before this epoch's end.
+    total = max(1, cfg.train.num_steps)
+    resumed_at = max(start_step, newest if newest is not None else 0)
     progress = create_progress_artifact(
-        0.0, key=_key(f"train-{cfg.name}"), description=f"epoch {epoch}: steps {start_step}..{until}"
+        100.0 * resumed_at / total,
+        key=_key(f"train-{cfg.name}"),
+        description=f"training {cfg.name}: steps done of {total} (epoch {epoch}: steps {start_step}..{until})",
     )
     every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
-    state: dict[str, Any] = {"last": None, "shown": -1.0, "steps_s": 0.0, "first_step_s": None, "unscored": 0}
+    shown = {"step": resumed_at, "t": time.monotonic()}
+    state: dict[str, Any] = {"last": None, "steps_s": 0.0, "first_step_s": None, "unscored": 0}
 
     def on_event(e: dict[str, Any]) -> None:
         kind = e["event"]
@@ -335,10 +369,10 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
                         s,
                         state["unscored"],
                     )
-            frac = (s - start_step) / max(1, until - start_step)
-            if frac - state["shown"] >= 0.05 or s == until:  # a few API calls per epoch, not one per step
-                update_progress_artifact(progress, 100.0 * min(1.0, frac))
-                state["shown"] = frac
+            # every 1% of the run or 10 s, whichever comes first: not one API call per step
+            if s - shown["step"] >= total / 100 or time.monotonic() - shown["t"] >= 10 or s == until:
+                update_progress_artifact(progress, 100.0 * min(1.0, s / total))
+                shown.update(step=s, t=time.monotonic())
         elif kind == "checkpoint":
             log.info("checkpoint %s", e["uri"])
         elif kind == "checkpoint_set_aside":  # names the bad folder, where it went and what resumes
@@ -370,7 +404,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
         first_steps_s=state["first_step_s"] or 0.0,
     )
     root.mark_done(stage, info)  # after the worker's checkpoint is final: the marker is last
-    update_progress_artifact(progress, 100.0)
+    update_progress_artifact(progress, 100.0 * min(1.0, until / total))
     return dict(info, skipped=False)
 
 
@@ -394,7 +428,10 @@ def _epoch_info(root: RunRoot, cfg: RunConfig, epoch: int, step: int, **timing: 
 def export_model(run_url: str, step: int) -> dict[str, Any]:
     """The policy at `step` as a Hugging Face folder {run}/export/{step}/ (safetensors, config,
     tokenizer, generation config; LoRA merged), written by a worker process, marker last."""
-    cfg, log = load_run(run_url), get_run_logger()
+    cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
+    if _exported(cfg, root, step) is not None:  # no process to start
+        log.info("step %d already exported as a Hugging Face model: %s", step, root.uri(f"export/{step}"))
+        return {"uri": root.uri(f"export/{step}"), "step": step, "cached": True}
     events = run_worker(
         ["grpo_core.stages.worker", "export", "--root", run_url, "--step", str(step)],
         timeout_s=cfg.pipeline.export_timeout_s,

@@ -237,6 +237,7 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
         pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -244,7 +245,10 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    client, _, _ = served
+    from flows.params import RunParams
+    from grpo_core.config.run import load_config
+
+    client, served_root, _ = served
     url, _ = server
     base = url[: -len("/api")]
     root = tmp_path / "ui-runs"
@@ -273,6 +277,9 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
         pw.send_keys(AUTH, Keys.ENTER)
         wait.until(lambda b: "/login" not in b.current_url)
         browser.get(f"{base}/deployments/deployment/{dep.id}/run")
+        steps = field("Num Steps", "input")
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        print(f"form: {height} px tall, Num Steps at {steps.location['y']} px")  # what a user scrolls
         fill("Root", "textarea", root)
         fill("Num Steps", "input", 2)
         fill("Epochs", "input", 1)
@@ -290,12 +297,34 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
         browser.refresh()
         WebDriverWait(browser, 120).until(lambda b: "Completed" in b.find_element(By.TAG_NAME, "body").text)
         browser.save_screenshot(str(tmp_path / "ui-run-completed.png"))
+        # the fields left as the form showed them mean the defaults of this config, as on the CLI
+        # (the deployment's own parameters, grpo serve's --set, are part of this config)
+        sets = [f"{k}={json.dumps(v)}" for k, v in _flatten(tiny(served_root, "nightly")).items()]
+        sets += [f"storage.root={root}", "train.num_steps=2", "pipeline.epochs=1"]
+        sets += ["data.synthetic_rows=64", "data.eval_rows=8"]
+        resolved = RunParams.model_validate(run.parameters["config"]).to_config()
+        want = load_config(None, sets)
+        assert resolved.to_dict() == want.to_dict(), _differences(resolved.to_dict(), want.to_dict())
+        # the curve is visible where a Prefect user looks: the run's summary artifact
+        [name] = os.listdir(root)
+        [art] = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"summary-{name}"])))
+        browser.get(f"{base}/artifacts/artifact/{art.id}")
+        curve = "//img[starts-with(@alt, 'training reward')]"
+        img = wait.until(ec.presence_of_element_located((By.XPATH, curve)))
+        wait.until(lambda b: b.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img))
+        assert img.size["width"] > 300 and img.size["height"] > 200
+        browser.save_screenshot(str(tmp_path / "ui-curve.png"))
     finally:
         browser.quit()
-    [name] = os.listdir(root)
     s = RunRoot(str(root / name)).read_json("summary.json")
     assert s["status"] == "completed" and s["steps"] == 2
     assert (tmp_path / "ui-run-completed.png").stat().st_size > 10_000
+
+
+def _differences(got, want, path: str = "") -> list[str]:
+    if isinstance(got, dict) and isinstance(want, dict):
+        return [d for k in sorted(set(got) | set(want)) for d in _differences(got.get(k), want.get(k), f"{path}.{k}")]
+    return [] if got == want else [f"{path}: {got!r} != {want!r}"]
 
 
 def _run_created_with_root(client, deployment_id, root: str, browser, tmp_path, timeout: float = 120) -> str:

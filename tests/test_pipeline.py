@@ -2,6 +2,7 @@
 whose worker is SIGKILLed twice (mid-epoch and right after an epoch's last checkpoint), a second
 run of a finished config, and bad input that must fail at once without a stage marker."""
 
+import base64
 import json
 import os
 import re
@@ -109,10 +110,43 @@ def test_export_loads_in_transformers_with_the_trained_logits(baseline):
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
 
-def test_second_run_of_a_finished_config_trains_nothing(baseline):
+def artifacts(key: str) -> list:
+    """Every version of the artifact `key`, oldest first, from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        newest_first = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+        )
+    return newest_first[::-1]
+
+
+def test_progress_is_the_whole_runs_and_the_curve_is_in_the_summary(baseline):
+    root, _ = baseline
+    run = RunRoot(f"{root}/baseline")
+    # one progress artifact per epoch, each a share of the whole run: epoch 0 ends at 3 of 6 steps
+    progress = artifacts("train-baseline")
+    assert [a.data for a in progress][:2] == [50.0, 100.0]
+    assert all("of 6" in a.description for a in progress)
+    # the curve is embedded in the summary (a link to a local file opens nothing in the UI)
+    markdown = artifacts("summary-baseline")[-1].data
+    b64 = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)
+    assert b64 and base64.b64decode(b64.group(1)) == run.read_bytes("curve.png")
+
+
+def test_second_run_of_a_finished_config_trains_nothing(baseline, monkeypatch):
     root, first = baseline
     run = RunRoot(f"{root}/baseline")
     shards = run.list("metrics")
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a finished run started a worker process")
+
+    # every stage is done: readiness and export start no process (seconds, not ~10 s each)
+    monkeypatch.setattr("tasks.stages.run_worker", no_worker)
+    monkeypatch.setattr("tasks.stages.readiness_report", no_worker)
     s = run_pipeline(small_config(root, "baseline"))
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS
     assert run.list("metrics") == shards  # no step ran again

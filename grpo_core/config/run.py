@@ -396,6 +396,12 @@ def _merge(base: dict, top: dict) -> dict:
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     """DEFAULT, then the YAML file, then `key=value` overrides; validated, or ConfigError."""
+    return RunConfig.from_dict(read_config(path, overrides))
+
+
+def read_config(path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The YAML file with `key=value` overrides applied: what the user gave, before the defaults
+    (a deployment's parameters, so a field left out there is the default for the run's config)."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -412,7 +418,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}",
         )
         data = loaded or {}
-    return RunConfig.from_dict(_absolute_paths(apply_overrides(data, overrides or [])))
+    return _absolute_paths(apply_overrides(data, overrides or []))
 
 
 def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:

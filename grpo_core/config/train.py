@@ -357,11 +357,13 @@ class RolloutConfig(Section):
     # sglang-jax's overlap scheduler (CPU scheduling of the next batch during the current one).
     # Off by default: with it on, 3 of 6 sglang-jax 0.1.0rc0 servers started on CPU returned wrong
     # greedy tokens for the whole of their life (0 of 6 with it off, and 0 in process).
-    overlap_schedule: bool = field(False)
+    overlap_schedule: bool = field(
+        False, doc="sglang: schedule the next batch while the current one runs (off: wrong tokens seen on CPU)"
+    )
     # http
     # an already running server (not restarted here), e.g. http://10.0.0.2:30000
     url: str | None = field(None, doc="http: a running server (with train.rollout.reload_route)")
-    api: HttpApi = field(HttpApi.OPENAI)
+    api: HttpApi = field(HttpApi.OPENAI, doc="http: the server's API (openai: /v1/completions; sglang: /generate)")
     model_name: str | None = field(None, doc='the "model" of each request; null: the server\'s first /v1/models entry')
     # "sglang-jax": start (and restart on each refresh) a server on 127.0.0.1
     server: str | None = field(
@@ -370,7 +372,9 @@ class RolloutConfig(Section):
     server_args: tuple[str, ...] = field((), doc="extra command-line arguments of that server")
     # or any server this run starts and restarts itself, e.g. ["vllm", "serve", "{model}", "--port",
     # "{port}"]: {model} (the exported folder), {port}, {host} and {python} are filled in
-    server_command: tuple[str, ...] = field(())
+    server_command: tuple[str, ...] = field(
+        (), doc="http: a server this run starts and restarts, e.g. vllm serve {model} --port {port}"
+    )
     reload_route: str | None = field(
         None, doc='POST {"model_path": folder} to reload weights (SGLang: /update_weights_from_disk)'
     )

@@ -1,0 +1,123 @@
+"""The run form as Prefect's UI builds it from the parameter schema: a field the user leaves as the
+form shows it means "the default for this config", exactly as a key left out on the command line;
+the fields a user changes come first, every field says what it does, its bounds and its default."""
+
+import json
+
+import pytest
+
+from flows.params import RunParams
+from grpo_core.config.run import load_config
+
+
+def _resolve(schema: dict, node: dict) -> dict:
+    if "$ref" in node:
+        return schema["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+    objects = [_resolve(schema, n) for n in node.get("anyOf", ()) if "$ref" in n]
+    return objects[0] if objects else node
+
+
+def form_values(schema: dict, node: dict | None = None) -> dict:
+    """What the UI submits when nothing is touched: each property's default, objects filled in,
+    false for a switch without a default (Prefect's UI sends an untouched checkbox as false)."""
+    node = node or schema
+    out = {}
+    for name, prop in node["properties"].items():
+        sub = _resolve(schema, prop)
+        if "default" in prop:
+            out[name] = prop["default"]
+        elif "properties" in sub:
+            out[name] = form_values(schema, sub)
+        elif prop.get("type") == "boolean":
+            out[name] = False
+    return out
+
+
+def submit(**changes) -> dict:
+    """The flow's parameters when the form is submitted with `changes` ("data.source": ...) made."""
+    values = form_values(RunParams.model_json_schema())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        d = values
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = value
+    return values
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_untouched_form_fields_mean_the_default_for_this_config(prompts, tmp_path):
+    root = str(tmp_path / "runs")
+    cases = [
+        ({"data.source": prompts}, [f"data.source={prompts}"]),
+        ({"rewards": [{"function": "math_answer", "weight": 1.0}]}, ['rewards=[{"function": "math_answer"}]']),
+        ({"train.num_steps": 7, "pipeline.epochs": 1}, ["train.num_steps=7", "pipeline.epochs=1"]),
+        ({"model.preset": "small"}, ["model.preset=small"]),
+    ]
+    for changes, sets in cases:
+        form = RunParams.model_validate(submit(**{"storage.root": root, **changes})).to_config()
+        cli = load_config(None, [f"storage.root={root}", *sets])
+        assert form.to_dict() == cli.to_dict(), changes
+    # what the issue saw: the synthetic task's prompt length and evaluation reward no longer leak in
+    own_data = RunParams.model_validate(submit(**{"data.source": prompts})).to_config()
+    assert own_data.data.max_prompt_tokens == 256
+    math = RunParams.model_validate(submit(rewards=[{"function": "math_answer", "weight": 1.0}])).to_config()
+    assert [r.function for r in math.eval_rewards] == ["math_answer"] and math.eval.accuracy_reward == "math_answer"
+
+
+def test_the_cli_config_sent_whole_is_the_same_config():
+    # grpo run sends config.to_dict(): explicit nulls (max_grad_norm: off) keep their meaning
+    cli = load_config(None, ["train.optimizer.max_grad_norm=null", "model.lora.rank=4"])
+    sent = RunParams.model_validate(cli.to_dict()).to_config()
+    assert sent.to_dict() == cli.to_dict() and sent.train.optimizer.max_grad_norm is None
+
+
+def test_the_form_leads_with_the_fields_users_change():
+    schema = RunParams.model_json_schema()
+    defs = schema["$defs"]
+    assert list(schema["properties"])[:4] == ["storage", "run_name", "model", "data"]
+    assert list(schema["properties"]).index("rewards") < list(schema["properties"]).index("train")
+    assert list(defs["ModelParams"]["properties"])[:2] == ["path", "preset"]
+    assert list(defs["DataParams"]["properties"])[0] == "source"
+    assert list(defs["TrainParams"]["properties"])[0] == "num_steps"
+    assert list(defs["PipelineParams"]["properties"])[0] == "epochs"
+    # one "Run name" in the UI: Prefect's own flow-run name field; ours is the run's folder
+    assert schema["properties"]["run_name"]["title"] == "Run folder"
+    titles = [d["title"] for d in defs.values()]
+    assert not [t for t in titles if t.endswith("Params")], titles
+    assert "Training (advanced): optimizer" in titles
+
+
+def test_every_field_is_described_with_its_bounds_and_default():
+    schema = RunParams.model_json_schema()
+    missing, unbounded = [], []
+    for dname, d in [("RunParams", schema), *schema["$defs"].items()]:
+        for name, prop in d["properties"].items():
+            if not prop.get("description"):
+                missing.append(f"{dname}.{name}")
+            kinds = prop.get("anyOf", [prop])
+            if any(k in t for t in kinds for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")):
+                if "Allowed:" not in prop.get("description", ""):
+                    unbounded.append(f"{dname}.{name}")
+    assert not missing and not unbounded, (missing, unbounded)
+    steps = schema["$defs"]["TrainParams"]["properties"]["num_steps"]["description"]
+    assert "≥ 1" in steps and "Empty: the default for this config (600)" in steps
+    prompt = schema["$defs"]["DataParams"]["properties"]["max_prompt_tokens"]["description"]
+    assert "(256; on the built-in synthetic task: 16)" in prompt
+
+
+def test_evaluate_and_readiness_parameters_are_described():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import grpo_evaluate, grpo_pipeline, grpo_readiness
+
+    for flow in (grpo_pipeline, grpo_evaluate, grpo_readiness):
+        props = parameter_schema(flow.fn).model_dump()["properties"]
+        assert props and all(p.get("description") for p in props.values()), (flow.name, props)
