@@ -1,5 +1,6 @@
-"""deployments/: every deployment names a flow that loads, enforces its parameter schema and is
-limited to one run at a time; the GKE job template is valid and uses only its own variables."""
+"""deployments/: every deployment names a flow that loads, enforces its parameter schema, is
+limited to one run at a time and never takes a name `grpo serve` owns; the GKE job template is
+valid and uses only its own variables."""
 
 import json
 import pathlib
@@ -13,18 +14,33 @@ from flows.cli import main
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+# each file deploys to its own work pool; none uses a name `grpo serve` owns (flows/serve.py)
+FILES = {"prefect.yaml": "grpo-local", "gke-tpu.yaml": "grpo-gke-tpu", "vertex.yaml": "grpo-vertex"}
+SERVED = {("grpo-pipeline", "pipeline"), ("grpo-evaluate", "evaluate"), ("grpo-readiness", "readiness")}
+
+
+def _spec(name: str) -> dict:
+    return yaml.safe_load((ROOT / "deployments" / name).read_text())
+
+
 def test_prefect_yaml_deployments_load():
-    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    names = {d["name"] for d in spec["deployments"]}
-    assert {"pipeline", "pipeline-nightly", "evaluate", "readiness", "pipeline-gke-tpu", "pipeline-vertex"} <= names
-    for d in spec["deployments"]:
-        flow = load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
-        assert flow.name.startswith("grpo-") and d["enforce_parameter_schema"] is True
-        assert d["work_pool"]["name"] in {"grpo-local", "grpo-gke-tpu", "grpo-vertex"}
-        if d["name"] != "readiness":
-            assert d["concurrency_limit"]["limit"] == 1
-    nightly = next(d for d in spec["deployments"] if d["name"] == "pipeline-nightly")
+    named = set()
+    for file, pool in FILES.items():
+        spec = _spec(file)
+        assert spec["pull"][0] == {"flows.serve.require_project_dir": {}}
+        for d in spec["deployments"]:
+            flow = load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
+            assert flow.name.startswith("grpo-") and d["enforce_parameter_schema"] is True
+            assert d["work_pool"]["name"] == pool
+            if flow.name != "grpo-readiness":
+                assert d["concurrency_limit"]["limit"] == 1
+            named.add((flow.name, d["name"]))
+    assert not named & SERVED
+    assert {("grpo-pipeline", "pool"), ("grpo-pipeline", "pool-nightly"), ("grpo-evaluate", "pool")} <= named
+    assert {("grpo-readiness", "pool"), ("grpo-pipeline", "gke-tpu"), ("grpo-pipeline", "vertex")} <= named
+    nightly = next(d for d in _spec("prefect.yaml")["deployments"] if d["name"] == "pool-nightly")
     assert nightly["schedules"][0]["cron"] == "0 2 * * *"
+    assert nightly["schedules"][0]["active"] is False  # a placeholder bucket: off until the user sets one
     from flows.params import RunParams
 
     RunParams.model_validate(nightly["parameters"]["config"])  # the example parameters are valid
@@ -35,8 +51,7 @@ def test_gke_job_template_variables():
     declared = set(template["variables"]["properties"])
     used = set(re.findall(r"\{\{ (\w+) \}\}", json.dumps(template["job_configuration"])))
     assert used <= declared, used - declared
-    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    gke = next(d for d in spec["deployments"] if d["name"] == "pipeline-gke-tpu")
+    [gke] = _spec("gke-tpu.yaml")["deployments"]
     assert set(gke["work_pool"]["job_variables"]) <= declared
 
 

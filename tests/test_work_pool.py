@@ -1,0 +1,136 @@
+"""The local process work pool as deployments/README.md documents it, against a real `prefect server
+start` and a real `prefect worker`: the README's commands run exactly as written there (from the
+repository root), `prefect deploy --all` succeeds and touches only the pool it created, the nightly
+deployment (a placeholder bucket) gets no active schedule, a worker started without
+GRPO_PROJECT_DIR fails a run with a message that names it, and with it a run completes."""
+
+import os
+import pathlib
+import re
+import subprocess
+from contextlib import contextmanager
+
+import pytest
+
+from grpo_core.store.root import RunRoot
+from tests.test_deployments import AUTH, BIN, _stop, _wait, server, tiny  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def recipe() -> list[str]:
+    """The command lines of the README's work-pool recipe, as a user would type them."""
+    text = (ROOT / "deployments" / "README.md").read_text()
+    block = re.search(r"<!-- work-pool-recipe\b.*?-->\s*```bash\n(.*?)```\s*<!-- /work-pool-recipe -->", text, re.S)
+    assert block, "deployments/README.md has no work-pool recipe block"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def cli_env(url: str, home) -> dict:
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # the README: the venv's bin/ on PATH
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": url,
+        "PREFECT_API_AUTH_STRING": AUTH,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+    }
+    env.pop("GRPO_PROJECT_DIR", None)
+    return env
+
+
+def run_line(line: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+@contextmanager
+def api_client(url: str):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
+        with get_client(sync_client=True) as client:
+            yield client
+
+
+@contextmanager
+def worker(line: str, env: dict, log_path):
+    """A worker started by a README line, in its own process group, stopped with its children."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["bash", "-c", line], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def deployed(server):  # noqa: F811 - the module-scoped fixture imported above
+    url, home = server
+    lines = recipe()
+    assert len(lines) == 4 and lines[-1].startswith("GRPO_PROJECT_DIR=") and " worker start " in lines[-1], lines
+    env = cli_env(url, home)
+    for line in lines[:3]:  # create the pool, set its limit, deploy
+        done = run_line(line, env)
+        assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    with api_client(url) as client:
+        yield client, env, lines[-1]
+
+
+def test_recipe_deploys_the_pool_and_nothing_else(deployed):
+    client, _, _ = deployed
+    from prefect.client.schemas.filters import DeploymentFilter
+    from prefect.exceptions import ObjectNotFound
+
+    assert client.read_work_pool("grpo-local").concurrency_limit == 1
+    deps = client.read_deployments(deployment_filter=DeploymentFilter())
+    flows = {f.id: f.name for f in client.read_flows()}
+    names = {f"{flows[d.flow_id]}/{d.name}" for d in deps}
+    assert names == {"grpo-pipeline/pool", "grpo-pipeline/pool-nightly", "grpo-evaluate/pool", "grpo-readiness/pool"}
+    assert {d.work_pool_name for d in deps} == {"grpo-local"}
+    for served_name in ("grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness"):
+        with pytest.raises(ObjectNotFound):  # the names `grpo serve` owns are left to it
+            client.read_deployment_by_name(served_name)
+    nightly = client.read_deployment_by_name("grpo-pipeline/pool-nightly")
+    assert "YOUR-BUCKET" in nightly.parameters["config"]["storage"]["root"]
+    assert [s.active for s in nightly.schedules] == [False]  # a placeholder bucket never runs on a schedule
+
+
+def test_worker_without_project_dir_fails_naming_it(deployed, tmp_path):
+    client, env, worker_line = deployed
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+
+    bare = re.sub(r"^(\w+=\S*\s+)+", "", worker_line)  # the documented worker line, less GRPO_PROJECT_DIR=...
+    run = run_deployment("grpo-pipeline/pool", parameters={"config": tiny(tmp_path, "no-dir")}, timeout=0)
+    with worker(bare, env, tmp_path / "worker.log"):
+        run = _wait(client, run.id, timeout=120)
+    assert run.state.is_failed(), (run.state, (tmp_path / "worker.log").read_text()[-3000:])
+    assert "GRPO_PROJECT_DIR" in run.state.message and "prefect worker start" in run.state.message
+    logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    assert any("GRPO_PROJECT_DIR" in log.message and log.level >= 40 for log in logs)
+    assert not (tmp_path / "no-dir").exists()
+
+
+def test_worker_with_project_dir_runs_the_pipeline(deployed, tmp_path):
+    client, env, worker_line = deployed
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.deployments import run_deployment
+
+    run = run_deployment("grpo-pipeline/pool", parameters={"config": tiny(tmp_path, "pool-run")}, timeout=0)
+    with worker(worker_line, env, tmp_path / "worker.log"):
+        run = _wait(client, run.id, timeout=300)
+    assert run.state.is_completed(), (run.state, (tmp_path / "worker.log").read_text()[-3000:])
+    summary = RunRoot(str(tmp_path / "pool-run")).read_json("summary.json")
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    # the scheduler has had this whole module to act: still nothing scheduled for the nightly deployment
+    nightly = client.read_deployment_by_name("grpo-pipeline/pool-nightly")
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[nightly.id]))
+    )
+    assert runs == []
