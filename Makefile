@@ -20,10 +20,8 @@ SGL_DEP := $(if $(filter 1,$(SGLANG)),$(SGL_STAMP))
 
 .PHONY: demo test test-fast lint bench install clean sglang-env
 
-$(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+$(STAMP): pyproject.toml constraints.txt scripts/install.sh
+	scripts/install.sh $(VENV) $(PYTHON) cpu   # the images' recipe too (Dockerfile)
 	touch $(STAMP)
 
 install: $(STAMP)
