@@ -87,7 +87,8 @@ def _config(args):
     from grpo_core.errors import ConfigError
 
     try:
-        return load_config(args.config, args.set)
+        # with the versions of the sources it names: the run's name depends on them (run_name: null)
+        return load_config(args.config, args.set).with_versions(warn=lambda w: print(f"warning: {w}", file=sys.stderr))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return None
@@ -152,7 +153,9 @@ def run_command(args) -> int:
     print(f"run {cfg.name}: {cfg.run_url}", flush=True)
     try:
         with _interruptible(), embedded_server():
-            summary = grpo_pipeline.with_options(retries=cfg.pipeline.flow_retries)(cfg.to_dict())
+            # the flow takes the config's fields and finds the sources' versions itself
+            params = {k: v for k, v in cfg.to_dict().items() if k != "versions"}
+            summary = grpo_pipeline.with_options(retries=cfg.pipeline.flow_retries)(params)
     except KeyboardInterrupt as exc:
         print(
             f"\nrun interrupted: {exc or 'KeyboardInterrupt'}\n"
@@ -294,11 +297,13 @@ def serve_command(args) -> int:
         cfg = _config(args)
         if cfg is None:
             return 2
+        from flows.params import RunParams
         from grpo_core.config.run import read_config
 
-        # what the user gave, not the resolved config: a form field left as the deployment
-        # shows it then means the default for the config the run is started with
-        params = read_config(args.config, args.set)
+        # What the user gave, not the resolved config: a form field left as the deployment shows
+        # it then means the default for the config the run starts with. A key given as null
+        # where null means "the default" is left out (the form's schema has no null there).
+        params = RunParams.model_validate(read_config(args.config, args.set)).model_dump(exclude_unset=True)
     from flows.serve import serve
 
     serve(params, cron=args.cron, interval=args.interval, limit=args.limit)

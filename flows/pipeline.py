@@ -139,7 +139,7 @@ def _run_named(prefix: str = ""):
         try:
             if "run_url" in params:  # grpo-evaluate: the run folder it reads
                 return prefix + str(params["run_url"]).rstrip("/").rsplit("/", 1)[-1]
-            return prefix + _config(params.get("config")).name
+            return prefix + _config(params.get("config")).with_versions().name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"
 
@@ -156,13 +156,16 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
             advanced sections. A field left empty takes the default for this config, as on the
             command line; the same config resumes its own run.
     """
-    cfg = _config(config)
     log = get_run_logger()
-    from prefect.runtime import flow_run
-
+    cfg = _config(config)
     # Seconds, not minutes of gcsfs retries, when a gs:// root has no network: the lease's first
     # read is the run's first storage call (StorageError naming storage.root and the cause).
     check_reachable(cfg.run_url)
+    # the sources' current versions (a file rewritten in place is new data: a new run under
+    # run_name: null, a refusal naming what changed under a fixed run_name)
+    cfg = cfg.with_versions(warn=log.warning)
+    from prefect.runtime import flow_run
+
     # The run root's owner (grpo_core.store.lease): a second run of it is refused, not run beside this one.
     lease = RunLease(cfg.run_url, ttl_s=cfg.pipeline.lease_ttl_s, flow_run_id=flow_run.id, logger=log)
     try:

@@ -30,6 +30,7 @@ from grpo_core.data.prepare import DataError
 from grpo_core.errors import ConfigError, RewardFunctionError
 from grpo_core.store.report import eval_results, latest_checkpoint, read_eval
 from grpo_core.store.root import RunRoot, StorageError
+from grpo_core.store.tracking import Trackers
 from tasks.process import StageError, run_worker
 
 
@@ -101,7 +102,7 @@ def prepare_dataset(run_url: str) -> dict[str, Any]:
     from grpo_core.data.tokenizer import make_tokenizer
 
     cfg, log = load_run(run_url), get_run_logger()
-    manifest = prepare(cfg.data, make_tokenizer(cfg), RunRoot(run_url), cfg.tokenizer_id)
+    manifest = prepare(cfg.data, make_tokenizer(cfg), RunRoot(run_url), cfg.tokenizer_id, cfg.data_versions)
     log.info(
         "dataset %s: %d train / %d eval prompts (%s)%s",
         manifest["hash"],
@@ -337,6 +338,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
         description=f"training {cfg.name}: steps done of {total} (epoch {epoch}: steps {start_step}..{until})",
     )
     every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
+    trackers = _trackers(cfg, root, log)
     shown = {"step": resumed_at, "t": time.monotonic()}
     state: dict[str, Any] = {"last": None, "steps_s": 0.0, "first_step_s": None, "unscored": 0}
 
@@ -346,6 +348,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
             log.info("epoch %d: %s at step %d, training until %d", epoch, kind, e["step"], e["until"])
         elif kind == "step":
             state["last"] = e
+            trackers.log(int(e["step"]), e)
             state["steps_s"] += e["time/step"]
             if state["first_step_s"] is None:  # the first step of a process includes compilation
                 state["first_step_s"] = e["time/step"]
@@ -381,15 +384,18 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
             log.info("memory: %s", e["describe"])
 
     t = time.perf_counter()
-    events = run_worker(
-        ["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until)],
-        timeout_s=cfg.pipeline.train_timeout_s,
-        timeout_field="pipeline.train_timeout_s",
-        on_event=on_event,
-        what=f"training epoch {epoch}",
-        python=worker_python(cfg),
-        launcher=cfg.pipeline.launcher,
-    )
+    try:
+        events = run_worker(
+            ["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until)],
+            timeout_s=cfg.pipeline.train_timeout_s,
+            timeout_field="pipeline.train_timeout_s",
+            on_event=on_event,
+            what=f"training epoch {epoch}",
+            python=worker_python(cfg),
+            launcher=cfg.pipeline.launcher,
+        )
+    finally:
+        trackers.close()
     done = next(e for e in events if e["event"] == "done")
     if done["step"] != until:  # the worker trains to exactly --until-step from any checkpoint at or before it
         raise StageError(f"training epoch {epoch} ended at step {done['step']}, not at its end ({until})")
@@ -406,6 +412,11 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     root.mark_done(stage, info)  # after the worker's checkpoint is final: the marker is last
     update_progress_artifact(progress, 100.0 * min(1.0, until / total))
     return dict(info, skipped=False)
+
+
+def _trackers(cfg: RunConfig, root: RunRoot, log) -> Trackers:
+    """pipeline.report_to's trackers for this task; a failing one is reported once and dropped."""
+    return Trackers(root, cfg.pipeline.report_to, cfg.name, cfg.pipeline.tracking_project, warn=log.warning)
 
 
 def _epoch_info(root: RunRoot, cfg: RunConfig, epoch: int, step: int, **timing: float) -> dict[str, Any]:
@@ -500,5 +511,11 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     }
     table = eval_table(eval_results(root))
     create_table_artifact(table, key=_key(f"eval-{cfg.name}"), description="Evaluation on the eval split, per step")
-    computed = sum(e.get("seconds", 0.0) for e in events if e["event"] == "eval" and not e["cached"])
+    fresh = [e for e in events if e["event"] == "eval" and not e["cached"]]
+    if fresh and cfg.pipeline.report_to:
+        trackers = _trackers(cfg, root, log)
+        for e in fresh:
+            trackers.log(int(e["step"]), {k: v for k, v in e.items() if k != "seconds"}, kind="eval")
+        trackers.close()
+    computed = sum(e.get("seconds", 0.0) for e in fresh)
     return {"results": results, "eval_compute_s": round(computed, 3)}

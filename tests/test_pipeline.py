@@ -49,7 +49,7 @@ def final_params(run_url: str, step: int = NUM_STEPS):
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("runs"))
-    summary = run_pipeline(small_config(root, "baseline"))
+    summary = run_pipeline(small_config(root, "baseline", pipeline={"report_to": ["tensorboard"]}))
     return root, summary
 
 
@@ -131,6 +131,11 @@ def test_progress_is_the_whole_runs_and_the_curve_is_in_the_summary(baseline):
     assert [a.data for a in progress][:2] == [50.0, 100.0]
     assert all("of 6" in a.description for a in progress)
     # the curve is embedded in the summary (a link to a local file opens nothing in the UI)
+    # pipeline.report_to: TensorBoard's reader finds the run's metrics and evaluations in the run root
+    from tests.test_tracking import scalars
+
+    assert [step for step, _ in scalars(run.url, "reward")] == list(range(NUM_STEPS))
+    assert [step for step, _ in scalars(run.url, "eval/accuracy")] == [0, 3, 6]
     markdown = artifacts("summary-baseline")[-1].data
     b64 = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)
     assert b64 and base64.b64decode(b64.group(1)) == run.read_bytes("curve.png")
@@ -177,9 +182,12 @@ def test_killed_worker_resumes_to_the_same_parameters(baseline, tmp_path, monkey
 
     monkeypatch.setenv("GRPO_TEST_HOOK", HOOK)
     monkeypatch.setenv("GRPO_FAULT", f"checkpoint:3:{tmp_path}/f1,step:5:{tmp_path}/f2")
-    s = run_pipeline(small_config(str(tmp_path), "killed"))
+    s = run_pipeline(small_config(str(tmp_path), "killed", pipeline={"report_to": ["tensorboard"]}))
     assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2")  # both faults fired
     run = RunRoot(str(tmp_path / "killed"))
+    from tests.test_tracking import scalars
+
+    assert [step for step, _ in scalars(run.url, "reward")] == list(range(NUM_STEPS))  # re-run steps sent once
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS
     assert [m["step"] for m in run.read_metrics()] == list(range(NUM_STEPS))
     assert run.done_info("stages/train-epoch-0")["steps_run"] == 0  # resumed at the boundary

@@ -30,6 +30,7 @@ from grpo_core.data.prepare import DataConfig, data_hash
 from grpo_core.errors import ConfigError
 from grpo_core.launch.launchers import LauncherConfig
 from grpo_core.store.root import config_hash
+from grpo_core.store.tracking import TRACKERS, parse_report_to
 
 DEFAULT: dict[str, Any] = {
     "run_name": None,
@@ -174,6 +175,25 @@ class PipelineConfig(Section):
         doc="Write the final policy as a Hugging Face folder (safetensors, config, tokenizer) under export/{step}/",
     )
     export_timeout_s: float = field(1800.0, doc="Hard limit for the export, seconds", gt=0)
+    # as TRL's report_to: the metrics also go to these trackers (grpo_core.store.tracking)
+    report_to: tuple[str, ...] = field(
+        (),
+        doc="Experiment trackers the metrics also go to: tensorboard (event files in {run}/tensorboard/), "
+        "wandb, mlflow (MLFLOW_TRACKING_URI); 'all' or 'none' as in TRL",
+    )
+    tracking_project: str = field("grpo", doc="The W&B project and MLflow experiment of the run", min_length=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: str | None = None):
+        data = dict(data)
+        if isinstance(data.get("report_to"), str):  # TRL's forms: one name, "all", "none"
+            data["report_to"] = parse_report_to(data["report_to"])
+        return super().from_dict(data, path)
+
+    def validate(self) -> None:
+        unknown = [n for n in self.report_to if n not in TRACKERS]
+        check(not unknown, f"pipeline.report_to: unknown tracker(s) {unknown}; known: {list(TRACKERS)}, all, none")
+
     # The interpreter of training workers; null: this one, or the sglang-jax environment
     # (GRPO_SGLANG_PYTHON, else .venv-sglang/bin/python) when train.rollout.engine is sglang.
     worker_python: str | None = field(
@@ -198,6 +218,9 @@ class RunConfig:
     train: TrainConfig
     eval: EvalConfig
     pipeline: PipelineConfig
+    # The versions of the sources the config names, by field (grpo_core.store.versions): part of
+    # the data and training hashes, so new content is a new run. Set by with_versions.
+    versions: tuple[tuple[str, str], ...] = ()
 
     SECTIONS = ("run_name", "storage", "model", "data", "rewards", "train", "eval", "pipeline")
 
@@ -205,6 +228,11 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
         check(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
         data = {k: v for k, v in data.items() if k != "hashes"}  # derived; config.json records them
+        versions = data.pop("versions", None) or {}  # recorded in config.json by with_versions
+        check(
+            isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()),
+            f"versions must map fields to versions, got {versions!r}",
+        )
         unknown = sorted(set(data) - set(cls.SECTIONS))
         check(not unknown, f"unknown config section(s) {unknown}; known: {list(cls.SECTIONS)}")
         base = copy.deepcopy(DEFAULT)
@@ -236,6 +264,7 @@ class RunConfig:
             train=_section(TrainConfig, d["train"], "train"),
             eval=_section(EvalConfig, d["eval"], "eval"),
             pipeline=_section(PipelineConfig, d["pipeline"], "pipeline"),
+            versions=tuple(sorted(versions.items())),
         )
         if "accuracy_reward" not in (d["eval"] if isinstance(d["eval"], dict) else {}):
             specs = cfg.eval_rewards
@@ -266,7 +295,15 @@ class RunConfig:
             "train": self.train.to_dict(),
             "eval": self.eval.to_dict(),
             "pipeline": self.pipeline.to_dict(),
+            **({"versions": dict(self.versions)} if self.versions else {}),
         }
+
+    def with_versions(self, warn=None) -> "RunConfig":
+        """This config with the current versions of the sources it names (a file rewritten in
+        place, an object uploaded again, a Hub repository that moved on: a new version)."""
+        from grpo_core.store.versions import source_versions
+
+        return dataclasses.replace(self, versions=tuple(sorted(source_versions(self, warn).items())))
 
     # -- derived ---------------------------------------------------------------------------
 
@@ -318,7 +355,16 @@ class RunConfig:
 
     @property
     def data_hash(self) -> str:
-        return data_hash(self.data, self.tokenizer_id)
+        return data_hash(self.data, self.tokenizer_id, self.data_versions)
+
+    @property
+    def data_versions(self) -> dict[str, str]:
+        """The versions the prepared data depends on: its sources and the tokenizer's (the model
+        folder's when the tokenizer is the model's own)."""
+        keep = {"data.source", "data.eval_source", "model.tokenizer"}
+        if self.model.tokenizer == "auto":
+            keep.add("model.path")
+        return {k: v for k, v in self.versions if k in keep}
 
     @property
     def train_hash(self) -> str:
@@ -328,6 +374,8 @@ class RunConfig:
                 "data": self.data_hash,
                 "rewards": [r.hash_dict() for r in self.rewards],
                 "train": self.train.hash_fields(),
+                # the starting weights' version (absent where none is known: older hashes hold)
+                **({"model_version": dict(self.versions)["model.path"]} if "model.path" in dict(self.versions) else {}),
             }
         )
 

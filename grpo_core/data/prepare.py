@@ -170,9 +170,11 @@ def _check_template(template: str) -> None:
 _HASH_OMITS_DEFAULT = {"format": DataFormat.AUTO.value, "eval_source": None}
 
 
-def data_hash(cfg: DataConfig, tokenizer_id: str) -> str:
+def data_hash(cfg: DataConfig, tokenizer_id: str, versions: dict[str, str] | None = None) -> str:
+    """The prepared data's key: the data section, the tokenizer, and the versions of the sources
+    (grpo_core.store.versions; left out where none is known, so older keys hold)."""
     fields = {k: v for k, v in cfg.to_dict().items() if _HASH_OMITS_DEFAULT.get(k, object()) != v}
-    return config_hash({"data": fields, "tokenizer": tokenizer_id})
+    return config_hash({"data": fields, "tokenizer": tokenizer_id, **({"versions": versions} if versions else {})})
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -446,10 +448,13 @@ def _split(cfg: DataConfig, rows: list[dict], where: str) -> tuple[list[dict], l
     return rows[n_eval:], rows[:n_eval]
 
 
-def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str) -> dict[str, Any]:
+def prepare_dataset(
+    cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str, versions: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Write data/{hash}/train.jsonl, eval.jsonl, manifest.json, then the marker. A finished
-    stage (its marker present) is read back, not redone."""
-    h = data_hash(cfg, tokenizer_id)
+    stage (its marker present) is read back, not redone. `versions`: of the sources read
+    (RunConfig.data_versions), part of the hash and recorded in the manifest."""
+    h = data_hash(cfg, tokenizer_id, versions)
     stage = f"data/{h}"
     if root.is_done(stage):
         return dict(root.done_info(stage), cached=True)
@@ -470,6 +475,7 @@ def prepare_dataset(cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str
         root.write_bytes(posixpath.join(stage, f"{name}.jsonl"), "".join(json.dumps(r) + "\n" for r in rows).encode())
     manifest = {
         "source": cfg.source,
+        "versions": versions or {},
         "subset": cfg.subset,
         "split": cfg.split,
         "eval_split": cfg.eval_split,

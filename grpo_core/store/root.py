@@ -92,7 +92,7 @@ def describe_storage_error(url: str, exc: BaseException) -> str:
 
 
 @functools.cache
-def check_reachable(url: str, timeout_s: float = 10.0) -> None:
+def check_reachable(url: str, timeout_s: float = 10.0, field: str | None = None) -> None:
     """For gs://: resolve and connect to the storage endpoint (STORAGE_EMULATOR_HOST's in tests)
     within `timeout_s`, once per process, and raise StorageError saying so if it cannot. gcsfs
     retries a request on connection errors with backoff, and the credential lookup retries the
@@ -106,6 +106,8 @@ def check_reachable(url: str, timeout_s: float = 10.0) -> None:
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
+        if field:  # a source the config names, not the run root
+            raise StorageError(f"{field} {url}: cannot reach the storage endpoint {host}:{port}: {exc}") from exc
         raise StorageError(f"{describe_storage_error(url, exc)} ({host}:{port}: {exc})") from exc
 
 

@@ -3,6 +3,7 @@ something else in it."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from grpo_core.config.run import RunConfig
@@ -17,8 +18,18 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
     root = RunRoot(cfg.run_url)
     if root.exists("config.json"):
         old = RunConfig.from_dict(root.read_json("config.json"))
+        unversioned = dataclasses.replace(cfg, versions=())
+        if not old.versions and cfg.versions and old.train_hash == unversioned.train_hash:
+            return root  # started before its inputs were versioned: it keeps its config.json and hashes
         if old.train_hash != cfg.train_hash:
             diff = _diff(old.to_dict(), cfg.to_dict())
+            changed = [d.removeprefix("versions.") for d in diff if d.startswith("versions.")]
+            if changed and len(changed) == len(diff):  # same config, new content
+                raise ConfigError(
+                    f"run {cfg.name!r} at {cfg.run_url} was started on other inputs: "
+                    f"{'; '.join(changed)} (the source changed since); set run_name to a new name "
+                    "(e.g. with the date), or run_name: null to name runs by their config and inputs"
+                )
             raise ConfigError(
                 f"run {cfg.name!r} at {cfg.run_url} was started with another config "
                 f"(different: {', '.join(diff[:8])}); set run_name to a new name, or run_name: null "

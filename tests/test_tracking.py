@@ -1,0 +1,108 @@
+"""pipeline.report_to's trackers with the real parts: TensorBoard event files read back by
+TensorBoard's own reader, W&B in offline mode (its run folder), MLflow on a local file store
+queried through its client. A resumed run continues the same tracker runs without sending a step
+twice; a tracker that fails (a bad key, a server that never answers) is reported once and neither
+fails nor stalls the others."""
+
+import glob
+import os
+import time
+
+import pytest
+
+from grpo_core.store.root import RunRoot
+from grpo_core.store.tracking import Trackers
+
+pytest.importorskip("tensorboard")
+
+
+@pytest.fixture
+def tracker_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks file stores to opt in
+    (tmp_path / "wandb-dir").mkdir()
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # W&B reads its settings once per process: each test's environment is its own
+    yield tmp_path
+    wandb.teardown()
+
+
+def scalars(run_url: str, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_url, "tensorboard", "events.out.tfevents.*"))):
+        acc = EventAccumulator(path)
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            out += [(e.step, e.value) for e in acc.Scalars(tag)]
+    return out
+
+
+def _invocation(root: RunRoot, steps, warnings: list, report_to=("tensorboard", "wandb", "mlflow")) -> None:
+    t = Trackers(root, report_to, "my-run", "grpo-tests", warn=warnings.append)
+    for s in steps:
+        t.log(s, {"step": s, "reward": s / 10, "kl": 0.01 * s, "time/step": 0.5, "pass@2": 0.5, "note": "x"})
+    t.log(steps[-1] + 1, {"step": steps[-1] + 1, "accuracy": 0.5, "greedy": {"reward_mean": 0.25}}, kind="eval")
+    t.close()
+
+
+def test_three_trackers_and_a_resume_that_sends_no_step_twice(tracker_env):
+    from mlflow.tracking import MlflowClient
+
+    root = RunRoot(str(tracker_env / "run"))
+    warnings: list[str] = []
+    _invocation(root, range(0, 5), warnings)
+    _invocation(root, range(3, 8), warnings)  # resumed from a checkpoint at 3: steps 3 and 4 again
+    assert warnings == []
+    state = root.read_json("tracking.json")
+    # TensorBoard: each step once, across the two invocations' event files
+    assert [s for s, _ in scalars(root.url, "reward")] == list(range(8))
+    assert scalars(root.url, "reward")[7][1] == pytest.approx(0.7)
+    assert [s for s, _ in scalars(root.url, "eval/accuracy")] == [5, 8]
+    assert [s for s, _ in scalars(root.url, "eval/greedy/reward_mean")] == [5, 8]
+    # MLflow: one run, the same for both invocations, each step once
+    client = MlflowClient()
+    history = client.get_metric_history(state["mlflow"]["run_id"], "reward")
+    assert sorted(m.step for m in history) == list(range(8))
+    assert [m.step for m in client.get_metric_history(state["mlflow"]["run_id"], "pass_at_2")] == list(range(8))
+    run = client.get_run(state["mlflow"]["run_id"])
+    assert run.info.run_name == "my-run" and run.data.tags["run_uri"] == root.url
+    # W&B offline: both invocations wrote the same run id's folders, with the steps in them
+    folders = glob.glob(str(tracker_env / "wandb-dir" / "wandb" / f"offline-run-*-{state['wandb']['id']}"))
+    assert len(folders) == 2, folders
+    assert all(glob.glob(os.path.join(f, "*.wandb")) for f in folders)
+    assert state["wandb"]["last_step"] == {"train": 7, "eval": 8} == state["tensorboard"]["last_step"]
+
+
+def test_a_failing_tracker_is_reported_once_and_stalls_nothing(tracker_env, monkeypatch):
+    root = RunRoot(str(tracker_env / "run"))
+    monkeypatch.setenv("WANDB_MODE", "online")  # no key, no network: a bad key
+    monkeypatch.setenv("WANDB_API_KEY", "not-a-key")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: refused
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "5")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    warnings: list[str] = []
+    t = Trackers(root, ("tensorboard", "wandb", "mlflow"), "my-run", "grpo-tests", warn=warnings.append)
+    started = time.monotonic()
+    for s in range(50):
+        t.log(s, {"reward": 1.0})
+    assert time.monotonic() - started < 1.0  # queued: training never waits on a tracker
+    t.close(timeout_s=60)
+    failed = sorted(w.split(":")[1].split()[0] for w in warnings)
+    assert failed == ["mlflow", "wandb"], warnings  # each once, by name
+    assert [s for s, _ in scalars(root.url, "reward")] == list(range(50))  # TensorBoard unaffected
+
+
+def test_a_tracker_that_is_not_installed_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb: ImportError, as where it is not installed
+    warnings: list[str] = []
+    _invocation(RunRoot(str(tmp_path / "run")), range(3), warnings, report_to=("wandb",))
+    assert len(warnings) == 1 and "grpo-pipeline[tracking]" in warnings[0] and "wandb" in warnings[0]

@@ -1,0 +1,112 @@
+"""Prepared data and runs keyed by what the sources hold, not only where they are: a data file
+rewritten in place (locally and on the GCS emulator), a model folder rebuilt, a Hub id with and
+without a pinned revision. Under run_name: null new content is a new run; under a fixed run_name
+it is refused, naming what changed; a run started before inputs were versioned still resumes."""
+
+import json
+
+import pytest
+
+from grpo_core.config.run import RunConfig, load_config
+from grpo_core.data.prepare import prepare_dataset
+from grpo_core.data.tokenizer import make_tokenizer
+from grpo_core.errors import ConfigError
+from grpo_core.store.root import RunRoot
+from grpo_core.store.runs import init_run_root
+from grpo_core.store.versions import version_of
+
+
+def _rows(n: int) -> str:
+    return "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(n))
+
+
+def _config(root: str, source: str, *sets: str) -> RunConfig:
+    base = [f"storage.root={root}", f"data.source={source}", "data.format=plain", "data.max_prompt_tokens=64"]
+    return load_config(None, [*base, "data.eval_rows=2", *sets]).with_versions()
+
+
+def _check_both_behaviours(root: str, source: str, rewrite) -> None:
+    first = _config(root, source)
+    m1 = prepare_dataset(
+        first.data, make_tokenizer(first), init_run_root(first), first.tokenizer_id, first.data_versions
+    )
+    named = _config(root, source, "run_name=nightly")
+    init_run_root(named)
+    rewrite()
+    again = _config(root, source)
+    # run_name: null: new content is another data key and another run
+    assert again.versions != first.versions and again.data_hash != first.data_hash and again.name != first.name
+    root2 = init_run_root(again)
+    m2 = prepare_dataset(again.data, make_tokenizer(again), root2, again.tokenizer_id, again.data_versions)
+    assert m2["hash"] != m1["hash"] and m2["train_rows"] + m2["eval_rows"] == 12 and not m2.get("cached")
+    assert RunRoot(again.run_url).read_json("config.json")["versions"]["data.source"] == again.versions[0][1]
+    assert m2["versions"] == {"data.source": dict(again.versions)["data.source"]}
+    # a fixed run_name: refused, naming the field and both versions
+    with pytest.raises(ConfigError, match=r"started on other inputs: data\.source: '.+' -> '.+'"):
+        init_run_root(_config(root, source, "run_name=nightly"))
+
+
+def test_a_local_file_rewritten_in_place(tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(_rows(8))
+    _check_both_behaviours(str(tmp_path / "runs"), str(source), lambda: source.write_text(_rows(12)))
+
+
+def test_a_gcs_object_uploaded_again(gcs_emulator, tmp_path):
+    import fsspec
+
+    url = gcs_emulator.url_for("data") + "/prompts.jsonl"
+    with fsspec.open(url, "w") as f:
+        f.write(_rows(8))
+    v1 = version_of(url)
+    assert v1.startswith("generation:")
+
+    def upload_again():
+        with fsspec.open(url, "w") as f:
+            f.write(_rows(12))
+
+    _check_both_behaviours(str(tmp_path / "runs"), url, upload_again)
+
+
+def test_same_content_same_run_and_a_model_folder_rebuilt(tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(_rows(8))
+    assert _config(str(tmp_path), str(source)).name == _config(str(tmp_path), str(source)).name
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    before = version_of(str(folder))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    assert version_of(str(folder)) != before and version_of(str(folder)).startswith("files:")
+    assert version_of(str(tmp_path / "missing.jsonl")) is None  # the stage that reads it says so
+
+
+def test_hub_ids_pinned_and_unresolved(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert version_of("Qwen/Qwen3-0.6B", "0" * 40) == "commit:" + "0" * 40
+    assert version_of("openai/gsm8k", None, "dataset") == "unresolved@main"
+    warnings = []
+    cfg = load_config(None, [f"storage.root={tmp_path}", "data.source=openai/gsm8k", "data.subset=main"])
+    cfg = cfg.with_versions(warn=warnings.append)
+    assert dict(cfg.versions) == {"data.source": "unresolved@main"}
+    assert len(warnings) == 1 and "data.source 'openai/gsm8k'" in warnings[0] and "pin" in warnings[0]
+
+
+def test_a_run_started_before_inputs_were_versioned_resumes(tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(_rows(8))
+    sets = [f"storage.root={tmp_path}", f"data.source={source}", "data.format=plain", "run_name=old"]
+    old = load_config(None, sets)  # no versions: as config.json was written before them
+    init_run_root(old)
+    root = init_run_root(old.with_versions())
+    assert "versions" not in root.read_json("config.json")  # keeps its hashes: its checkpoints stay its own
+    assert RunConfig.from_dict(root.read_json("config.json")).train_hash == old.train_hash
+
+
+def test_an_unreachable_gs_source_fails_at_once_naming_the_field(tmp_path, monkeypatch):
+    from grpo_core.errors import StorageError
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # nothing listens there
+    cfg = load_config(None, [f"storage.root={tmp_path}", "data.source=gs://bucket/prompts.jsonl"])
+    with pytest.raises(StorageError, match=r"data\.source gs://bucket/prompts\.jsonl: cannot reach"):
+        cfg.with_versions()
