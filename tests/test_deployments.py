@@ -64,16 +64,18 @@ def server(tmp_path_factory):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_AUTH_STRING": AUTH,
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
         "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_API_URL": "",
     }
-    proc = subprocess.Popen(
-        [f"{BIN}/prefect", "server", "start", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with open(home / "server.log", "wb") as log:  # the server's own account, for a failure's message
+        proc = subprocess.Popen(
+            [f"{BIN}/prefect", "server", "start", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + 180
     while _get(f"{url}/health", AUTH) != 200:
@@ -253,6 +255,9 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
     base = url[: -len("/api")]
     root = tmp_path / "ui-runs"
     dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
+    # no scheduled runs beside the form's: on SQLite their writes can make the form's request fail
+    # with "database is locked" (503, which the UI does not retry); production runs on PostgreSQL
+    client.pause_deployment(dep.id)
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,2400"):
@@ -342,8 +347,9 @@ def _run_created_with_root(client, deployment_id, root: str, browser, tmp_path, 
             return str(mine[0].id)
         if time.monotonic() > deadline:
             browser.save_screenshot(str(tmp_path / "ui-after-submit.png"))
+            browser_log = "\n".join(str(e) for e in browser.get_log("browser"))[-3000:]
             raise AssertionError(
                 f"no flow run with storage.root={root} after submitting the form "
-                f"(screenshot: {tmp_path / 'ui-after-submit.png'})"
+                f"(screenshot: {tmp_path / 'ui-after-submit.png'}); browser console:\n{browser_log}"
             )
         time.sleep(1)

@@ -114,9 +114,10 @@ def test_interrupt_stops_the_worker_saves_and_resumes(tmp_path, sig):
     summary = json.load(open(f"{run}/summary.json"))
     assert summary["status"] == "interrupted", summary
     saved = max(int(n) for n in os.listdir(f"{run}/checkpoints") if n.isdigit())
-    if sig == signal.SIGINT:
-        assert f"resumes from checkpoint {saved}" in out, out[-3000:]
     assert saved % 20 != 0 or saved == summary["steps"], "the stop saved a checkpoint where it stopped"
+    if sig == signal.SIGTERM:
+        return  # the resume below is the same whichever signal stopped the run (the Ctrl-C case runs it)
+    assert f"resumes from checkpoint {saved}" in out, out[-3000:]
 
     # the same command resumes from that checkpoint: no step run twice, none missing
     proc = _start(tmp_path, _api_url())
