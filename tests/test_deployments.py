@@ -3,6 +3,7 @@ serve` serving the deployments, a run started through the API with parameters, i
 parameters rejected before a run exists, a schedule that fires, and a failed run retried the
 way the UI's Retry button does it (the same flow run scheduled again) resuming where it stopped."""
 
+import contextlib
 import json
 import os
 import signal
@@ -57,9 +58,17 @@ def tiny(root, name, **pipeline) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
+    proc, url = start_server(home)
+    yield url, home
+    _stop(proc)
+
+
+def start_server(home, **env: str) -> tuple[subprocess.Popen, str]:
+    """`prefect server start` on a free 127.0.0.1 port with basic auth, its state in `home` (and
+    its log in home/server.log), `env` added to its environment; returns once it answers."""
     port = _free_port()
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not (k.startswith("PREFECT_") and "_DATABASE_" in k)},
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_AUTH_STRING": AUTH,
@@ -67,6 +76,7 @@ def server(tmp_path_factory):
         "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
         "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_API_URL": "",
+        **env,
     }
     with open(home / "server.log", "wb") as log:  # the server's own account, for a failure's message
         proc = subprocess.Popen(
@@ -79,10 +89,23 @@ def server(tmp_path_factory):
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + 180
     while _get(f"{url}/health", AUTH) != 200:
-        assert proc.poll() is None and time.monotonic() < deadline, "prefect server did not start"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            raise AssertionError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
         time.sleep(0.5)
-    yield url, home
-    _stop(proc)
+    return proc, url
+
+
+def client_env(home, url: str) -> dict[str, str]:
+    """The environment of a client of that server (grpo serve, a worker, the prefect CLI)."""
+    return {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": url,
+        "PREFECT_API_AUTH_STRING": AUTH,
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +117,7 @@ def served(server, tmp_path_factory):
     root = tmp_path_factory.mktemp("served-runs")
     flags = tmp_path_factory.mktemp("faults")
     env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": url,
-        "PREFECT_API_AUTH_STRING": AUTH,
-        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        **client_env(home, url),
         # the "ui-retry" run's worker is killed after step 3 in both of the flow's attempts (the
         # deployment's flow has 1 retry; the run has no task retries): the flow run fails
         "GRPO_TEST_HOOK": HOOK,
@@ -115,6 +133,15 @@ def served(server, tmp_path_factory):
         text=True,
         start_new_session=True,
     )
+    with served_client(url, proc) as client:
+        yield client, root, flags
+    _stop(proc)
+
+
+@contextlib.contextmanager
+def served_client(url: str, proc: subprocess.Popen):
+    """A Prefect client of the server at `url`, once `grpo serve` (`proc`) has registered its
+    deployments there."""
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
@@ -130,8 +157,7 @@ def served(server, tmp_path_factory):
                     assert proc.poll() is None, proc.stderr.read()[-3000:]
                     assert time.monotonic() < deadline, "grpo serve did not register its deployments"
                     time.sleep(1)
-            yield client, root, flags
-    _stop(proc)
+            yield client
 
 
 def _stop(proc: subprocess.Popen) -> None:

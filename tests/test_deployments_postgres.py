@@ -9,16 +9,14 @@ The server is stopped before the cluster, and must exit on SIGTERM by itself.
 """
 
 import json
-import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from grpo_core.store.root import RunRoot
 from tests.postgres import postgres  # noqa: F401 - the fixture
-from tests.test_deployments import AUTH, BIN, _free_port, _get, _stop, _wait, tiny
+from tests.test_deployments import AUTH, BIN, _get, _stop, _wait, client_env, served_client, start_server, tiny
 
 pytestmark = pytest.mark.slow
 
@@ -26,34 +24,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def pg_server(postgres, tmp_path_factory):  # noqa: F811 - the fixture imported above
     home = tmp_path_factory.mktemp("prefect-home-pg")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not (k.startswith("PREFECT_") and "_DATABASE_" in k)}
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_SERVER_API_AUTH_STRING=AUTH,
-        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
-        PREFECT_SERVER_UI_API_URL=f"http://127.0.0.1:{port}/api",
-        PREFECT_API_URL="",
-        PREFECT_API_DATABASE_CONNECTION_URL=postgres.url,
-    )
-    log = home / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [f"{BIN}/prefect", "server", "start", "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
     try:
-        while _get(f"{url}/health", AUTH) != 200:
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                f"prefect server did not start on PostgreSQL:\n{log.read_text()[-3000:]}\n{postgres.log()}"
-            )
-            time.sleep(0.5)
+        proc, url = start_server(home, PREFECT_API_DATABASE_CONNECTION_URL=postgres.url)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{postgres.log()}") from None
+    log = home / "server.log"
+    try:
         yield url, home
     finally:
         _stop(proc)
@@ -66,39 +42,17 @@ def pg_served(pg_server, tmp_path_factory):
     """`grpo serve` against the PostgreSQL-backed server, no schedule."""
     url, home = pg_server
     root = tmp_path_factory.mktemp("served-runs-pg")
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": url,
-        "PREFECT_API_AUTH_STRING": AUTH,
-        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
     proc = subprocess.Popen(
         [f"{BIN}/grpo", "serve"],
-        env=env,
+        env=client_env(home, url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
     try:
-        with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
-            from prefect.client.orchestration import get_client
-
-            with get_client(sync_client=True) as client:
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        client.read_deployment_by_name("grpo-pipeline/pipeline")
-                        break
-                    except Exception:  # noqa: BLE001 - not registered yet
-                        assert proc.poll() is None, proc.stderr.read()[-3000:]
-                        assert time.monotonic() < deadline, "grpo serve did not register its deployments"
-                        time.sleep(1)
-                yield client, root
+        with served_client(url, proc) as client:
+            yield client, root
     finally:
         _stop(proc)
 
