@@ -265,7 +265,7 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
         pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -338,7 +338,11 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
         assert resolved.to_dict() == want.to_dict(), _differences(resolved.to_dict(), want.to_dict())
         # the curve is visible where a Prefect user looks: the run's summary artifact
         [name] = os.listdir(root)
-        [art] = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"summary-{name}"])))
+        [art] = client.read_artifacts(  # this flow run's (a scheduled run of the same name has its own)
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[f"summary-{name}"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])
+            )
+        )
         browser.get(f"{base}/artifacts/artifact/{art.id}")
         curve = "//img[starts-with(@alt, 'training reward')]"
         img = wait.until(ec.presence_of_element_located((By.XPATH, curve)))
