@@ -269,22 +269,18 @@ def nothing_left(cfg: RunConfig, root: RunRoot) -> bool:
     (its marker, same training hash), each evaluated step stored (same eval hash), the export
     written. A scheduled or repeated run of a finished config then starts no worker process."""
     ends = [cfg.epoch_end(e) for e in range(cfg.pipeline.epochs)]
-    for epoch in range(cfg.pipeline.epochs):
-        stage = f"stages/train-epoch-{epoch}"
-        if not root.is_done(stage) or root.done_info(stage).get("train_hash") != cfg.train_hash:
-            return False
-    for step in [0, *ends]:
-        rel = f"eval/{step}.json"
-        if not root.exists(rel) or read_eval(root, rel).get("eval_hash") != cfg.eval_hash:
-            return False
-    return not cfg.pipeline.export or _exported(cfg, root, ends[-1])
+    if any(root.done_for(f"stages/train-epoch-{e}", cfg.train_hash) is None for e in range(cfg.pipeline.epochs)):
+        return False
+    if any(_evaluated(cfg, root, step) is None for step in [0, *ends]):
+        return False
+    return not cfg.pipeline.export or root.done_for(f"export/{ends[-1]}", cfg.train_hash) is not None
 
 
-def _exported(cfg: RunConfig, root: RunRoot, step: int) -> dict[str, Any] | None:
-    """The export marker of `step` when it is this training config's, else None."""
-    stage = f"export/{step}"
-    info = root.done_info(stage) if root.is_done(stage) else None
-    return info if info and info.get("train_hash") == cfg.train_hash else None
+def _evaluated(cfg: RunConfig, root: RunRoot, step: int) -> dict[str, Any] | None:
+    """The stored evaluation of `step` when it is this eval config's, else None."""
+    rel = f"eval/{step}.json"
+    result = read_eval(root, rel) if root.exists(rel) else None
+    return result if result is not None and result.get("eval_hash") == cfg.eval_hash else None
 
 
 @task(name="check-readiness", cache_policy=NO_CACHE)
@@ -308,9 +304,10 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     """Train until the end of `epoch` in a worker process, resuming from the newest checkpoint."""
     cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
     stage, until = f"stages/train-epoch-{epoch}", cfg.epoch_end(epoch)
-    if root.is_done(stage) and root.done_info(stage).get("train_hash") == cfg.train_hash:
+    done = root.done_for(stage, cfg.train_hash)
+    if done is not None:
         log.info("epoch %d already trained (steps up to %d): skipped", epoch, until)
-        return dict(root.done_info(stage), skipped=True)
+        return dict(done, skipped=True)
     start_step = cfg.epoch_end(epoch - 1) if epoch > 0 else 0
     newest = latest_checkpoint(root)
     if newest is not None and newest > until:
@@ -440,7 +437,7 @@ def export_model(run_url: str, step: int) -> dict[str, Any]:
     """The policy at `step` as a Hugging Face folder {run}/export/{step}/ (safetensors, config,
     tokenizer, generation config; LoRA merged), written by a worker process, marker last."""
     cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
-    if _exported(cfg, root, step) is not None:  # no process to start
+    if root.done_for(f"export/{step}", cfg.train_hash) is not None:  # no process to start
         log.info("step %d already exported as a Hugging Face model: %s", step, root.uri(f"export/{step}"))
         return {"uri": root.uri(f"export/{step}"), "step": step, "cached": True}
     events = run_worker(
@@ -490,8 +487,8 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
                 " (already evaluated)" if e["cached"] else "",
             )
 
-    stored = [read_eval(root, f"eval/{s}.json") for s in steps if root.exists(f"eval/{s}.json")]
-    if len(stored) == len(steps) and all(r.get("eval_hash") == cfg.eval_hash for r in stored):
+    stored = [_evaluated(cfg, root, s) for s in steps]
+    if all(r is not None for r in stored):
         events = [dict(r, event="eval", cached=True) for r in stored]  # no process to start
         for e in events:
             on_event(e)

@@ -341,8 +341,9 @@ def export(parts, step: int | None) -> int:
         if step is None:
             step = max(ckpt.all_steps(), default=0)
         stage = f"export/{step}"
-        if root.is_done(stage) and root.done_info(stage).get("train_hash") == cfg.train_hash:
-            _emit("export", cached=True, uri=root.uri(stage), **root.done_info(stage))
+        done = root.done_for(stage, cfg.train_hash)
+        if done is not None:
+            _emit("export", cached=True, uri=root.uri(stage), **done)
             return 0
         t = time.perf_counter()
         graphdef, params = _policy_params(parts, ckpt, step)

@@ -198,6 +198,11 @@ class RunRoot:
     def done_info(self, stage_dir: str) -> dict[str, Any]:
         return self.read_json(posixpath.join(stage_dir, self.MARKER))
 
+    def done_for(self, stage_dir: str, train_hash: str) -> dict[str, Any] | None:
+        """The marker's info when `stage_dir` is done for this training config, else None."""
+        info = self.done_info(stage_dir) if self.is_done(stage_dir) else None
+        return info if info is not None and info.get("train_hash") == train_hash else None
+
     # -- metrics ---------------------------------------------------------------------------
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> str:
