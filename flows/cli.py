@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -88,7 +89,9 @@ def _config(args):
 
     try:
         # with the versions of the sources it names: the run's name depends on them (run_name: null)
-        return load_config(args.config, args.set).with_versions(warn=lambda w: print(f"warning: {w}", file=sys.stderr))
+        # a run_name template ({date}, ...) filled in now: the command prints the folder it names
+        cfg = load_config(args.config, args.set).with_run_name(datetime.datetime.now(datetime.timezone.utc))
+        return cfg.with_versions(warn=lambda w: print(f"warning: {w}", file=sys.stderr))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return None
@@ -105,6 +108,10 @@ def _run_url(run: str, args) -> str:
 
 def _print_summary(s: dict, wall: float) -> None:
     print(f"\nrun {s['status']}: {s['run_uri']}  ({s['steps']} steps, {wall:.0f} s)")
+    if s.get("started_from"):
+        print(
+            f"started from {s['started_from']['uri']} (step {s['started_from']['step']} of {s['started_from']['run']})"
+        )
     if s.get("reward_mean_first") is not None:
         print(
             f"training reward (mean of the first / last tenth of steps): "

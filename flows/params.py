@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer
 
 from grpo_core.config.fields import bounds_of, doc_of, enum_type, section_type
-from grpo_core.config.model import LoraConfig, ModelSection
+from grpo_core.config.model import LoraConfig, ModelSection, ReferencePolicy
 from grpo_core.config.presets import PRESETS
 from grpo_core.config.run import RUN_DOCS, EvalConfig, PipelineConfig, RewardSpec, RunConfig
 from grpo_core.config.train import TrainConfig
@@ -201,10 +201,10 @@ _MODEL = {name: f for name, _, f in ModelSection.describe()}
 LoraParams = _model_for(LoraConfig, "model.lora", LoraConfig().to_dict(), name="LoraParams")
 
 
-def _model_field(name: str) -> Any:
+def _model_field(name: str, **kw: Any) -> Any:
     f = _MODEL[name]
     description = _describe(doc_of(f), bounds_of(f), _section_default(f), _DEFAULTS["model"].get(name), False)
-    return _empty(description=description, **bounds_of(f))
+    return _empty(description=description, **bounds_of(f), **kw)
 
 
 class ModelParams(_Form):
@@ -216,6 +216,10 @@ class ModelParams(_Form):
     tokenizer: Optional[str] = _model_field("tokenizer")
     seed: Optional[int] = _model_field("seed")
     lora: Optional[LoraParams] = Field(None, description=doc_of(_MODEL["lora"]))
+    init_from: Optional[str] = _model_field("init_from", title="Start from run (init_from)")
+    reference: Optional[Literal[tuple(r.value for r in ReferencePolicy)]] = _model_field(
+        "reference", title="KL reference (with init_from)"
+    )
 
 
 DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"])

@@ -10,9 +10,10 @@ and after, checkpoint) and `curve.png` land in the run root, with a markdown art
 from __future__ import annotations
 
 import base64
+import dataclasses
 import time
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -86,6 +87,11 @@ def summary_markdown(s: dict[str, Any], curve_png: bytes | None = None) -> str:
         "",
         f"- run: `{s['run_uri']}`",
         f"- steps: {s['steps']}",
+        *(
+            [f"- started from: `{s['started_from']['uri']}` (step {s['started_from']['step']} of that run)"]
+            if s.get("started_from")
+            else []
+        ),
         f"- training reward: {_fmt(s['reward_mean_first'])} (first tenth) → {_fmt(s['reward_mean_last'])} (last tenth)",
         f"- checkpoint: `{s['checkpoint_uri']}`",
         f"- Hugging Face export: `{s.get('export_uri')}`",
@@ -128,6 +134,37 @@ def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
     return (config if isinstance(config, RunParams) else RunParams.model_validate(config or {})).to_config()
 
 
+FLOW_RUNS = "_flow-runs"  # under storage.root: the run_name each flow run filled its template in to
+
+
+def _fill_run_name(cfg: RunConfig, log: Any = None) -> RunConfig:
+    """A run_name template ({date}, ...) filled in once per flow run: from the flow run's
+    scheduled time the first time, stored as {storage.root}/_flow-runs/{flow run id}.json and
+    read back by every retry of that flow run, which so resumes the same run folder (a retry
+    after midnight included). With `log` None nothing is written (the flow-run name)."""
+    from grpo_core.config.run import is_template
+
+    if not cfg.run_name or not is_template(cfg.run_name):
+        return cfg
+    from prefect.runtime import flow_run
+
+    fid = flow_run.id
+    store, rel = RunRoot(cfg.storage_url), f"{FLOW_RUNS}/{fid}.json"
+    if fid and store.exists(rel):
+        record = store.read_json(rel)
+        if record.get("template") == cfg.run_name:
+            return dataclasses.replace(cfg, run_name=record["run_name"])
+    when = flow_run.scheduled_start_time
+    filled = cfg.with_run_name(when)
+    if log is not None and fid:
+        store.write_json(
+            rel,
+            {"run_name": filled.run_name, "template": cfg.run_name, "scheduled": str(when), "flow_run_id": str(fid)},
+        )
+        log.info("run_name %r is %r for this flow run (scheduled %s)", cfg.run_name, filled.run_name, when)
+    return filled
+
+
 def _run_named(prefix: str = ""):
     """A flow_run_name: the run's folder name (run_name, or preset and config hash), so the UI's
     list says which run each flow run is; Prefect's random pair of words where it cannot tell."""
@@ -139,7 +176,7 @@ def _run_named(prefix: str = ""):
         try:
             if "run_url" in params:  # grpo-evaluate: the run folder it reads
                 return prefix + str(params["run_url"]).rstrip("/").rsplit("/", 1)[-1]
-            return prefix + _config(params.get("config")).with_versions().name
+            return prefix + _fill_run_name(_config(params.get("config"))).with_versions().name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"
 
@@ -160,7 +197,8 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     cfg = _config(config)
     # Seconds, not minutes of gcsfs retries, when a gs:// root has no network: the lease's first
     # read is the run's first storage call (StorageError naming storage.root and the cause).
-    check_reachable(cfg.run_url)
+    check_reachable(cfg.storage_url)
+    cfg = _fill_run_name(cfg, log)  # a run_name template: the same folder for every retry of this flow run
     # the sources' current versions (a file rewritten in place is new data: a new run under
     # run_name: null, a refusal naming what changed under a fixed run_name)
     cfg = cfg.with_versions(warn=log.warning)
@@ -231,16 +269,27 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
 
 
 @flow(name="grpo-evaluate", flow_run_name=_run_named("evaluate-"))
-def grpo_evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
+def grpo_evaluate(run_url: str, steps: Optional[list[int]] = None) -> dict[str, Any]:
     """Evaluate checkpoints of an existing run (0: the starting policy) into {run}/eval/.
 
     Args:
         run_url: The run's folder: storage.root/run_name, e.g. gs://bucket/grpo-runs/tiny-ecc6c5c9
             or /data/runs/my-run (`grpo status` and the summary artifact print it).
-        steps: Checkpoint steps to evaluate; 0 is the starting policy. Each result lands in
-            {run_url}/eval/{step}.json; a step already evaluated with this config is read back.
+        steps: Checkpoint steps to evaluate; 0 is the starting policy. Empty: the newest
+            finalised checkpoint (what a nightly evaluation of a run in progress wants). Each
+            result lands in {run_url}/eval/{step}.json; a step already evaluated is read back.
     """
     cfg = load_run(run_url)
+    if not steps:
+        from grpo_core.store.startpoint import checkpoint_steps
+
+        found = checkpoint_steps(RunRoot(run_url))
+        steps = [found[-1] if found else 0]
+        get_run_logger().info(
+            "steps empty: evaluating the newest finalised checkpoint, step %d%s",
+            steps[0],
+            "" if found else " (no checkpoint yet: the starting policy)",
+        )
     opts = dict(
         retries=cfg.pipeline.retries, retry_delay_seconds=cfg.pipeline.retry_delay_s, retry_condition_fn=retryable
     )
@@ -255,7 +304,7 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
         config: The run to check, as for the pipeline: its storage root is probed and its
             memory plan checked on this worker's devices. Empty fields: the config's defaults.
     """
-    cfg = _config(config)
+    cfg = _fill_run_name(_config(config))
     report = readiness_report(cfg)
     publish_readiness(report, cfg.name)
     return {k: report.get(k) for k in ("ready", "backend", "device_kind", "device_count", "process_count")}

@@ -90,6 +90,15 @@ def init_run(config: dict[str, Any]) -> str:
     init_run_root(cfg)
     log = get_run_logger()
     log.info("run %s: %s", cfg.name, cfg.run_url)
+    start = cfg.start_point
+    if start is not None:
+        log.info(
+            "starting from %s (step %d of %s), KL reference: %s",
+            start.uri,
+            start.step,
+            start.run_url,
+            cfg.model.reference.value,
+        )
     for warning in cfg.train.grpo.warnings():  # runs, but not as the papers and TRL advise
         log.warning(warning)
     return cfg.run_url
@@ -145,6 +154,7 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
         "rollout_engine": cfg.train.rollout.engine.value,
         "config_hash": cfg.train_hash,
         "lora": cfg.model.to_dict().get("lora"),
+        "separate_reference": cfg.separate_reference,
         "run_root": cfg.run_url,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -37,13 +37,36 @@ def test_prefect_yaml_deployments_load():
             named.add((flow.name, d["name"]))
     assert not named & SERVED
     assert {("grpo-pipeline", "pool"), ("grpo-pipeline", "pool-nightly"), ("grpo-evaluate", "pool")} <= named
+    assert {("grpo-pipeline", "pool-resume"), ("grpo-evaluate", "pool-evaluate-nightly")} <= named
     assert {("grpo-readiness", "pool"), ("grpo-pipeline", "gke-tpu"), ("grpo-pipeline", "vertex")} <= named
-    nightly = next(d for d in _spec("prefect.yaml")["deployments"] if d["name"] == "pool-nightly")
-    assert nightly["schedules"][0]["cron"] == "0 2 * * *"
-    assert nightly["schedules"][0]["active"] is False  # a placeholder bucket: off until the user sets one
-    from flows.params import RunParams
 
-    RunParams.model_validate(nightly["parameters"]["config"])  # the example parameters are valid
+
+def test_the_scheduled_patterns_are_valid_and_the_readme_shows_them_as_deployed():
+    """The three scheduled patterns: schedules off (a placeholder bucket), parameters the flows
+    accept, and README's YAML for each exactly the deployment in prefect.yaml."""
+    from flows.params import RunParams
+    from flows.pipeline import grpo_evaluate
+    from grpo_core.config.run import RunConfig
+
+    deployed = {d["name"]: d for d in _spec("prefect.yaml")["deployments"]}
+    readme = (ROOT / "README.md").read_text()
+    shown = re.findall(r"<!-- deployment: ([\w-]+) -->\n```yaml\n(.*?)```", readme, re.S)
+    assert [name for name, _ in shown] == ["pool-resume", "pool-nightly", "pool-evaluate-nightly"]
+    for name, text in shown:
+        d = deployed[name]
+        assert yaml.safe_load(text) == [d], name
+        assert [s.get("active") for s in d["schedules"]] == [False]
+        if d["entrypoint"].endswith("grpo_pipeline"):
+            cfg = RunParams.model_validate(d["parameters"]["config"]).to_config()  # the form's and the flow's reading
+            assert isinstance(cfg, RunConfig)
+        else:
+            grpo_evaluate.validate_parameters(d["parameters"])
+    nightly = deployed["pool-nightly"]
+    assert nightly["schedules"][0]["cron"] == "0 2 * * *"
+    assert nightly["parameters"]["config"]["run_name"] == "nightly-{date}"
+    assert nightly["parameters"]["config"]["model"]["init_from"] == "nightly-*"
+    assert deployed["pool-resume"]["concurrency_limit"]["collision_strategy"] == "CANCEL_NEW"
+    assert deployed["pool-evaluate-nightly"]["parameters"]["steps"] == []
 
 
 def test_gke_job_template_variables():

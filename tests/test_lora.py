@@ -260,7 +260,7 @@ def test_lora_run_evaluates_and_exports_a_merged_model_transformers_loads(tmp_pa
     assert root.done_info("export/2")["lora_merged"] is True
 
     with Checkpointer(root.uri("checkpoints")) as ckpt:
-        policy = nnx.merge(*worker._policy_params(parts, ckpt, 2))
+        policy = nnx.merge(*parts.policy_at(ckpt, 2))
     assert lora.has_adapters(policy)
     export = str(tmp_path / "runs" / "lora" / "export" / "2")
     start, exported = load_hf_model(str(folder)), load_hf_model(export)
@@ -298,6 +298,9 @@ def test_memory_plan_counts_adapters_not_a_second_model():
     assert t["gradients"] == 4 * n and t["optimizer"] == 8 * n and t["reference"] == 0 < f["reference"]
     assert t["params"] == f["params"] + 4 * n and t["kv_cache"] == f["kv_cache"]
     assert full.total - adapted.total > 3 * mc.num_params() * 2  # grads + moments + reference
+    # a continual run's base as the KL reference (model.reference: base) is weights of its own
+    based = memory.plan_on(mc, train, 64, facts, lora=cfg, separate_reference=True).estimate
+    assert based.terms["reference"] == f["reference"] and based.total == adapted.total + f["reference"]
     req = {"model": mc.to_dict(), "train": train.to_dict(), "max_prompt_tokens": 64}
     assert parse_request(dict(req, lora={"rank": 8, "target_modules": QV}))["lora"] == cfg
     with pytest.raises(ConfigError, match="model.lora.rank must be >= 1, got 0"):
@@ -313,7 +316,6 @@ def test_pipeline_with_lora_resumes_and_exports_merged(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from grpo_core.stages.parts import open_run
-    from grpo_core.stages.worker import _policy_params
     from grpo_core.store.root import RunRoot
     from tests.faults import HOOK
     from tests.test_pipeline import NUM_STEPS, run_pipeline, small_config
@@ -347,7 +349,7 @@ def test_pipeline_with_lora_resumes_and_exports_merged(tmp_path, monkeypatch):
     assert run.done_info(f"export/{NUM_STEPS}")["lora_merged"] is True
 
     with Checkpointer(run.uri("checkpoints")) as ckpt:
-        policy = nnx.merge(*_policy_params(parts, ckpt, NUM_STEPS))
+        policy = nnx.merge(*parts.policy_at(ckpt, NUM_STEPS))
     hf = transformers.AutoModelForCausalLM.from_pretrained(f"{run.url}/export/{NUM_STEPS}", dtype=torch.float32).eval()
     x = np.asarray([parts.tokenizer.encode("abc=cba")])
     with torch.no_grad():

@@ -92,7 +92,6 @@ def test_export_loads_in_transformers_with_the_trained_logits(baseline):
 
     from grpo_core.config.run import RunConfig
     from grpo_core.stages.parts import open_run
-    from grpo_core.stages.worker import _policy_params
 
     root, _ = baseline
     run = RunRoot(f"{root}/baseline")
@@ -101,7 +100,7 @@ def test_export_loads_in_transformers_with_the_trained_logits(baseline):
     parts = open_run(RunConfig.from_dict(run.read_json("config.json")), run)
     assert tok.encode("abc=", add_special_tokens=False) == parts.tokenizer.encode("abc=")
     with Checkpointer(run.uri("checkpoints")) as ckpt:
-        ours = nnx.merge(*_policy_params(parts, ckpt, NUM_STEPS))
+        ours = nnx.merge(*parts.policy_at(ckpt, NUM_STEPS))
     hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     ids = np.asarray([parts.tokenizer.encode("abc=cba")])
     with torch.no_grad():
@@ -159,6 +158,55 @@ def test_second_run_of_a_finished_config_trains_nothing(baseline, monkeypatch):
     # the run's timing is the run that trained's, not the no-op's; the no-op's wall time is its own
     assert s["timing"] == first["timing"] and run.read_json("summary.json")["timing"] == first["timing"]
     assert s["last_invocation"]["did_work"] is False and 0 < s["last_invocation"]["wall_s"] < first["timing"]["wall_s"]
+
+
+def test_nightly_run_starts_from_the_last_finished_run(baseline):
+    """The nightly pattern: run_name nightly-{date} and init_from a pattern. The flow fills the
+    name in once (stored for its retries), starts from the baseline's final export and says so;
+    its step 0 is that policy, evaluated the same."""
+    root, first = baseline
+    cfg = small_config(
+        root, "nightly-{date}", model={"init_from": "baseline*"}, train={"num_steps": 2}, pipeline={"epochs": 1}
+    )
+    s = run_pipeline(cfg)
+    store = RunRoot(root)
+    [record] = [store.read_json(f"_flow-runs/{n}") for n in store.list("_flow-runs")]
+    assert record["template"] == "nightly-{date}" and re.fullmatch(r"nightly-\d{4}-\d\d-\d\d", record["run_name"])
+    assert s["status"] == "completed" and s["run_uri"] == f"{root}/{record['run_name']}" and s["steps"] == 2
+    want = {
+        "run": f"{root}/baseline",
+        "step": NUM_STEPS,
+        "kind": "export",
+        "uri": f"{root}/baseline/export/{NUM_STEPS}",
+    }
+    assert s["started_from"] == want
+    assert s["eval_before"]["accuracy"] == first["eval_after"]["accuracy"]
+    versions = RunRoot(s["run_uri"]).read_json("config.json")["versions"]
+    assert versions["model.init_from"].startswith(f"{root}/baseline@{NUM_STEPS}:export:")
+
+
+def test_a_retry_of_a_flow_run_reads_the_run_name_it_filled_in(tmp_path):
+    from prefect import flow, get_run_logger
+
+    from flows.pipeline import _fill_run_name
+    from grpo_core.config.run import RunConfig
+
+    names = []
+
+    @flow(retries=1, retry_delay_seconds=0)
+    def attempt():
+        cfg = RunConfig.from_dict({"run_name": "n-{datetime}", "storage": {"root": str(tmp_path)}})
+        names.append(_fill_run_name(cfg, get_run_logger()).run_name)
+        if len(names) == 1:  # preempted after naming its folder; the record is what the retry reads
+            store = RunRoot(str(tmp_path))
+            [rel] = store.list("_flow-runs")
+            store.write_json(f"_flow-runs/{rel}", dict(store.read_json(f"_flow-runs/{rel}"), run_name="n-recorded"))
+            raise RuntimeError("preempted")
+        return names[-1]
+
+    assert attempt() == "n-recorded" and re.fullmatch(r"n-\d{4}-\d\d-\d\d-\d{6}", names[0])
+    attempt.with_options(retries=0)()  # another flow run: its own record, its own time
+    assert len(RunRoot(str(tmp_path)).list("_flow-runs")) == 2
 
 
 def test_deleted_epoch_marker_is_rebuilt_at_the_epochs_end(baseline):
@@ -262,3 +310,20 @@ def test_pipeline_on_gcs(gcs_emulator):
     assert sorted(run.list("eval")) == ["0.json", f"{NUM_STEPS}.json"]
     with Checkpointer(run.uri("checkpoints")) as ckpt:
         assert ckpt.latest_step() == NUM_STEPS
+    # a run on gs:// as another run's start: Orbax's finalised steps, read without JAX, and a
+    # continual run that starts from one of its checkpoints on the bucket
+    from grpo_core.store.startpoint import checkpoint_steps, policies
+
+    with Checkpointer(run.uri("checkpoints")) as ckpt:
+        assert checkpoint_steps(run) == ckpt.all_steps() and policies(run)[NUM_STEPS] == "export"
+    nxt = run_pipeline(
+        small_config(
+            url,
+            "gs-next",
+            model={"init_from": "gs-run@4"},
+            train={"num_steps": 2},
+            pipeline={"epochs": 1, "export": False},
+        )
+    )
+    assert nxt["status"] == "completed" and nxt["started_from"]["uri"] == f"{url}/gs-run/checkpoints/4"
+    assert nxt["started_from"]["kind"] == "checkpoint"

@@ -4,6 +4,7 @@ repository root), `prefect deploy --all` succeeds and touches only the pool it c
 deployment (a placeholder bucket) gets no active schedule, a worker started without
 GRPO_PROJECT_DIR fails a run with a message that names it, and with it a run completes."""
 
+import json
 import os
 import pathlib
 import re
@@ -91,14 +92,27 @@ def test_recipe_deploys_the_pool_and_nothing_else(deployed):
     deps = client.read_deployments(deployment_filter=DeploymentFilter())
     flows = {f.id: f.name for f in client.read_flows()}
     names = {f"{flows[d.flow_id]}/{d.name}" for d in deps}
-    assert names == {"grpo-pipeline/pool", "grpo-pipeline/pool-nightly", "grpo-evaluate/pool", "grpo-readiness/pool"}
+    assert names == {
+        "grpo-pipeline/pool",
+        "grpo-pipeline/pool-resume",
+        "grpo-pipeline/pool-nightly",
+        "grpo-evaluate/pool",
+        "grpo-evaluate/pool-evaluate-nightly",
+        "grpo-readiness/pool",
+    }
     assert {d.work_pool_name for d in deps} == {"grpo-local"}
     for served_name in ("grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness"):
         with pytest.raises(ObjectNotFound):  # the names `grpo serve` owns are left to it
             client.read_deployment_by_name(served_name)
+    for name in ("grpo-pipeline/pool-resume", "grpo-pipeline/pool-nightly", "grpo-evaluate/pool-evaluate-nightly"):
+        scheduled = client.read_deployment_by_name(name)
+        assert "YOUR-BUCKET" in json.dumps(scheduled.parameters)
+        assert [s.active for s in scheduled.schedules] == [False]  # a placeholder bucket never runs on a schedule
     nightly = client.read_deployment_by_name("grpo-pipeline/pool-nightly")
-    assert "YOUR-BUCKET" in nightly.parameters["config"]["storage"]["root"]
-    assert [s.active for s in nightly.schedules] == [False]  # a placeholder bucket never runs on a schedule
+    assert nightly.parameters["config"]["run_name"] == "nightly-{date}"
+    assert client.read_deployment_by_name("grpo-pipeline/pool-resume").concurrency_options.collision_strategy == (
+        "CANCEL_NEW"
+    )
 
 
 def test_worker_without_project_dir_fails_naming_it(deployed, tmp_path):

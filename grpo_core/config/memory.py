@@ -124,10 +124,13 @@ def estimate(
     layout: Layout = Layout(),
     backend: str = "cpu",
     runtime_bytes: int = 0,
+    separate_reference: bool = False,
 ) -> Estimate:
     """The bytes each device needs with these choices. `trainable`: the number of trained
     parameters under LoRA (f32 adapters; the base is frozen and is the reference); None: full
-    fine-tuning. `runtime_bytes`: the process before any array exists (CPU: its RSS)."""
+    fine-tuning. `runtime_bytes`: the process before any array exists (CPU: its RSS).
+    `separate_reference`: the KL reference is weights of its own (a continual run's base,
+    model.reference: base), a copy even under LoRA."""
     from grpo_core.rl.logprobs import CHUNK_BUFFERS, num_chunks
 
     sh = Shapes.of(train, max_prompt_tokens)
@@ -149,7 +152,7 @@ def estimate(
     terms = {
         "params": per(n * pb + (trained * tb if lora else 0)),
         "optimizer": per(trained * (mu + tb)),
-        "reference": per(n * min(pb, cb)) if g.needs_reference and not lora else 0,
+        "reference": per(n * min(pb, cb)) if g.needs_reference and (separate_reference or not lora) else 0,
         "runtime": runtime_bytes,
         "programs": CPU_PROGRAMS_BYTES if backend == "cpu" else 0,
         "gradients": per(trained * tb),
@@ -296,7 +299,7 @@ def candidates(train: TrainConfig, backend: str = "cpu") -> list[tuple[RematPoli
 def plan(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, available: int | None, **kw: Any) -> Plan:
     """The cheapest (remat, accumulation) that fits `available` bytes per device; when nothing
     does, the one that needs least (its Plan says it does not fit). With memory unknown, the
-    cheapest. `kw`: estimate's trainable, layout, backend, runtime_bytes."""
+    cheapest. `kw`: estimate's trainable, layout, backend, runtime_bytes, separate_reference."""
     auto = tuple(
         f
         for f, is_auto in (
@@ -320,7 +323,14 @@ def resolve(train: TrainConfig, p: Plan) -> TrainConfig:
     return train.replace(remat=p.estimate.remat, grpo=train.grpo.replace(grad_accum_steps=p.estimate.grad_accum_steps))
 
 
-def plan_on(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, facts: dict[str, Any], lora=None) -> Plan:
+def plan_on(
+    model: ModelConfig,
+    train: TrainConfig,
+    max_prompt_tokens: int,
+    facts: dict[str, Any],
+    lora=None,
+    separate_reference: bool = False,
+) -> Plan:
     """`plan` for the devices `device_facts` (or the readiness report) describes: on CPU the run
     counts once against the host (its devices share the memory), elsewhere per device as
     train.mesh splits it. `lora`: a grpo_core.nn.lora.LoraConfig (only the adapters train)."""
@@ -346,6 +356,7 @@ def plan_on(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, fact
         layout=layout,
         backend=facts["backend"],
         runtime_bytes=facts.get("runtime", 0),
+        separate_reference=separate_reference,
     )
 
 

@@ -18,6 +18,13 @@ class DType(enum.Enum):
     BFLOAT16 = "bfloat16"
 
 
+class ReferencePolicy(enum.Enum):
+    """The KL reference of a run started from another run's policy (model.init_from)."""
+
+    START = "start"  # the policy this run starts from, as TRL and verl define the reference
+    BASE = "base"  # the model at model.path (or the preset), before any run trained it
+
+
 @section(path="model")
 class ModelConfig(Section):
     """A Qwen/Llama-style decoder. Field names follow Hugging Face configs one to one."""
@@ -146,7 +153,7 @@ class LoraConfig(Section):
 
 
 # The model section's own keys; any other key overrides a ModelConfig field of the preset.
-MODEL_KEYS = ("preset", "seed", "tokenizer", "path", "revision", "lora")
+MODEL_KEYS = ("preset", "seed", "tokenizer", "path", "revision", "lora", "init_from", "reference")
 PATH_OVERRIDES = ("dtype", "param_dtype")  # the ModelConfig fields a checkpoint's config.json leaves open
 
 
@@ -175,6 +182,17 @@ class ModelSection(Section):
         "checkpointed, the KL reference is the base with adapters off, the "
         "export has them merged. Empty: full fine-tuning",
     )
+    init_from: str | None = field(
+        None,
+        doc="Start from another run's policy: a run name under storage.root or a run's folder/URL, its newest "
+        "checkpoint or export, or NAME@STEP for a given step; a pattern like nightly-* takes the last finished "
+        "run whose name matches (names sort by date). Empty: start from model.path or the preset",
+    )
+    reference: ReferencePolicy = field(
+        ReferencePolicy.START,
+        doc="KL reference with model.init_from: start (the policy this run starts from) or base (the model at "
+        "model.path or the preset, before any run trained it)",
+    )
     overrides: dict = field(
         factory=dict,
         doc="ModelConfig fields over the preset's (Hugging Face names: "
@@ -183,6 +201,15 @@ class ModelSection(Section):
 
     def validate(self) -> None:
         check(isinstance(self.overrides, dict), f"model overrides must be a mapping, got {self.overrides!r}")
+        if self.init_from is not None:
+            check(
+                isinstance(self.init_from, str) and self.init_from.strip() != "",
+                f"model.init_from must name a run (a name under storage.root, a folder or URL), got {self.init_from!r}",
+            )
+        check(
+            self.reference is ReferencePolicy.START or self.init_from is not None,
+            "model.reference: base differs from start only when model.init_from names a run to start from",
+        )
         if self.path is None:
             check(self.revision is None, "model.revision applies to a Hugging Face id in model.path, which is not set")
             check(
@@ -196,7 +223,9 @@ class ModelSection(Section):
             return value
         check(isinstance(value, dict), f"model must be a mapping like {{preset: tiny}}, got {value!r}")
         given = {
-            k: v for k, v in value.items() if not (k in ("path", "revision", "tokenizer", "lora") and v in (None, ""))
+            k: v
+            for k, v in value.items()
+            if not (k in ("path", "revision", "tokenizer", "lora", "init_from", "reference") and v in (None, ""))
         }
         if given.get("lora") is False:
             del given["lora"]
@@ -228,6 +257,8 @@ class ModelSection(Section):
         out.update({k: getattr(self, k) for k in ("path", "revision") if getattr(self, k) is not None})
         if self.lora is not None:
             out["lora"] = self.lora.to_dict()
+        if self.init_from is not None:  # absent otherwise: the hashes of runs from before hold
+            out.update(init_from=self.init_from, reference=self.reference.value)
         out.update(self.overrides)
         return out
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import os
 import pathlib
 from typing import Any
@@ -73,7 +74,8 @@ DEFAULT: dict[str, Any] = {
 # The fields of the run config that are not in a section.
 RUN_DOCS = {
     "run_name": "Folder of this run under storage.root. Empty: named by the preset and the config hash, so the same "
-    "config resumes its own run",
+    "config resumes its own run. A template like nightly-{date} ({date}, {time}, {datetime}) is filled in once per "
+    "flow run from its scheduled time (UTC), so a retry of that flow run resumes the same folder",
     "storage.root": "Where runs live: a local folder, gs://bucket/prefix or memory://...",
     "rewards": "Reward functions: a built-in name (char_match, exact_match, math_answer, think_format, integer_answer) "
     "or path/to/file.py:function or module:function, with their weights (0: reported, not optimised)",
@@ -255,6 +257,10 @@ class RunConfig:
             name is None or (isinstance(name, str) and name.strip("/") and "/" not in name.strip("/")),
             f"run_name must be a single folder name, got {name!r}",
         )
+        if name is not None and is_template(name):
+            format_run_name(
+                name, datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
+            )  # names a bad placeholder now
         cfg = cls(
             run_name=name,
             storage_root=root,
@@ -300,10 +306,39 @@ class RunConfig:
 
     def with_versions(self, warn=None) -> "RunConfig":
         """This config with the current versions of the sources it names (a file rewritten in
-        place, an object uploaded again, a Hub repository that moved on: a new version)."""
+        place, an object uploaded again, a Hub repository that moved on: a new version) and, with
+        model.init_from, the policy it names resolved to one run and step."""
         from grpo_core.store.versions import source_versions
 
         return dataclasses.replace(self, versions=tuple(sorted(source_versions(self, warn).items())))
+
+    def with_run_name(self, when: datetime.datetime) -> "RunConfig":
+        """This config with a run_name template ({date}, {time}, {datetime}) filled in for `when`."""
+        if not self.run_name or not is_template(self.run_name):
+            return self
+        return dataclasses.replace(self, run_name=format_run_name(self.run_name, when))
+
+    @property
+    def separate_reference(self) -> bool:
+        """Whether the KL reference is weights of its own: a continual run's base (model.reference: base)."""
+        from grpo_core.config.model import ReferencePolicy
+
+        return self.model.init_from is not None and self.model.reference is ReferencePolicy.BASE
+
+    @property
+    def start_point(self):
+        """Where training starts with model.init_from (grpo_core.store.startpoint.StartPoint), as
+        with_versions resolved it; None without init_from."""
+        if self.model.init_from is None:
+            return None
+        from grpo_core.store.startpoint import StartPoint
+
+        version = dict(self.versions).get("model.init_from")
+        if version is None:
+            raise ConfigError(
+                f"model.init_from {self.model.init_from!r} is not resolved to a run and step (with_versions does that)"
+            )
+        return StartPoint.parse(version)
 
     # -- derived ---------------------------------------------------------------------------
 
@@ -368,6 +403,7 @@ class RunConfig:
 
     @property
     def train_hash(self) -> str:
+        versions = dict(self.versions)
         return config_hash(
             {
                 "model": self.model.to_dict(),
@@ -375,7 +411,9 @@ class RunConfig:
                 "rewards": [r.hash_dict() for r in self.rewards],
                 "train": self.train.hash_fields(),
                 # the starting weights' version (absent where none is known: older hashes hold)
-                **({"model_version": dict(self.versions)["model.path"]} if "model.path" in dict(self.versions) else {}),
+                **({"model_version": versions["model.path"]} if "model.path" in versions else {}),
+                # the run and step a continual run starts from (model.init_from)
+                **({"init": versions["model.init_from"]} if "model.init_from" in versions else {}),
             }
         )
 
@@ -398,21 +436,59 @@ class RunConfig:
     def name(self) -> str:
         """The run's folder: run_name, or the preset and the training hash."""
         if self.run_name:
+            if is_template(self.run_name):
+                raise ConfigError(
+                    f"run_name {self.run_name!r} is a template: it names a folder once filled in for a time "
+                    "(the flow does that once per flow run)"
+                )
             return self.run_name.strip("/")
         base = self.model_path.rstrip("/").rsplit("/", 1)[-1] if self.model_path else (self.model.preset or "tiny")
         return f"{''.join(c if c.isalnum() or c in '.-_' else '-' for c in base)}-{self.train_hash[:8]}"
 
     @property
-    def run_url(self) -> str:
+    def storage_url(self) -> str:
+        """storage.root; a local folder made absolute, so worker processes agree on it."""
         root = self.storage_root
-        if "://" not in root:  # a local folder: absolute, so worker processes agree on it
-            root = os.path.abspath(os.path.expanduser(root))
-        return f"{root.rstrip('/')}/{self.name}"
+        return root.rstrip("/") if "://" in root else os.path.abspath(os.path.expanduser(root))
+
+    @property
+    def run_url(self) -> str:
+        return f"{self.storage_url}/{self.name}"
 
     def epoch_end(self, epoch: int) -> int:
         """The step count at the end of epoch `epoch` (0-based): num_steps split evenly."""
         e = self.pipeline.epochs
         return (self.train.num_steps * (epoch + 1)) // e
+
+
+# run_name templates: filled in from the flow run's scheduled time (UTC), once per flow run.
+RUN_NAME_FIELDS = {
+    "date": "%Y-%m-%d",
+    "time": "%H%M%S",
+    "datetime": "%Y-%m-%d-%H%M%S",
+}
+
+
+def is_template(name: str) -> bool:
+    return "{" in name or "}" in name
+
+
+def format_run_name(template: str, when: datetime.datetime) -> str:
+    """`template` with {date}, {time} and {datetime} of `when` (in UTC), or ConfigError naming run_name."""
+    when = when.astimezone(datetime.timezone.utc) if when.tzinfo else when
+    values = {k: when.strftime(f) for k, f in RUN_NAME_FIELDS.items()}
+    try:
+        name = template.format(**values)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"run_name {template!r}: {exc.__class__.__name__} {exc}; a template may hold "
+            f"{', '.join('{' + k + '}' for k in RUN_NAME_FIELDS)} (the flow run's scheduled time, UTC)"
+        ) from None
+    check(
+        name.strip("/") != "" and "/" not in name.strip("/") and not is_template(name),
+        f"run_name {template!r} does not name a single folder: {name!r}",
+    )
+    return name.strip("/")
 
 
 def _model_section(value: Any) -> ModelSection:

@@ -122,10 +122,13 @@ class GRPOTrainer:
         eos_ids: Sequence[int] | None = None,
         placement: Placement | None = None,
         memory_plan: "mem.Plan | None" = None,
+        reference: CausalLM | None = None,
     ):
         """`memory_plan` (grpo_core.config.memory.plan) chooses train.remat and grad_accum_steps where the
         config says auto; without one they are chosen here from this process's devices (the worker
-        passes the plan it made for data.max_prompt_tokens)."""
+        passes the plan it made for data.max_prompt_tokens). `reference`: the KL reference when it
+        is not `model` as given (a continual run's original base, model.reference: base), a model
+        of the same architecture without adapters."""
         if not rewards:
             raise ValueError("at least one reward function is needed")
         self.tokenizer, self.rewards, self.prompts = tokenizer, list(rewards), prompts
@@ -152,12 +155,18 @@ class GRPOTrainer:
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
         self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
         # The reference is the starting policy, frozen (with LoRA: the base weights themselves,
-        # adapters off, no copy). With beta == 0 it is never kept or scored.
+        # adapters off, no copy), or the `reference` model given. With beta == 0 it is never kept
+        # or scored.
         self.ref_params = None
         if g.needs_reference:
-            self.ref_params = self.placement.reference_params(
-                params if self.frozen is None else self.frozen, copy=self.frozen is None
-            )
+            if reference is not None:
+                self.ref_params = self.placement.reference_params(
+                    self.placement.put_params(nnx.state(reference)), copy=False
+                )
+            else:
+                self.ref_params = self.placement.reference_params(
+                    params if self.frozen is None else self.frozen, copy=self.frozen is None
+                )
             self.ref_params = _in_compute_dtype(self.ref_params, model.config.dtype)
         # old_logp from the learner where the engine's numbers can differ from its own
         self.rescore = cfg.rollout.learner_logprobs(model.config.dtype)

@@ -28,15 +28,81 @@ class RunParts:
         return self.cfg.model_config(vocab_size=self.tokenizer.vocab_size)
 
     def create_policy(self, placement=None):
-        """The starting policy: the checkpoint at model.path, or a preset initialised from
-        model.seed, with fresh LoRA adapters when model.lora is set; every process builds the same.
-        With a `placement`, checkpoint weights are loaded straight onto its mesh."""
-        model = self._base_policy(placement)
+        """The starting policy: the policy model.init_from resolved to, else the checkpoint at
+        model.path or a preset initialised from model.seed; with fresh LoRA adapters when
+        model.lora is set; every process builds the same. With a `placement`, Hugging Face
+        weights are loaded straight onto its mesh."""
+        start = self.cfg.start_point
+        model = self._base_policy(placement) if start is None else self._policy_of(start, placement)
         if self.cfg.model.lora is not None:
             from grpo_core.nn import lora
 
             lora.apply(model, self.cfg.model.lora, self.cfg.model.seed)
         return model
+
+    def reference_policy(self, placement=None):
+        """The KL reference when it is not the starting policy: the base model (model.path or the
+        preset) of a run started from another run's policy with model.reference: base; else None."""
+        from grpo_core.config.model import ReferencePolicy
+
+        if self.cfg.start_point is None or self.cfg.model.reference is ReferencePolicy.START:
+            return None
+        return self._base_policy(placement)
+
+    def policy_at(self, ckpt, step: int):
+        """(graphdef, params) of the starting policy (step 0) or of checkpoint `step` of this run."""
+        from flax import nnx
+
+        graphdef, params = nnx.split(self.create_policy())
+        if step == 0 and 0 not in ckpt.all_steps():
+            return graphdef, params
+        if step not in ckpt.all_steps():
+            raise ConfigError(
+                f"no checkpoint for step {step} under {ckpt.directory}; finalised checkpoints: "
+                f"{ckpt.all_steps() or 'none'}"
+            )
+        state, meta = ckpt.restore(step)  # as saved: plain nested dicts
+        if meta.get("config_hash") != self.cfg.train_hash:
+            raise ConfigError(
+                f"checkpoint {step} in {ckpt.directory} was trained with another config "
+                f"({meta.get('config_hash')!r}, this run is {self.cfg.train_hash!r})"
+            )
+        nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
+        return graphdef, params
+
+    def _policy_of(self, start, placement=None):
+        """The plain model (LoRA merged) of another run's export or checkpoint (model.init_from)."""
+        if start.kind == "export":
+            return self._load_hf(start.uri, None, placement)
+        from flax import nnx
+
+        from grpo_core.config.run import RunConfig
+        from grpo_core.rl.checkpoint import Checkpointer
+
+        source_root = RunRoot(start.run_url)
+        source = RunConfig.from_dict(source_root.read_json("config.json"))
+        if source.train_hash != start.train_hash:
+            raise ConfigError(
+                f"model.init_from: the run at {start.run_url} now holds another config (training hash "
+                f"{source.train_hash}, {start.train_hash} when this run started from it)"
+            )
+        # the source's own parts build its policy (its base, its adapters) for the checkpoint to fill
+        parts = dataclasses.replace(self, cfg=source, root=source_root, rewards=[], eval_rewards=[])
+        with Checkpointer(source_root.uri("checkpoints"), max_to_keep=None) as ckpt:
+            graphdef, params = parts.policy_at(ckpt, start.step)
+        model = nnx.merge(graphdef, params)
+        if source.model.lora is not None:
+            from grpo_core.nn.lora import merge
+
+            model = merge(model)
+        return model
+
+    def _load_hf(self, source: str, revision: str | None, placement=None):
+        from grpo_core.nn.hf import load_hf_model
+        from grpo_core.store.sources import resolve
+
+        overrides = {k: v for k, v in self.cfg.model.overrides.items() if k in ("dtype", "param_dtype")}
+        return load_hf_model(resolve(source, revision), placement=placement, **overrides)
 
     def _base_policy(self, placement=None):
         from grpo_core.nn.model import create_model
@@ -47,14 +113,18 @@ class RunParts:
                 f"model.vocab_size ({mc.vocab_size}) is smaller than the tokenizer's ({self.tokenizer.vocab_size})"
             )
         if self.cfg.model_path:
-            from grpo_core.nn.hf import load_hf_model
-            from grpo_core.store.sources import resolve
-
-            overrides = {k: v for k, v in self.cfg.model.overrides.items() if k in ("dtype", "param_dtype")}
-            return load_hf_model(
-                resolve(self.cfg.model_path, self.cfg.model.revision), placement=placement, **overrides
-            )
+            return self._load_hf(self.cfg.model_path, self.cfg.model.revision, placement)
         return create_model(mc, self.cfg.model.seed)
+
+
+def _unwrap(tree):
+    """Orbax restores an nnx.State without a target as nested dicts whose leaves sit under a
+    'value' key (the Variable's field); replace_by_pure_dict wants the arrays themselves."""
+    if isinstance(tree, dict):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {k: _unwrap(v) for k, v in tree.items()}
+    return tree
 
 
 def open_run(cfg: RunConfig, root: RunRoot) -> RunParts:

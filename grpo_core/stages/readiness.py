@@ -393,7 +393,9 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
             "available": _device_memory(report, req.get("memory_bytes")),
             "runtime": _runtime_bytes() if cpu else 0,
         }
-        plan = memory.plan_on(model, train, req["max_prompt_tokens"], facts, req["lora"])
+        plan = memory.plan_on(
+            model, train, req["max_prompt_tokens"], facts, req["lora"], bool(req.get("separate_reference"))
+        )
         report["memory"] = plan.report()
         checks.append(check("memory", plan.fits is not False, plan.describe(), plan.lever(train)))
     report["checks"] = checks

@@ -150,6 +150,7 @@ def train(parts, until_step: int) -> int:
         cfg.data.max_prompt_tokens,
         memory.device_facts(),  # before the model exists: the runtime term is this process alone
         cfg.model.lora,
+        separate_reference=cfg.separate_reference,
     )
     _emit("memory", describe=plan.describe(), **plan.report())
     placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
@@ -161,6 +162,7 @@ def train(parts, until_step: int) -> int:
         DatasetPrompts(parts.train_rows, seed=cfg.data.seed),
         placement=placement,
         memory_plan=plan,
+        reference=parts.reference_policy(placement),
     )
     ends = [cfg.epoch_end(e) for e in range(cfg.pipeline.epochs)] if cfg.pipeline.keep_epoch_checkpoints else []
     with Checkpointer(root.uri("checkpoints"), keep_steps=ends) as ckpt, contextlib.closing(trainer):  # the engine
@@ -246,39 +248,6 @@ def _agree(config_hash: str, trainer) -> None:
         )
 
 
-def _policy_params(parts, ckpt, step: int):
-    """(graphdef, params) of the starting policy (step 0) or of checkpoint `step`."""
-    from flax import nnx
-
-    from grpo_core.errors import ConfigError
-
-    graphdef, params = nnx.split(parts.create_policy())
-    if step == 0 and 0 not in ckpt.all_steps():
-        return graphdef, params
-    if step not in ckpt.all_steps():
-        raise ConfigError(
-            f"no checkpoint for step {step} under {ckpt.directory}; finalised checkpoints: {ckpt.all_steps() or 'none'}"
-        )
-    state, meta = ckpt.restore(step)  # as saved: plain nested dicts
-    if meta.get("config_hash") != parts.cfg.train_hash:
-        raise ConfigError(
-            f"checkpoint {step} in {ckpt.directory} was trained with another config "
-            f"({meta.get('config_hash')!r}, this run is {parts.cfg.train_hash!r})"
-        )
-    nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
-    return graphdef, params
-
-
-def _unwrap(tree):
-    """Orbax restores an nnx.State without a target as nested dicts whose leaves sit under a
-    'value' key (the Variable's field); replace_by_pure_dict wants the arrays themselves."""
-    if isinstance(tree, dict):
-        if set(tree) == {"value"}:
-            return tree["value"]
-        return {k: _unwrap(v) for k, v in tree.items()}
-    return tree
-
-
 def evaluate_steps(parts, steps: list[int]) -> int:
     from grpo_core.rewards.functions import TrainerState
     from grpo_core.rl.checkpoint import Checkpointer
@@ -294,7 +263,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 _emit("eval", cached=True, uri=root.uri(rel), **read_eval(root, rel))  # null scores as NaN
                 continue
             t = time.perf_counter()
-            graphdef, params = _policy_params(parts, ckpt, step)
+            graphdef, params = parts.policy_at(ckpt, step)
             kw = dict(
                 batch_size=cfg.eval.batch_size,
                 seed=cfg.train.seed,
@@ -346,7 +315,7 @@ def export(parts, step: int | None) -> int:
             _emit("export", cached=True, uri=root.uri(stage), **done)
             return 0
         t = time.perf_counter()
-        graphdef, params = _policy_params(parts, ckpt, step)
+        graphdef, params = parts.policy_at(ckpt, step)
     if not _PRIMARY:  # the files are process 0's to write
         return 0
     model = nnx.merge(graphdef, params)

@@ -107,8 +107,26 @@ def build_summary(root: RunRoot, status: str, **extra: Any) -> dict[str, Any]:
         "export_uri": latest_export(root),
         "run_uri": root.url,
     }
+    start = started_from(root)
+    if start is not None:
+        summary["started_from"] = start
     summary.update(extra)
     return summary
+
+
+def started_from(root: RunRoot) -> dict[str, Any] | None:
+    """The run and step a continual run started from (model.init_from), as config.json records it."""
+    version = (
+        (root.read_json("config.json").get("versions") or {}).get("model.init_from")
+        if root.exists("config.json")
+        else None
+    )
+    if not version:
+        return None
+    from grpo_core.store.startpoint import StartPoint
+
+    start = StartPoint.parse(version)
+    return None if start is None else start.describe()
 
 
 def plot_curve(root: RunRoot) -> bytes | None:

@@ -10,6 +10,8 @@ Hub repository that moved on is a new input, not yesterday's.
   where it cannot be resolved (offline, HF_HUB_OFFLINE), `unresolved@<revision>` and a warning:
   an upload to that repository will not be noticed until a revision is pinned
 
+- model.init_from: the run and step it resolves to (grpo_core.store.startpoint)
+
 The flow computes them once per invocation (RunConfig.with_versions), before it names the run:
 they are part of the data and training hashes, recorded in config.json and the data manifest.
 """
@@ -118,4 +120,9 @@ def source_versions(cfg, warn: Callable[[str], None] | None = None) -> dict[str,
                 "upload to it is not noticed; pin a commit (model.revision) to train on a known version"
             )
         out[field] = v
+    if cfg.model.init_from is not None:  # the run and step it names, pinned for this run
+        from grpo_core.store.startpoint import NO_MATCH, resolve
+
+        start = resolve(cfg, warn)
+        out["model.init_from"] = start.version if start is not None else f"{NO_MATCH} {cfg.model.init_from!r}"
     return out

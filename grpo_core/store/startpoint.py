@@ -1,0 +1,199 @@
+"""Where a continual run starts: `model.init_from` resolved to one policy of another run.
+
+    init_from: nightly-2026-11-23          # a run under storage.root: its newest policy
+    init_from: nightly-2026-11-23@400      # that run's policy after 400 steps
+    init_from: gs://bucket/runs/base-run   # a run's folder anywhere (or a local folder)
+    init_from: nightly-*                   # the last finished run whose name matches
+                                           # (none yet, the first night: the base model)
+
+A run's policies are its finalised checkpoints and its complete Hugging Face exports; the
+newest is the highest step, the export where both exist (a plain model folder to load). A
+pattern takes, among the runs under storage.root whose names match (this run's own excepted),
+the greatest name whose training finished (a policy at its train.num_steps): names that carry
+the date, as run_name templates write them, sort in time.
+
+The resolved point is a version like the sources' (grpo_core.store.versions): recorded in
+config.json as versions["model.init_from"] = "<run url>@<step>:<checkpoint|export>:<train hash>",
+part of the training hash, read back by the worker that builds the starting policy. JAX-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import posixpath
+import re
+from typing import Any, Callable
+
+from grpo_core.errors import ConfigError
+from grpo_core.store.root import RunRoot
+
+_STEP = re.compile(r"^(?P<run>.+?)@(?P<step>\d+)$")
+KINDS = ("checkpoint", "export")
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPoint:
+    run_url: str
+    step: int
+    kind: str  # "checkpoint" or "export"
+    train_hash: str  # the source run's, as its config.json records it
+
+    @property
+    def version(self) -> str:
+        return f"{self.run_url}@{self.step}:{self.kind}:{self.train_hash}"
+
+    @classmethod
+    def parse(cls, version: str) -> "StartPoint | None":
+        """From a recorded version; None where a pattern matched no finished run (NO_MATCH)."""
+        if version.startswith(NO_MATCH):
+            return None
+        where, kind, train_hash = version.rsplit(":", 2)
+        run_url, step = where.rsplit("@", 1)
+        if kind not in KINDS or not step.isdigit():
+            raise ConfigError(f"versions['model.init_from'] {version!r} is not '<run>@<step>:<kind>:<hash>'")
+        return cls(run_url, int(step), kind, train_hash)
+
+    @property
+    def uri(self) -> str:
+        """The folder of the policy: checkpoints/{step} or export/{step} of the run."""
+        return RunRoot(self.run_url).uri("checkpoints" if self.kind == "checkpoint" else "export", str(self.step))
+
+    def describe(self) -> dict[str, Any]:
+        return {"run": self.run_url, "step": self.step, "kind": self.kind, "uri": self.uri}
+
+
+def _is_name(ref: str) -> bool:
+    return "://" not in ref and "/" not in ref.strip("/") and not ref.startswith((".", "~"))
+
+
+def _run_url(cfg, ref: str) -> str:
+    if _is_name(ref):
+        return f"{cfg.storage_url}/{ref.strip('/')}"
+    return ref.rstrip("/") if "://" in ref else os.path.abspath(os.path.expanduser(ref))
+
+
+def checkpoint_steps(root: RunRoot) -> list[int]:
+    """The finalised checkpoints, read from their folder names without JAX: a save in progress
+    has a temporary name; on object stores (no atomic rename) the step's folder also holds
+    Orbax's commit_success.txt once finalised."""
+    steps = sorted(int(n) for n in root.list("checkpoints") if n.isdigit())
+    if root._local:
+        return steps
+    return [s for s in steps if root.exists(f"checkpoints/{s}/commit_success.txt")]
+
+
+def export_steps(root: RunRoot) -> list[int]:
+    return sorted(int(n) for n in root.list("export") if n.isdigit() and root.is_done(f"export/{n}"))
+
+
+def policies(root: RunRoot) -> dict[int, str]:
+    """step -> "export" or "checkpoint": every policy the run holds (an export where both)."""
+    out = {s: "checkpoint" for s in checkpoint_steps(root)}
+    out.update({s: "export" for s in export_steps(root)})
+    return out
+
+
+def _source_config(run_url: str, field: str):
+    from grpo_core.config.run import RunConfig
+
+    root = RunRoot(run_url)
+    if not root.exists("config.json"):
+        raise ConfigError(f"{field}: {run_url} is not a run (no config.json there)")
+    return RunConfig.from_dict(root.read_json("config.json"))
+
+
+def _finished(run_url: str) -> bool:
+    try:
+        cfg = _source_config(run_url, "model.init_from")
+    except (ConfigError, ValueError):
+        return False
+    return cfg.train.num_steps in policies(RunRoot(run_url))
+
+
+def _match(cfg, pattern: str) -> tuple[str | None, list[str]]:
+    """The run under storage.root that `pattern` picks (the greatest matching name that
+    finished), or None, and the matching names."""
+    from grpo_core.config.run import is_template
+
+    top = RunRoot(cfg.storage_url)
+    own = cfg.run_name.strip("/") if cfg.run_name and not is_template(cfg.run_name) else None
+    names = sorted(
+        (n for n in top.list("") if fnmatch.fnmatchcase(n, pattern) and n != own and not n.startswith(("_", "."))),
+        reverse=True,
+    )
+    for name in names:
+        url = _run_url(cfg, name)
+        if _finished(url):
+            return url, names
+    return None, names
+
+
+NO_MATCH = "base:no finished run matched"  # the version of a pattern that matched nothing yet
+
+
+def resolve(cfg, warn: Callable[[str], None] | None = None) -> StartPoint | None:
+    """The policy `cfg.model.init_from` names, checked against `cfg` (same architecture and
+    tokenizer), or ConfigError naming the field and what is wrong. A pattern that matches no
+    finished run yet (the first night of a nightly chain) is None: the run starts from the base
+    model, and `warn` says so."""
+    from grpo_core.config.run import is_template
+
+    ref = cfg.model.init_from.strip()
+    m = _STEP.match(ref)
+    ref, step = (m["run"], int(m["step"])) if m else (ref, None)
+    if _is_name(ref) and any(c in ref for c in "*?["):
+        if step is not None:
+            raise ConfigError(
+                f"model.init_from {cfg.model.init_from!r}: a pattern takes each run's last step, not @{step}"
+            )
+        url, names = _match(cfg, ref)
+        if url is None:
+            if warn is not None:
+                warn(
+                    f"model.init_from {ref!r}: no finished run under {cfg.storage_url} matches it"
+                    + (f" (matching, not finished: {', '.join(names[:5])})" if names else "")
+                    + "; this run starts from the base model (model.path or the preset)"
+                )
+            return None
+    else:
+        url = _run_url(cfg, ref)
+    if cfg.run_name and not is_template(cfg.run_name) and url.rstrip("/") == cfg.run_url.rstrip("/"):
+        raise ConfigError(f"model.init_from {cfg.model.init_from!r} is this run itself ({cfg.run_url})")
+    source = _source_config(url, f"model.init_from {cfg.model.init_from!r}")
+    found = policies(RunRoot(url))
+    if step is None:
+        if not found:
+            raise ConfigError(
+                f"model.init_from {cfg.model.init_from!r}: the run at {url} has no finalised checkpoint or export yet"
+            )
+        step = max(found)
+    elif step not in found:
+        raise ConfigError(
+            f"model.init_from {cfg.model.init_from!r}: the run at {url} has no checkpoint or export of step {step}; "
+            f"it has steps {sorted(found) or 'none'}"
+        )
+    _check_compatible(cfg, source, url)
+    return StartPoint(url, step, found[step], source.train_hash)
+
+
+def _check_compatible(cfg, source, url: str) -> None:
+    """The source run's policy must fit this config's model: same architecture, same tokenizer."""
+    field = f"model.init_from {cfg.model.init_from!r}"
+    if source.tokenizer_id != cfg.tokenizer_id:
+        raise ConfigError(
+            f"{field}: the run at {url} used tokenizer {source.tokenizer_id}, this config {cfg.tokenizer_id}; "
+            "a policy is read with the tokenizer it was trained with"
+        )
+    mine, theirs = cfg.model_config(), source.model_config()
+    differ = [
+        f"{f.name} {getattr(theirs, f.name)!r} there, {getattr(mine, f.name)!r} here"
+        for f in dataclasses.fields(mine)
+        if getattr(mine, f.name) != getattr(theirs, f.name)
+    ]
+    if differ:
+        raise ConfigError(
+            f"{field}: the run at {url} trained another model ({'; '.join(differ)}); set model as that run "
+            f"did (its config.json: {posixpath.join(url, 'config.json')})"
+        )
