@@ -122,8 +122,12 @@ def test_run_name_templates():
     assert format_run_name("n-{date}-{time}", when.astimezone(datetime.timezone(datetime.timedelta(hours=9)))) == (
         "n-2026-11-24-020005"  # always UTC
     )
-    with pytest.raises(ConfigError, match=r"run_name 'n-\{day\}': KeyError 'day'; a template may hold \{date\}"):
+    with pytest.raises(
+        ConfigError, match=r"run_name 'n-\{day\}': unknown placeholder \{day\}; a template may hold \{date\}"
+    ):
         RunConfig.from_dict({"run_name": "n-{day}"})
+    with pytest.raises(ConfigError, match=r"run_name 'n-\{date': not a template: expected '\}' before end of string"):
+        RunConfig.from_dict({"run_name": "n-{date"})
     cfg = RunConfig.from_dict({"run_name": "nightly-{date}"})
     with pytest.raises(ConfigError, match=r"run_name 'nightly-\{date\}' is a template"):
         cfg.run_url

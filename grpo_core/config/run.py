@@ -480,8 +480,9 @@ def format_run_name(template: str, when: datetime.datetime) -> str:
     try:
         name = template.format(**values)
     except (KeyError, IndexError, ValueError) as exc:
+        what = f"unknown placeholder {{{exc.args[0]}}}" if isinstance(exc, KeyError) else f"not a template: {exc}"
         raise ConfigError(
-            f"run_name {template!r}: {exc.__class__.__name__} {exc}; a template may hold "
+            f"run_name {template!r}: {what}; a template may hold "
             f"{', '.join('{' + k + '}' for k in RUN_NAME_FIELDS)} (the flow run's scheduled time, UTC)"
         ) from None
     check(

@@ -162,7 +162,7 @@ def train(parts, until_step: int) -> int:
         DatasetPrompts(parts.train_rows, seed=cfg.data.seed),
         placement=placement,
         memory_plan=plan,
-        reference=parts.reference_policy(placement),
+        reference=parts.reference_policy(placement) if cfg.train.grpo.needs_reference else None,
     )
     ends = [cfg.epoch_end(e) for e in range(cfg.pipeline.epochs)] if cfg.pipeline.keep_epoch_checkpoints else []
     with Checkpointer(root.uri("checkpoints"), keep_steps=ends) as ckpt, contextlib.closing(trainer):  # the engine
