@@ -47,7 +47,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint $(SGL_DEP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, named, to keep the suite in budget
 
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not slow"
