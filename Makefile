@@ -58,6 +58,7 @@ bench: $(STAMP) $(SGL_DEP)  # one after another: each measures this machine, so 
 	$(BIN)/python -m bench.generate
 	$(BIN)/python -m bench.real_shapes
 	$(BIN)/python -m bench.rollout_engines
+	$(BIN)/python -m bench.start_policy
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) *.egg-info

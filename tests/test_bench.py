@@ -75,3 +75,14 @@ def test_grpo_step_benchmark(tmp_path, capsys):
     assert out["matmul_peak_gflops"] > 0 and row["workload"] == "tiny" and len(row["steps"]) == 2
     assert row["step_s"] > 0 and row["gflops"] > 0 and row["trained_m"] == pytest.approx(row["params_m"], rel=1e-3)
     assert row["opt_state_mib"] > 2 * row["params_m"] * 4 / 1.05  # two AdamW moments in f32
+
+
+def test_start_policy_benchmark(tmp_path, capsys):
+    from bench import start_policy
+
+    assert start_policy.main(["--workload", "tiny", "--repeats", "1", "--json", str(tmp_path / "out.json")]) == 0
+    table = capsys.readouterr().out
+    assert "checkpoint, params only" in table and "export (HF folder)" in table
+    out = json.load(open(tmp_path / "out.json"))
+    assert [r["mode"] for r in out["rows"]] == ["whole", "params", "export"]
+    assert all(r["seconds"] > 0 for r in out["rows"]) and out["built"]["params_m"] > 0.1

@@ -66,3 +66,19 @@ def test_epoch_checkpoints_are_kept_besides_the_newest(tmp_path):
             tr.save(ckpt)
             ckpt.wait()
         assert ckpt.all_steps() == [2, 4, 5, 6]
+
+
+def test_the_parameters_alone_are_read_without_the_optimizer_state(tmp_path):
+    """Evaluation, export and a run started from this one read `params` only: the same arrays
+    as a full restore, and none of Adam's moments (twice the parameters' bytes) leave the disk."""
+    tr, _ = make(steps=1)
+    tr.train()
+    with Checkpointer(str(tmp_path / "c")) as ckpt:
+        tr.save(ckpt)
+        ckpt.wait()
+        full, _ = ckpt.restore(1)
+        params, meta = ckpt.restore(1, only="params")
+    assert set(full) > {"params"} and set(params) == {"params"} and meta["step"] == 1
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), full["params"], params["params"])
+    moments = sum(x.nbytes for k, v in full.items() if k != "params" for x in jax.tree.leaves(v))
+    assert moments >= 2 * sum(x.nbytes for x in jax.tree.leaves(params["params"]))  # what is no longer read

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from grpo_core.config.memory import is_out_of_memory
 from grpo_core.errors import StorageError
@@ -130,10 +131,13 @@ class Checkpointer:
         self._mngr.reload()
         return sorted(self._mngr.all_steps())
 
-    def restore(self, step: int, like: Any = None) -> tuple[Any, dict[str, Any]]:
+    def restore(self, step: int, like: Any = None, only: str | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore checkpoint `step` into the structure, shapes, dtypes and shardings of `like`
         (None: as saved, plain nested dicts of arrays on this process's first device, e.g. for
-        inspection or export, whatever mesh and number of processes wrote it).
+        inspection or export, whatever mesh and number of processes wrote it). `only` (with
+        `like` None): read that entry of the state alone, e.g. "params" without the optimizer's
+        moments (twice the parameters' bytes under Adam), for evaluation, export or a run that
+        starts from this one; the state returned holds just that entry.
 
         Raises UnreadableCheckpointError naming the folder when its files cannot be read back;
         an allocation failure (the arrays do not fit) is raised as it is: the checkpoint is fine."""
@@ -144,6 +148,8 @@ class Checkpointer:
                 abstract = jax.tree.map(
                     lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), getattr(saved, "tree", saved)
                 )
+                if only is not None:
+                    return self._restore_part(step, {only: abstract[only]}), self._restore_meta(step)
             else:
                 abstract = jax.tree.map(_abstract, like)
             out = self._mngr.restore(
@@ -157,6 +163,26 @@ class Checkpointer:
             # on a damaged folder, so any failure to read it back is this one error, the cause
             # chained for the traceback.
             raise UnreadableCheckpointError(step, self.uri(step), self._diagnose(step, exc, like)) from exc
+
+    def _restore_part(self, step: int, item: Any) -> Any:
+        """The entries of the saved state that `item` (abstract arrays) names, the others never
+        read: Orbax's partial restore over the state's folder, which StandardSave wrote in the
+        PyTree format."""
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            restore_args = jax.tree.map(
+                lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), item
+            )
+            return handler.restore(
+                epath.Path(self.uri(step)) / "state",
+                args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+            )
+        finally:
+            handler.close()
+
+    def _restore_meta(self, step: int) -> dict[str, Any]:
+        out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
 
     def _diagnose(self, step: int, exc: BaseException, like: Any) -> str:
         """The first line of why checkpoint `step` did not restore. Restoring into `like`, Orbax

@@ -61,7 +61,7 @@ class RunParts:
                 f"no checkpoint for step {step} under {ckpt.directory}; finalised checkpoints: "
                 f"{ckpt.all_steps() or 'none'}"
             )
-        state, meta = ckpt.restore(step)  # as saved: plain nested dicts
+        state, meta = ckpt.restore(step, only="params")  # as saved, plain nested dicts; no optimizer moments
         if meta.get("config_hash") != self.cfg.train_hash:
             raise ConfigError(
                 f"checkpoint {step} in {ckpt.directory} was trained with another config "
