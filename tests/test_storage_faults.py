@@ -56,7 +56,7 @@ def test_the_pipeline_checks_a_gs_root_before_its_first_storage_call(monkeypatch
     )
     seconds = time.monotonic() - t
     assert state.is_failed()
-    with pytest.raises(Exception, match=r"storage.root gs://grpo-bucket/runs/r: .*refused"):
+    with pytest.raises(Exception, match=r"storage.root gs://grpo-bucket/runs: .*refused"):
         state.result()
     assert seconds < 30, f"{seconds:.0f} s to fail"
 
