@@ -281,7 +281,7 @@ def grpo_evaluate(run_url: str, steps: Optional[list[int]] = None) -> dict[str, 
     """
     cfg = load_run(run_url)
     if not steps:
-        from grpo_core.store.startpoint import checkpoint_steps
+        from grpo_core.store.report import checkpoint_steps
 
         found = checkpoint_steps(RunRoot(run_url))
         steps = [found[-1] if found else 0]

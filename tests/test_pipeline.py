@@ -312,7 +312,8 @@ def test_pipeline_on_gcs(gcs_emulator):
         assert ckpt.latest_step() == NUM_STEPS
     # a run on gs:// as another run's start: Orbax's finalised steps, read without JAX, and a
     # continual run that starts from one of its checkpoints on the bucket
-    from grpo_core.store.startpoint import checkpoint_steps, policies
+    from grpo_core.store.report import checkpoint_steps
+    from grpo_core.store.startpoint import policies
 
     with Checkpointer(run.uri("checkpoints")) as ckpt:
         assert checkpoint_steps(run) == ckpt.all_steps() and policies(run)[NUM_STEPS] == "export"

@@ -68,6 +68,12 @@ def window_means(rewards: list[float]) -> tuple[float | None, float | None]:
     return mean(rewards[:w]), mean(rewards[-w:])
 
 
+def _step_folders(root: RunRoot, folder: str) -> list[int]:
+    """The all-digit folder names under `folder`, ascending: a save in progress has a temporary
+    name, and checkpoints set aside sit under checkpoints/_set_aside/."""
+    return sorted(int(n) for n in root.list(folder) if n.isdigit())
+
+
 def latest_checkpoint(root: RunRoot) -> int | None:
     """The newest finalised checkpoint step, read from the folder names Orbax finalises
     (a checkpoint still being written has a temporary name).
@@ -77,18 +83,32 @@ def latest_checkpoint(root: RunRoot) -> int | None:
     depends on the storage (a renamed temporary folder on local disk; on gs:// the step's own
     folder plus its commit_success.txt marker); this JAX-free reading of the names serves status
     and summaries in the Prefect process. The two agree on local folders; on gs:// a save cut off
-    before its marker counts here and not there.
+    before its marker counts here and not there (checkpoint_steps below counts it nowhere).
 
     Only all-digit names count: checkpoints that failed to restore when training resumed sit
     under checkpoints/_set_aside/ (grpo_core.rl.checkpoint.SET_ASIDE) and are never the latest."""
-    steps = [int(n) for n in root.list("checkpoints") if n.isdigit()]
-    return max(steps) if steps else None
+    steps = _step_folders(root, "checkpoints")
+    return steps[-1] if steps else None
+
+
+def checkpoint_steps(root: RunRoot) -> list[int]:
+    """Every finalised checkpoint, as Orbax restores them, without JAX: on object stores (no
+    atomic rename) the step's folder also holds Orbax's commit_success.txt once finalised."""
+    steps = _step_folders(root, "checkpoints")
+    if root.is_local:
+        return steps
+    return [s for s in steps if root.exists(f"checkpoints/{s}/commit_success.txt")]
+
+
+def export_steps(root: RunRoot) -> list[int]:
+    """The complete Hugging Face exports, export/{step}/ with its marker, ascending."""
+    return [s for s in _step_folders(root, "export") if root.is_done(f"export/{s}")]
 
 
 def latest_export(root: RunRoot) -> str | None:
-    """The newest complete Hugging Face export, export/{step}/ with its marker."""
-    steps = sorted((int(n) for n in root.list("export") if n.isdigit()), reverse=True)
-    return next((root.uri("export", str(s)) for s in steps if root.is_done(f"export/{s}")), None)
+    """The newest complete Hugging Face export."""
+    steps = export_steps(root)
+    return root.uri("export", str(steps[-1])) if steps else None
 
 
 def build_summary(root: RunRoot, status: str, **extra: Any) -> dict[str, Any]:

@@ -119,6 +119,11 @@ class RunRoot:
         self.fs, self.path = fsspec.core.url_to_fs(self.url)
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
+    @property
+    def is_local(self) -> bool:
+        """A local folder (atomic renames), not an object store."""
+        return self._local
+
     def uri(self, *parts: str) -> str:
         return posixpath.join(self.url, *parts)
 

@@ -27,6 +27,7 @@ import re
 from typing import Any, Callable
 
 from grpo_core.errors import ConfigError
+from grpo_core.store.report import checkpoint_steps, export_steps
 from grpo_core.store.root import RunRoot
 
 _STEP = re.compile(r"^(?P<run>.+?)@(?P<step>\d+)$")
@@ -72,20 +73,6 @@ def _run_url(cfg, ref: str) -> str:
     if _is_name(ref):
         return f"{cfg.storage_url}/{ref.strip('/')}"
     return ref.rstrip("/") if "://" in ref else os.path.abspath(os.path.expanduser(ref))
-
-
-def checkpoint_steps(root: RunRoot) -> list[int]:
-    """The finalised checkpoints, read from their folder names without JAX: a save in progress
-    has a temporary name; on object stores (no atomic rename) the step's folder also holds
-    Orbax's commit_success.txt once finalised."""
-    steps = sorted(int(n) for n in root.list("checkpoints") if n.isdigit())
-    if root._local:
-        return steps
-    return [s for s in steps if root.exists(f"checkpoints/{s}/commit_success.txt")]
-
-
-def export_steps(root: RunRoot) -> list[int]:
-    return sorted(int(n) for n in root.list("export") if n.isdigit() and root.is_done(f"export/{n}"))
 
 
 def policies(root: RunRoot) -> dict[int, str]:
