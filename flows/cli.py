@@ -194,7 +194,7 @@ def check_command(args) -> int:
     from grpo_core.errors import ExitCode
     from tasks.stages import readiness_report
 
-    report = readiness_report(cfg)
+    report = readiness_report(cfg, data=True)  # the data too: prompts its tokenizer cannot encode, before any run
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -311,6 +311,13 @@ def serve_command(args) -> int:
         # it then means the default for the config the run starts with. A key given as null
         # where null means "the default" is left out (the form's schema has no null there).
         params = RunParams.model_validate(read_config(args.config, args.set)).model_dump(exclude_unset=True)
+    from flows.serve import allow_code
+
+    try:  # what the deployments' runs may name besides the built-ins (grpo_core.rewards.trust)
+        allow_code(args.allow_reward_path, args.allow_reward_module, args.allow_field, params)
+    except ValueError as exc:
+        print(f"grpo serve: {exc}", file=sys.stderr)
+        return 2
     from flows.serve import serve
 
     serve(params, cron=args.cron, interval=args.interval, limit=args.limit)
@@ -358,6 +365,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, help="schedule the pipeline deployment every N seconds")
     p.add_argument(
         "--limit", type=int, default=1, help="flow runs at a time in this process (default 1: one accelerator)"
+    )
+    p.add_argument(
+        "--allow-reward-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder (or file) of reward functions a run from the API or UI may name (repeatable; "
+        "default: ./rewards if it exists)",
+    )
+    p.add_argument(
+        "--allow-reward-module",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a module (pkg.rewards) or function (pkg.rewards:fn) a run from the API or UI may name (repeatable)",
+    )
+    p.add_argument(
+        "--allow-field",
+        action="append",
+        default=[],
+        metavar="FIELD",
+        help="a field naming a program (train.rollout.server_command, pipeline.worker_python, ...) a run from "
+        "the API or UI may set (repeatable)",
     )
     p.set_defaults(func=serve_command)
     args = parser.parse_args(argv)

@@ -134,6 +134,25 @@ def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
     return (config if isinstance(config, RunParams) else RunParams.model_validate(config or {})).to_config()
 
 
+def _allowed(make_config, log: Any) -> RunConfig:
+    """The config `make_config()` builds, refused (ConfigError naming the field, the flow run not
+    retried) when it is invalid or, in a deployment run, names code the operator did not allow:
+    rewards and programs (grpo_core.rewards.trust). A direct call (the CLI) is the local user's."""
+    from prefect.runtime import deployment
+
+    from grpo_core.errors import ConfigError
+    from grpo_core.rewards.trust import TrustPolicy
+
+    try:
+        cfg = make_config()
+        if deployment.id is not None:
+            TrustPolicy.from_env().check(cfg)
+        return cfg
+    except ConfigError:
+        _no_flow_retry(log)
+        raise
+
+
 FLOW_RUNS = "_flow-runs"  # under storage.root: the run_name each flow run filled its template in to
 
 
@@ -194,7 +213,7 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
             command line; the same config resumes its own run.
     """
     log = get_run_logger()
-    cfg = _config(config)
+    cfg = _allowed(lambda: _config(config), log)  # before anything runs or is written
     # Seconds, not minutes of gcsfs retries, when a gs:// root has no network: the lease's first
     # read is the run's first storage call (StorageError naming storage.root and the cause).
     check_reachable(cfg.storage_url)
@@ -279,7 +298,7 @@ def grpo_evaluate(run_url: str, steps: Optional[list[int]] = None) -> dict[str, 
             finalised checkpoint (what a nightly evaluation of a run in progress wants). Each
             result lands in {run_url}/eval/{step}.json; a step already evaluated is read back.
     """
-    cfg = load_run(run_url)
+    cfg = _allowed(lambda: load_run(run_url), get_run_logger())
     if not steps:
         from grpo_core.store.report import checkpoint_steps
 
@@ -305,6 +324,6 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
             memory plan checked on this worker's devices. Empty fields: the config's defaults.
     """
     cfg = _fill_run_name(_config(config))
-    report = readiness_report(cfg)
+    report = readiness_report(cfg, data=True)
     publish_readiness(report, cfg.name)
     return {k: report.get(k) for k in ("ready", "backend", "device_kind", "device_count", "process_count")}

@@ -68,6 +68,34 @@ def build_deployments(
     ]
 
 
+def allow_code(
+    paths: list[str], modules: list[str], fields: list[str], parameters: dict[str, Any] | None = None
+) -> None:
+    """What the served deployments' runs may name besides the built-in rewards, set in this
+    process's environment, which the flow runs it starts inherit (grpo_core.rewards.trust): the
+    reward folders and modules and the program fields given, added to those already set, and
+    the reward files and modules of the operator's own config (`parameters`, from --config/--set)."""
+    from grpo_core.rewards.registry import builtin_rewards
+    from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, PROGRAM_FIELDS, TrustPolicy
+
+    unknown = [f for f in fields if f not in PROGRAM_FIELDS]
+    if unknown:
+        raise ValueError(f"--allow-field {unknown[0]!r} is not one of {', '.join(PROGRAM_FIELDS)}")
+    policy = TrustPolicy.from_env()  # what is allowed already (the default reward folder included)
+    params = parameters or {}
+    evals = params.get("eval") if isinstance(params.get("eval"), dict) else {}
+    specs = [
+        s.get("function") if isinstance(s, dict) else s for s in [*params.get("rewards", []), *evals.get("rewards", [])]
+    ]
+    specs = [s for s in specs if isinstance(s, str) and ":" in s and s not in builtin_rewards()]
+    files = [s.rsplit(":", 1)[0] for s in specs if s.rsplit(":", 1)[0].endswith(".py")]
+    paths = [*policy.reward_paths, *(os.path.abspath(p) for p in paths), *files]
+    modules = [*policy.reward_modules, *modules, *(s for s in specs if not s.rsplit(":", 1)[0].endswith(".py"))]
+    os.environ[ENV_PATHS] = os.pathsep.join(dict.fromkeys(paths))
+    os.environ[ENV_MODULES] = ",".join(dict.fromkeys(modules))
+    os.environ[ENV_FIELDS] = ",".join(dict.fromkeys([*policy.fields, *fields]))
+
+
 def owner_token() -> str:
     """This process's mark on the deployments it serves (their `version`)."""
     return f"grpo-serve {socket.gethostname()} pid {os.getpid()} {uuid.uuid4().hex[:8]}"

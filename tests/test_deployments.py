@@ -222,6 +222,31 @@ def test_run_with_parameters_and_invalid_parameters_rejected(served):
     assert dep.enforce_parameter_schema and "RunParams" in json.dumps(dep.parameter_openapi_schema)
 
 
+def test_run_naming_a_library_callable_is_refused_before_anything_runs(served, tmp_path):
+    """issue 28: `pty:spawn` has a reward's signature; through the API it ran `touch` on the host.
+    A deployment's config may name only built-ins and what the operator allowed (grpo serve runs
+    here with none): refused before any task, naming the field, and not retried."""
+    client, root, _ = served
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.deployments import run_deployment
+
+    data = tmp_path / "touch.jsonl"
+    data.write_text('{"prompt": "touch"}\n' * 64)
+    marker = os.path.join(os.getcwd(), "touch")  # grpo serve's working directory: where `touch touch ...` writes
+    assert not os.path.exists(marker)
+    config = {**tiny(root, "spawn"), "data": {"source": str(data), "eval_rows": 8}}
+    run = run_deployment(
+        "grpo-pipeline/pipeline", parameters={"config": {**config, "rewards": [{"function": "pty:spawn"}]}}, timeout=0
+    )
+    run = _wait(client, run.id)
+    assert run.state.is_failed()
+    assert "rewards[0].function 'pty:spawn' may not run in a deployment run" in run.state.message
+    assert "--allow-reward-module" in run.state.message
+    assert not os.path.exists(marker) and not (root / "spawn").exists()
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    assert tasks == [] and run.run_count == 1  # no stage started, no worker; the flow run not retried
+
+
 def test_schedule_fires(served):
     client, root, _ = served
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId

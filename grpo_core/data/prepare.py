@@ -346,10 +346,14 @@ def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, wh
     try:
         ids = [int(t) for t in tokenizer.encode(prompt)]
     except ValueError as exc:
-        raise DataError(f"{where} row {i}: the tokenizer cannot encode the prompt: {exc}") from None
+        raise EncodeError(f"{where} row {i}: the tokenizer (model.tokenizer) cannot encode the prompt: {exc}") from None
     columns = {k: v for k, v in row.items() if k != column}
     # chat prompts keep their messages: reward functions get them as TRL passes conversational data
     return {**columns, "prompt": prompt, "prompt_ids": ids, **({"prompt_messages": messages} if messages else {})}
+
+
+class EncodeError(DataError):
+    """A prompt the run's tokenizer cannot encode: the field to change is model.tokenizer."""
 
 
 class _EmptyValueError(Exception):
@@ -448,16 +452,8 @@ def _split(cfg: DataConfig, rows: list[dict], where: str) -> tuple[list[dict], l
     return rows[n_eval:], rows[:n_eval]
 
 
-def prepare_dataset(
-    cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str, versions: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """Write data/{hash}/train.jsonl, eval.jsonl, manifest.json, then the marker. A finished
-    stage (its marker present) is read back, not redone. `versions`: of the sources read
-    (RunConfig.data_versions), part of the hash and recorded in the manifest."""
-    h = data_hash(cfg, tokenizer_id, versions)
-    stage = f"data/{h}"
-    if root.is_done(stage):
-        return dict(root.done_info(stage), cached=True)
+def _prepare_rows(cfg: DataConfig, tokenizer) -> tuple[list[dict], list[dict], dict, dict]:
+    """(train rows, eval rows, the training rows' stats, the eval rows'): read, shaped, split."""
     raw_train, raw_eval, where = _load_rows(cfg)
     train, stats = _shape(cfg, raw_train, where, tokenizer)
     if raw_eval is None:
@@ -471,6 +467,34 @@ def prepare_dataset(
             evals = [evals[i] for i in keep]
         if cfg.max_rows:
             train = train[: cfg.max_rows]
+    return train, evals, stats, eval_stats
+
+
+def dry_run(cfg: DataConfig, tokenizer) -> dict[str, Any]:
+    """What prepare_dataset would write, counted and written nowhere: every row read, rendered and
+    tokenized as the run will, so data the tokenizer cannot encode (or that is empty, or longer
+    than data.max_prompt_tokens) fails here, with the DataError the run would raise. `grpo check`."""
+    train, evals, stats, eval_stats = _prepare_rows(cfg, tokenizer)
+    return {
+        "train_rows": len(train),
+        "eval_rows": len(evals),
+        "format": stats["format"],
+        "dropped_too_long": stats["dropped_too_long"] + eval_stats["dropped_too_long"],
+        "prompt_tokens": stats["prompt_tokens"],
+    }
+
+
+def prepare_dataset(
+    cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str, versions: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Write data/{hash}/train.jsonl, eval.jsonl, manifest.json, then the marker. A finished
+    stage (its marker present) is read back, not redone. `versions`: of the sources read
+    (RunConfig.data_versions), part of the hash and recorded in the manifest."""
+    h = data_hash(cfg, tokenizer_id, versions)
+    stage = f"data/{h}"
+    if root.is_done(stage):
+        return dict(root.done_info(stage), cached=True)
+    train, evals, stats, eval_stats = _prepare_rows(cfg, tokenizer)
     for name, rows in (("train", train), ("eval", evals)):
         root.write_bytes(posixpath.join(stage, f"{name}.jsonl"), "".join(json.dumps(r) + "\n" for r in rows).encode())
     manifest = {

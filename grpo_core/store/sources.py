@@ -17,11 +17,13 @@ generation config, and a pad id (the EOS when the tokenizer has none).
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import json
 import os
 import re
+import typing
 import uuid
 from typing import Any, Sequence
 
@@ -57,24 +59,57 @@ def looks_local(path: str) -> bool:
 
 def resolve(path: str, revision: str | None = None, weights: bool = True) -> str:
     """A local folder holding the model at `path` (see the module docstring)."""
+    return _resolve(path, revision, weights, MODEL_FILES)
+
+
+def resolve_tokenizer(path: str, revision: str | None = None, field: str = "model.tokenizer") -> str:
+    """A local folder holding the tokenizer at `path`: a Hub id, a URL or a folder with the files
+    `save_pretrained` writes (tokenizer.json, tokenizer_config.json, ...); no config.json needed,
+    as AutoTokenizer needs none. Errors name `field`."""
+    return _resolve(path, revision, False, _Need(field, "a tokenizer", TOKENIZER_FILES))
+
+
+class _Need(typing.NamedTuple):
+    field: str  # the config field the folder comes from, named in every error
+    what: str  # what the folder must hold, in words
+    files: tuple[str, ...]  # at least one of these (fnmatch patterns)
+
+    def found(self, names) -> bool:
+        return any(fnmatch.fnmatch(n, p) for n in names for p in self.files)
+
+    def expected(self) -> str:
+        if self.files == ("config.json",):
+            return "no config.json; expected a Hugging Face model folder"
+        return (
+            f"none of {', '.join(self.files)}; expected {self.what} as save_pretrained writes it "
+            "(tokenizer.json and tokenizer_config.json)"
+        )
+
+
+# The files a tokenizer folder holds (one is enough for AutoTokenizer to find the rest).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "*.tiktoken")
+MODEL_FILES = _Need("model.path", "a Hugging Face model folder", ("config.json",))
+
+
+def _resolve(path: str, revision: str | None, weights: bool, need: _Need) -> str:
     if not isinstance(path, str) or not path:
-        raise ConfigError(f"model.path must be a Hugging Face id, a folder or a gs:// URL, got {path!r}")
+        raise ConfigError(f"{need.field} must be a Hugging Face id, a folder or a gs:// URL, got {path!r}")
     if is_url(path):
-        return _fetch_url(path, weights)
+        return _fetch_url(path, weights, need)
     if looks_local(path):
         folder = os.path.abspath(os.path.expanduser(path))
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            what = "does not exist" if not os.path.exists(folder) else "has no config.json"
-            raise ConfigError(f"model.path {path!r}: {folder} {what}; expected a Hugging Face model folder")
+        if not os.path.isdir(folder) or not need.found(os.listdir(folder)):
+            what = "does not exist" if not os.path.exists(folder) else f"has {need.expected()}"
+            raise ConfigError(f"{need.field} {path!r}: {folder} {what}")
         return folder
     if not _HUB_ID.match(path):
         raise ConfigError(
-            f"model.path {path!r} is neither an existing folder, a URL nor a Hugging Face id like 'Qwen/Qwen3-0.6B'"
+            f"{need.field} {path!r} is neither an existing folder, a URL nor a Hugging Face id like 'Qwen/Qwen3-0.6B'"
         )
-    return _fetch_hub(path, revision, weights)
+    return _fetch_hub(path, revision, weights, need.field)
 
 
-def _fetch_hub(repo_id: str, revision: str | None, weights: bool) -> str:
+def _fetch_hub(repo_id: str, revision: str | None, weights: bool, field: str = "model.path") -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -88,16 +123,16 @@ def _fetch_hub(repo_id: str, revision: str | None, weights: bool) -> str:
         return snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as exc:
         raise ConfigError(
-            f"model.path {repo_id!r}{f' revision {revision!r}' if revision else ''}: "
+            f"{field} {repo_id!r}{f' revision {revision!r}' if revision else ''}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0]} (no such local folder either)"
         ) from None
     except LocalEntryNotFoundError as exc:  # offline, or the Hub cannot be reached: worth a retry
         raise StorageError(
-            f"model.path {repo_id!r} is not in the Hugging Face cache and the Hub cannot be reached "
+            f"{field} {repo_id!r} is not in the Hugging Face cache and the Hub cannot be reached "
             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {exc}"
         ) from None
     except OSError as exc:
-        raise StorageError(f"cannot download {repo_id!r} from the Hugging Face Hub: {exc}") from None
+        raise StorageError(f"{field}: cannot download {repo_id!r} from the Hugging Face Hub: {exc}") from None
 
 
 def cache_dir() -> str:
@@ -107,8 +142,8 @@ def cache_dir() -> str:
     return base
 
 
-def _fetch_url(url: str, weights: bool) -> str:
-    """Copy the top-level files of a model folder at `url` into the local cache."""
+def _fetch_url(url: str, weights: bool, need: _Need = MODEL_FILES) -> str:
+    """Copy the top-level files of a model (or tokenizer) folder at `url` into the local cache."""
     import fsspec
 
     url = url.rstrip("/")
@@ -117,14 +152,12 @@ def _fetch_url(url: str, weights: bool) -> str:
         fs, root = fsspec.core.url_to_fs(url)
         entries = [e for e in fs.ls(root, detail=True) if e.get("type") == "file"]
     except FileNotFoundError:
-        raise ConfigError(f"model.path {url} does not exist") from None
+        raise ConfigError(f"{need.field} {url} does not exist") from None
     except OSError as exc:
-        raise StorageError(f"cannot list model.path {url}: {exc}") from None
+        raise StorageError(f"cannot list {need.field} {url}: {exc}") from None
     names = {os.path.basename(e["name"].rstrip("/")): e for e in entries}
-    if "config.json" not in names:
-        raise ConfigError(
-            f"model.path {url} has no config.json; expected a Hugging Face model folder (found: {sorted(names)[:10]})"
-        )
+    if not need.found(names):
+        raise ConfigError(f"{need.field} {url} has {need.expected()} (found: {sorted(names)[:10]})")
     wanted = [n for n in names if not n.endswith(OTHER_WEIGHTS) and (weights or not n.endswith(WEIGHT_SUFFIXES))]
     os.makedirs(local, exist_ok=True)
     stamps_path = os.path.join(local, ".sources.json")
@@ -188,20 +221,20 @@ class HFTokenizer:
     """A Hugging Face tokenizer with the interface the engine uses (encode, decode, eos/pad ids,
     stop ids, vocab size, chat template)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, field: str = "model.tokenizer"):
         from transformers import AutoTokenizer
 
         try:
             self.tok = AutoTokenizer.from_pretrained(folder)
         except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, its own types
-            raise ConfigError(f"cannot load a tokenizer from {folder}: {type(exc).__name__}: {exc}") from None
+            raise ConfigError(f"{field}: cannot load a tokenizer from {folder}: {type(exc).__name__}: {exc}") from None
         self.folder = folder
         gen = generation_config(folder)
         stops = _ids(gen.get("eos_token_id")) + _ids(self.tok.eos_token_id)
         self.stop_ids = list(dict.fromkeys(stops))
         if not self.stop_ids:
             raise ConfigError(
-                f"the tokenizer in {folder} has no EOS token and generation_config.json names none: "
+                f"{field}: the tokenizer in {folder} has no EOS token and generation_config.json names none: "
                 "completions could never end"
             )
         self.eos_token_id = self.stop_ids[0]
@@ -231,5 +264,7 @@ class HFTokenizer:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str, revision: str | None = None) -> HFTokenizer:
-    return HFTokenizer(resolve(path, revision, weights=False))
+def load_tokenizer(path: str, revision: str | None = None, field: str = "model.tokenizer") -> HFTokenizer:
+    """The tokenizer at `path` (a Hub id, a URL or a folder, with or without a model beside it);
+    errors name `field`."""
+    return HFTokenizer(resolve_tokenizer(path, revision, field), field)
