@@ -130,9 +130,16 @@ def prepare_dataset(run_url: str) -> dict[str, Any]:
     return {k: manifest.get(k) for k in ("uri", "hash", "train_rows", "eval_rows", "dropped_too_long", "cached")}
 
 
-def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str, Any]:
-    """The storage probe (here) and the device checks (in a worker process), as one report."""
+def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool = False) -> dict[str, Any]:
+    """The storage probe and the tokenizer (here), with `data` the prompts read and tokenized as
+    the run will (`grpo check`: before any run; the pipeline prepares them just before), and the
+    device checks (in a worker process), as one report."""
     checks: list[dict[str, Any]] = []
+    tokenizer = _tokenizer_check(cfg, checks)
+    if tokenizer is None:  # the model's shape (its vocabulary) is not known: no device checks
+        return {"checks": checks, "ready": False}
+    if data:
+        checks.append(_data_check(cfg, tokenizer))
     try:
         RunRoot(cfg.run_url).probe()
         checks.append({"name": "storage", "ok": True, "detail": f"write/read/delete under {cfg.run_url}", "fix": None})
@@ -147,7 +154,7 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
             }
         )
     request = {
-        "model": cfg.model_config(vocab_size=_vocab_size(cfg)).to_dict(),
+        "model": cfg.model_config(vocab_size=tokenizer.vocab_size).to_dict(),
         "train": cfg.train.to_dict(),
         "max_prompt_tokens": cfg.data.max_prompt_tokens,
         "require_tpu": cfg.pipeline.require_tpu,
@@ -175,10 +182,40 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None) -> dict[str
     return report
 
 
-def _vocab_size(cfg: RunConfig) -> int:
+def _tokenizer_check(cfg: RunConfig, checks: list[dict[str, Any]]):
+    """The run's tokenizer, or None with a failed check naming model.tokenizer."""
     from grpo_core.data.tokenizer import make_tokenizer
 
-    return make_tokenizer(cfg).vocab_size
+    try:
+        tokenizer = make_tokenizer(cfg)
+    except (ConfigError, StorageError) as exc:
+        fix = "set model.tokenizer to a Hugging Face tokenizer: a Hub id, or a folder of what save_pretrained writes"
+        checks.append({"name": "tokenizer", "ok": False, "detail": str(exc), "fix": fix})
+        return None
+    checks.append(
+        {"name": "tokenizer", "ok": True, "detail": f"{cfg.tokenizer_id}, {tokenizer.vocab_size} tokens", "fix": None}
+    )
+    return tokenizer
+
+
+def _data_check(cfg: RunConfig, tokenizer) -> dict[str, Any]:
+    """The prompts read, rendered and tokenized as the run will, written nowhere."""
+    from grpo_core.data.prepare import EncodeError, dry_run
+
+    try:
+        got = dry_run(cfg.data, tokenizer)
+    except EncodeError as exc:
+        fix = "set model.tokenizer to one that covers the data"
+        return {"name": "data", "ok": False, "detail": str(exc), "fix": fix}
+    except (DataError, ConfigError, StorageError) as exc:
+        return {"name": "data", "ok": False, "detail": str(exc), "fix": "fix the data.* field or the file named"}
+    tokens = got["prompt_tokens"]
+    detail = (
+        f"{got['train_rows']} train / {got['eval_rows']} eval prompts from {cfg.data.source} ({got['format']}), "
+        f"{tokens['min']}..{tokens['max']} tokens"
+        + (f", {got['dropped_too_long']} over data.max_prompt_tokens dropped" if got["dropped_too_long"] else "")
+    )
+    return {"name": "data", "ok": True, "detail": detail, "fix": None, "train_rows": got["train_rows"]}
 
 
 def worker_python(cfg: RunConfig) -> str:

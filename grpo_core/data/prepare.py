@@ -346,7 +346,7 @@ def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, wh
     try:
         ids = [int(t) for t in tokenizer.encode(prompt)]
     except ValueError as exc:
-        raise EncodeError(f"{where} row {i}: the tokenizer (model.tokenizer) cannot encode the prompt: {exc}") from None
+        raise EncodeError(f"{where} row {i}: the tokenizer cannot encode the prompt (model.tokenizer): {exc}") from None
     columns = {k: v for k, v in row.items() if k != column}
     # chat prompts keep their messages: reward functions get them as TRL passes conversational data
     return {**columns, "prompt": prompt, "prompt_ids": ids, **({"prompt_messages": messages} if messages else {})}

@@ -42,7 +42,19 @@ class CharTokenizer:
         try:
             return [self.stoi[c] for c in text]
         except KeyError as exc:
-            raise ValueError(f"character {exc.args[0]!r} in {text!r} is not in the tokenizer's alphabet") from None
+            raise ValueError(self.outside(exc.args[0], text)) from None
+
+    def outside(self, char: str, text: str) -> str:
+        """Why `text` cannot be encoded, and what to set instead: the built-in tokenizer is for the
+        synthetic task (no byte fallback: its ids, and so the demo's hashes, stay as they are)."""
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        return (
+            f"character {char!r} in {shown!r} is not in the alphabet of the built-in character tokenizer "
+            f"(model.tokenizer: char, {self.chars!r}), which is made for the synthetic task: set model.tokenizer to "
+            "a Hugging Face tokenizer, e.g. --set model.tokenizer=Qwen/Qwen2.5-0.5B-Instruct (a Hub id) or "
+            "model.tokenizer=path/to/folder (what save_pretrained writes: tokenizer.json, tokenizer_config.json), "
+            "or start from a checkpoint with model.path, whose own tokenizer is used"
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         # Special tokens decode to nothing, as HF's skip_special_tokens=True does.

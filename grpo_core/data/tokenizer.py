@@ -15,5 +15,7 @@ def make_tokenizer(cfg: RunConfig):
         return CharTokenizer()
     from grpo_core.store.sources import load_tokenizer
 
+    own = cfg.model.tokenizer == "auto"  # the model folder's own tokenizer
+    field = f"model.tokenizer (auto: the tokenizer of model.path {cfg.model_path!r})" if own else "model.tokenizer"
     rev = cfg.model.revision if cfg.tokenizer_source == cfg.model_path else None
-    return load_tokenizer(cfg.tokenizer_source, rev)
+    return load_tokenizer(cfg.tokenizer_source, rev, field)

@@ -1,0 +1,190 @@
+"""Tokenizers as users save them (issue 29): `model.tokenizer` as a folder holding only what
+`PreTrainedTokenizerFast.save_pretrained` writes, a Hub id (an offline Hub cache laid out as
+huggingface_hub writes it) or a URL; every error names model.tokenizer; the built-in character
+tokenizer says what to set when text falls outside its alphabet, and `grpo check` finds such
+data before any run starts."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from flows.cli import main  # noqa: E402
+from grpo_core.config.run import RunConfig  # noqa: E402
+from grpo_core.data.prepare import EncodeError, dry_run  # noqa: E402
+from grpo_core.data.synthetic import CharTokenizer  # noqa: E402
+from grpo_core.data.tokenizer import make_tokenizer  # noqa: E402
+from grpo_core.errors import ConfigError  # noqa: E402
+from grpo_core.store.sources import resolve_tokenizer  # noqa: E402
+
+TEXTS = ["What is 13+14? Answer: 27", "Natalia sold clips to 48 of her friends in April."]
+
+
+def save_bpe_tokenizer(folder, texts=TEXTS, vocab_size=300):
+    """A byte-level BPE tokenizer trained here, saved as a user saves one: tokenizer.json and
+    tokenizer_config.json, no config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(texts * 10, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.save_pretrained(str(folder))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tok_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok") / "my-tokenizer"
+    tok = save_bpe_tokenizer(folder)
+    assert not (folder / "config.json").exists()
+    return folder, tok
+
+
+def gsm8k_rows(path, n=12):
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"question": f"Natalia sold {i} clips in April. How many?", "answer": f"She sold {i}.\n#### {i}"}
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
+    return path
+
+
+def test_a_tokenizer_folder_without_config_json_is_the_runs_tokenizer(tok_folder, tmp_path):
+    folder, tok = tok_folder
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"preset": "tiny", "tokenizer": str(folder)},
+            "data": {"source": str(gsm8k_rows(tmp_path / "g.jsonl"))},
+        }
+    )
+    t = make_tokenizer(cfg)
+    assert t.vocab_size == len(tok) and t.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert t.encode("Natalia sold 3") == tok.encode("Natalia sold 3", add_special_tokens=False)
+    assert t.decode(t.encode("Ünïcode ✓ text")) == "Ünïcode ✓ text"  # byte-level: any UTF-8
+    assert cfg.tokenizer_id == f"hf:{folder}" and cfg.model_config(vocab_size=t.vocab_size).vocab_size == len(tok)
+    got = dry_run(cfg.data, t)
+    assert got["train_rows"] + got["eval_rows"] == 12 and got["format"] == "gsm8k"
+
+
+def test_tokenizer_errors_name_model_tokenizer(tok_folder, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights-only").mkdir()
+    (tmp_path / "weights-only" / "config.json").write_text("{}")
+    broken = tmp_path / "broken"
+    shutil.copytree(tok_folder[0], broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    cases = {
+        str(tmp_path / "nope"): "does not exist",
+        str(tmp_path / "empty"): "none of tokenizer.json, tokenizer_config.json",
+        str(tmp_path / "weights-only"): "none of tokenizer.json",
+        str(broken): "cannot load a tokenizer from",
+        "not a valid id!": "neither an existing folder",
+    }
+    for where, why in cases.items():
+        cfg = RunConfig.from_dict({"model": {"preset": "tiny", "tokenizer": where}})
+        with pytest.raises(ConfigError) as exc:
+            make_tokenizer(cfg)
+        assert str(exc.value).startswith("model.tokenizer") and why in str(exc.value), str(exc.value)
+        assert "model.path" not in str(exc.value)
+
+
+def test_a_tokenizer_url_needs_no_config_json(tok_folder, monkeypatch, tmp_path):
+    import fsspec
+
+    monkeypatch.setenv("GRPO_MODEL_CACHE", str(tmp_path / "cache"))
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(tok_folder[0]):
+        fs.pipe(f"/tok29/{name}", (tok_folder[0] / name).read_bytes())
+    local = resolve_tokenizer("memory://tok29")
+    assert sorted(os.listdir(local)) == [".sources.json", "tokenizer.json", "tokenizer_config.json"]
+    fs.pipe("/notok29/README.md", b"hello")
+    with pytest.raises(ConfigError, match=r"^model.tokenizer memory://notok29 has none of tokenizer.json.*README"):
+        resolve_tokenizer("memory://notok29")
+
+
+def test_a_hub_id_loads_a_tokenizer_only_repo_offline(tok_folder, tmp_path):
+    """The Hub path of model.tokenizer: snapshot_download through a cache laid out as
+    huggingface_hub writes it (a repository holding tokenizer files alone), HF_HUB_OFFLINE=1."""
+    repo = tmp_path / "hub" / "models--acme--tok"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("1" * 40)
+    shutil.copytree(tok_folder[0], repo / "snapshots" / ("1" * 40))
+    code = (
+        "import json; from grpo_core.config.run import RunConfig; from grpo_core.data.tokenizer import make_tokenizer\n"
+        "from grpo_core.store.root import StorageError\n"
+        "t = make_tokenizer(RunConfig.from_dict({'model': {'preset': 'tiny', 'tokenizer': 'acme/tok'}}))\n"
+        "out = {'vocab': t.vocab_size, 'ids': t.encode('Natalia sold 3')}\n"
+        "try:\n    make_tokenizer(RunConfig.from_dict({'model': {'preset': 'tiny', 'tokenizer': 'acme/absent'}}))\n"
+        "except StorageError as e:\n    out['absent'] = str(e)\n"
+        "print(json.dumps(out))"
+    )
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["vocab"] == len(tok_folder[1]) and out["ids"] == tok_folder[1].encode("Natalia sold 3")
+    assert out["absent"].startswith("model.tokenizer 'acme/absent' is not in the Hugging Face cache")
+
+
+def test_the_character_tokenizer_says_what_to_set():
+    with pytest.raises(ValueError) as exc:
+        CharTokenizer().encode("What is 2+2?")
+    msg = str(exc.value)
+    assert "character 'W'" in msg and "--set model.tokenizer=Qwen/Qwen2.5-0.5B-Instruct" in msg
+    assert "tokenizer.json" in msg and "model.path" in msg
+
+
+def test_check_finds_data_the_tokenizer_cannot_encode(tok_folder, tmp_path, capsys):
+    """issue 29/30: `grpo check` reads and tokenizes the prompts as the run will; ready: false,
+    the failed check naming model.tokenizer, before any run starts. With a tokenizer that covers
+    them, ready."""
+    data = gsm8k_rows(tmp_path / "g.jsonl")
+    args = ["check", "--json", "--set", f"storage.root={tmp_path}/runs", "--set", f"data.source={data}"]
+    args += ["--set", "rewards=[{function: math_answer}]"]
+    assert main(args) == 4  # ExitCode.NOT_READY
+    report = json.loads(capsys.readouterr().out)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["ready"] is False and not checks["data"]["ok"]
+    assert "row 0: the tokenizer cannot encode the prompt (model.tokenizer)" in checks["data"]["detail"]
+    assert "model.tokenizer" in checks["data"]["fix"]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("data"))  # nothing prepared
+
+    assert main(args + ["--set", f"model.tokenizer={tok_folder[0]}"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["ready"] is True and checks["data"]["train_rows"] + 1 == 12, checks["data"]
+    assert checks["tokenizer"]["detail"] == f"hf:{tok_folder[0]}, {len(tok_folder[1])} tokens"
+
+    assert main(args + ["--set", f"model.tokenizer={tmp_path}"]) == 4  # a folder with no tokenizer in it
+    report = json.loads(capsys.readouterr().out)
+    [tok] = [c for c in report["checks"] if c["name"] == "tokenizer"]
+    assert report["ready"] is False and tok["detail"].startswith("model.tokenizer") and "model.tokenizer" in tok["fix"]
+
+
+def test_encode_error_is_a_data_error_naming_the_row(tmp_path):
+    cfg = RunConfig.from_dict({"data": {"source": str(gsm8k_rows(tmp_path / "g.jsonl"))}})
+    with pytest.raises(EncodeError, match=r"g.jsonl row 0: the tokenizer cannot encode the prompt \(model.tokenizer\)"):
+        dry_run(cfg.data, make_tokenizer(cfg))
