@@ -106,6 +106,27 @@ def _run_url(run: str, args) -> str:
     return cfg.run_url
 
 
+def _run_of(args) -> str | None:
+    """The URL of RUN (a folder, a URL or a run name under storage.root), or None after saying why
+    it is not a run (exit 2): a name that is not one folder, a folder with no config.json (`..`
+    or `../../etc` names no run, so nothing reads or writes there)."""
+    from grpo_core.errors import ConfigError, StorageError
+    from grpo_core.store.root import RunRoot
+
+    try:
+        url = _run_url(args.run, args)
+        if RunRoot(url).exists("config.json"):
+            return url
+        print(
+            f"error: {url} is not a run: it has no config.json (RUN {args.run!r}: give a run's folder or URL, "
+            "or a run name under storage.root)",
+            file=sys.stderr,
+        )
+    except (ConfigError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    return None
+
+
 def _print_summary(s: dict, wall: float) -> None:
     print(f"\nrun {s['status']}: {s['run_uri']}  ({s['steps']} steps, {wall:.0f} s)")
     if s.get("started_from"):
@@ -212,7 +233,9 @@ def check_command(args) -> int:
 def eval_command(args) -> int:
     from tasks.process import StageError, run_worker
 
-    url = _run_url(args.run, args)
+    url = _run_of(args)
+    if url is None:
+        return 2
 
     def show(e):
         if e["event"] == "eval":
@@ -243,7 +266,9 @@ def eval_command(args) -> int:
 def export_command(args) -> int:
     from tasks.process import StageError, run_worker
 
-    url = _run_url(args.run, args)
+    url = _run_of(args)
+    if url is None:
+        return 2
     cmd = ["grpo_core.stages.worker", "export", "--root", url] + (
         ["--step", str(args.step)] if args.step is not None else []
     )
@@ -268,7 +293,9 @@ def status_command(args) -> int:
     from grpo_core.store.report import status
     from grpo_core.store.root import RunRoot
 
-    url = _run_url(args.run, args)
+    url = _run_of(args)
+    if url is None:
+        return 2
     try:
         st = status(RunRoot(url))
     except FileNotFoundError as exc:

@@ -161,7 +161,7 @@ def _fill_run_name(cfg: RunConfig, log: Any = None) -> RunConfig:
     scheduled time the first time, stored as {storage.root}/_flow-runs/{flow run id}.json and
     read back by every retry of that flow run, which so resumes the same run folder (a retry
     after midnight included). With `log` None nothing is written (the flow-run name)."""
-    from grpo_core.config.run import is_template
+    from grpo_core.config.run import check_run_name, is_template
 
     if not cfg.run_name or not is_template(cfg.run_name):
         return cfg
@@ -172,6 +172,7 @@ def _fill_run_name(cfg: RunConfig, log: Any = None) -> RunConfig:
     if fid and store.exists(rel):
         record = store.read_json(rel)
         if record.get("template") == cfg.run_name:
+            check_run_name(record["run_name"], f"run_name in {store.uri(rel)}")
             return dataclasses.replace(cfg, run_name=record["run_name"])
     when = flow_run.scheduled_start_time
     filled = cfg.with_run_name(when)

@@ -50,3 +50,22 @@ def test_status_and_eval_of_a_run_folder(tmp_path, capsys):
     assert st["steps_done"] == 2 and st["latest_checkpoint"] == 2 and [e["step"] for e in st["eval"]] == [0, 2]
     assert main(["eval", run, "--step", "5"]) == 2
     assert "no checkpoint for step 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", "export", "eval"])
+@pytest.mark.parametrize("run", ["..", "../../etc", "/"])
+def test_a_path_that_is_no_run_is_refused_before_any_worker(command, run, tmp_path, monkeypatch, capsys):
+    """issue 28: `grpo export ../../etc` resolved to a folder outside any run and started a worker there."""
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    assert main([command, run, *(["--step", "0"] if command == "eval" else [])]) == 2
+    assert "is not a run: it has no config.json" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b"]  # nothing written anywhere
+
+
+@pytest.mark.parametrize("name", ["a\\b", "x\\..\\y"])
+def test_a_run_name_that_is_no_folder_name_is_refused(name, capsys):
+    # RUN without a separator is a run_name under storage.root, refused naming the field
+    assert main(["export", name]) == 2
+    assert f"run_name must be a single folder name, got {name!r}: it holds a path separator" in capsys.readouterr().err

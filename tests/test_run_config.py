@@ -139,7 +139,9 @@ HASH_CONFIGS = {
 }
 PINNED_HASHES = {
     "default": ["c56fddb0e548", "97eb0009667b", "bf4e622b8a84", "tiny-c56fddb0"],
-    "gsm8k": ["dc143d33a5bd", "da192d853895", "8ee7561791a6", "qwen3-0.6b-dc143d33"],
+    # on the user's data: the 'hf' recipe's defaults since issue 29 (before: dc143d33a5bd, da192d853895,
+    # 8ee7561791a6 under the synthetic task's recipe); the synthetic task's hashes do not move
+    "gsm8k": ["3447fe7c0a08", "20b7df722821", "38cd299dd7a3", "qwen3-0.6b-3447fe7c"],
     "lora": ["15be92a150af", "97eb0009667b", "c686ee029a2c", "small-15be92a1"],
     "sglang": ["438bddbf428e", "97eb0009667b", "bf4e622b8a84", "tiny-438bddbf"],
     "http": ["f328d1dc4fa9", "97eb0009667b", "bf4e622b8a84", "tiny-f328d1dc"],
@@ -165,3 +167,31 @@ def test_the_embedded_defaults_hashes():
     """Today's default (dynamic sampling, clip-higher, an entropy bonus, 600 steps)."""
     cfg = RunConfig.from_dict({})
     assert [cfg.train_hash, cfg.data_hash, cfg.eval_hash, cfg.name] == DEMO_HASHES
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("..", "it names the storage root or its parent"),
+        (".", "it names the storage root or its parent"),
+        ("../x", "it holds a path separator"),
+        ("/etc", "it is an absolute path"),
+        ("a\\b", "it holds a path separator"),
+        ("", "it is empty"),
+        ("  ", "it is empty"),
+        ("a\x00b", "it holds a control character"),
+        ("a\tb", "it holds a control character"),
+    ],
+)
+def test_run_name_stays_inside_storage_root(name, why):
+    """issue 28: run_name '..' wrote the run into the parent of storage.root."""
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"run_name": name})
+    assert str(err.value) == f"run_name must be a single folder name, got {name!r}: {why}"
+    assert RunConfig.from_dict({"run_name": "my-run/"}).name == "my-run"  # a trailing / is only a folder's
+
+
+@pytest.mark.parametrize("template", ["{date}/..", "../{time}", "{date}\\x"])
+def test_a_template_stays_inside_storage_root(template):
+    with pytest.raises(ConfigError, match=r"^run_name must be a single folder name, got .*: it holds a path separator"):
+        RunConfig.from_dict({"run_name": template})

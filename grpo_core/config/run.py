@@ -253,10 +253,9 @@ class RunConfig:
         root = storage.get("root")
         check(isinstance(root, str) and bool(root), f"storage.root must be a folder or URL, got {root!r}")
         name = d["run_name"]
-        check(
-            name is None or (isinstance(name, str) and name.strip("/") and "/" not in name.strip("/")),
-            f"run_name must be a single folder name, got {name!r}",
-        )
+        check(name is None or isinstance(name, str), f"run_name must be a single folder name, got {name!r}")
+        if name is not None:
+            check_run_name(name)
         if name is not None and is_template(name):
             format_run_name(
                 name, datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
@@ -485,11 +484,24 @@ def format_run_name(template: str, when: datetime.datetime) -> str:
             f"run_name {template!r}: {what}; a template may hold "
             f"{', '.join('{' + k + '}' for k in RUN_NAME_FIELDS)} (the flow run's scheduled time, UTC)"
         ) from None
-    check(
-        name.strip("/") != "" and "/" not in name.strip("/") and not is_template(name),
-        f"run_name {template!r} does not name a single folder: {name!r}",
-    )
+    check(not is_template(name), f"run_name {template!r} does not name a single folder: {name!r}")
+    check_run_name(name, f"run_name {template!r} filled in")
     return name.strip("/")
+
+
+def check_run_name(name: str, what: str = "run_name") -> None:
+    """ConfigError unless `name` is one folder under storage.root (a trailing / is allowed): not
+    empty, `.` or `..`, no absolute path, no separator (/ or \\), no control character."""
+    bare = name.rstrip("/")
+    problems = (
+        (not bare.strip(), "it is empty"),
+        (name.startswith("/"), "it is an absolute path"),
+        ("/" in bare or "\\" in bare, "it holds a path separator"),
+        (bare in (".", ".."), "it names the storage root or its parent"),
+        (any(ord(c) < 32 or ord(c) == 127 for c in name), "it holds a control character"),
+    )
+    why = next((why for bad, why in problems if bad), None)
+    check(why is None, f"{what} must be a single folder name, got {name!r}: {why}")
 
 
 def _model_section(value: Any) -> ModelSection:
