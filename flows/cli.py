@@ -216,6 +216,7 @@ def check_command(args) -> int:
     from tasks.stages import readiness_report
 
     report = readiness_report(cfg, data=True)  # the data too: prompts its tokenizer cannot encode, before any run
+    report["recipe"] = _recipe(args)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -223,11 +224,23 @@ def check_command(args) -> int:
             f"{'ready' if report['ready'] else 'NOT READY'}: {report.get('backend')} "
             f"{report.get('device_kind')} x {report.get('device_count')}, {report.get('process_count')} process(es)"
         )
+        recipe = report["recipe"]
+        print(f"defaults: the {recipe['recipe']!r} recipe ({recipe['why']}) filled the fields not set:")
+        for name, d in recipe["filled"].items():
+            print(f"  {name:<34} {d['value']!r:<12} {d['source']}")
         for c in report["checks"]:
             print(f"  {'ok ' if c['ok'] else 'FAIL'} {c['name']:<18} {c['detail']}")
             if not c["ok"] and c.get("fix"):
                 print(f"       fix: {c['fix']}")
     return 0 if report["ready"] else ExitCode.NOT_READY
+
+
+def _recipe(args) -> dict:
+    """Which recipe filled which fields of this config and why (grpo_core.config.recipes)."""
+    from grpo_core.config.recipes import explain
+    from grpo_core.config.run import DEFAULT, read_config
+
+    return explain(read_config(args.config, args.set), DEFAULT)
 
 
 def eval_command(args) -> int:

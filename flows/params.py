@@ -24,6 +24,9 @@ from grpo_core.config.train import TrainConfig
 from grpo_core.data.prepare import DataConfig
 
 _DEFAULTS = RunConfig.from_dict({}).to_dict()
+# A config on the user's data: the 'hf' recipe's defaults (grpo_core.config.recipes), what an
+# empty field means there.
+_ON_USER_DATA = RunConfig.from_dict({"data": {"source": "prompts.jsonl"}}).to_dict()
 
 
 _REWARD = {name: f for name, _, f in RewardSpec.describe()}
@@ -148,21 +151,27 @@ def _section_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
-def _model_for(cls, path: str, demo: dict[str, Any], name: str | None = None, varies: bool = True) -> type[BaseModel]:
+def _model_for(
+    cls, path: str, demo: dict[str, Any], name: str | None = None, varies: bool = True, user: dict | None = None
+) -> type[BaseModel]:
     """A pydantic model mirroring section `cls`: same names and types, descriptions and bounds
     from each field's declaration. Every field is optional and empty unless filled: an empty
     field means the default for this config, exactly as a key left out on the command line.
     `demo` holds the embedded default's values; `varies`: whether a section's own defaults
     replace them when the user brings their own data, model or rewards (else `demo` is the
-    default of every config)."""
+    default of every config). `user`: the values on the user's data (the 'hf' recipe), shown as
+    the default where they differ from the section's own."""
     fields: dict[str, Any] = {}
     for fname, hint, f in _ordered(cls.describe(), path):
         doc, default = doc_of(f), _section_default(f)
         if not varies and (demo or {}).get(fname) is not None:
             default = demo[fname]
         sub = section_type(hint)
+        if sub is None and (user or {}).get(fname) is not None:
+            default = user[fname]
         if sub is not None:
-            model = _model_for(sub, f"{path}.{fname}", (demo or {}).get(fname) or {}, varies=varies)
+            sub_user = (user or {}).get(fname) if isinstance((user or {}).get(fname), dict) else None
+            model = _model_for(sub, f"{path}.{fname}", (demo or {}).get(fname) or {}, varies=varies, user=sub_user)
             title = _TITLES.get(f"{path}.{fname}")
             doc = doc or title
             if default is None:  # an optional section: off (null) unless given, a None/object switch in the form
@@ -174,13 +183,16 @@ def _model_for(cls, path: str, demo: dict[str, Any], name: str | None = None, va
         # config): a field whose empty value means something (max_grad_norm: empty = no
         # clipping), and a switch, which the form submits as false when untouched.
         nullable = type(None) in typing.get_args(hint)
-        fill = default is not None and (nullable or hint is bool)
+        # a switch whose default depends on the recipe (dynamic_sampling: on for the demo): true,
+        # false or empty (the recipe's), so an untouched form keeps the recipe's value
+        by_recipe = hint is bool and (demo or {}).get(fname) not in (None, default)
+        fill = default is not None and (nullable or hint is bool) and not by_recipe
         ann, bounds = _annotation(hint, enum_type(hint), bounds_of(f))
         description = _describe(doc, bounds_of(f), default, (demo or {}).get(fname), fill)
         if fill:
             fields[fname] = (ann, Field(default=default, description=description, **bounds))
-        elif nullable and bool in typing.get_args(hint):  # true, false or empty (auto): a three-way switch
-            fields[fname] = (ann, Field(default=None, description=description))
+        elif by_recipe or (nullable and bool in typing.get_args(hint)):  # true, false or empty: a three-way switch
+            fields[fname] = (Optional[ann], Field(default=None, description=description))
         else:
             fields[fname] = (Optional[ann], _empty(description=description, **bounds))
     cls_name = name or "".join(p.capitalize() for p in path.replace("_", ".").split(".")) + "Params"
@@ -222,9 +234,10 @@ class ModelParams(_Form):
     )
 
 
-DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"])
-# Training and the stages keep the embedded defaults whatever the data or model (RunConfig.from_dict).
-TrainParams = _model_for(TrainConfig, "train", _DEFAULTS["train"], varies=False)
+DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"], user=_ON_USER_DATA["data"])
+# Training's defaults follow the recipe (grpo_core.config.recipes): the demo's on the synthetic
+# task, TRL's and verl's on the user's data or a real model; the stages' are the same for all.
+TrainParams = _model_for(TrainConfig, "train", _DEFAULTS["train"], user=_ON_USER_DATA["train"])
 EvalParams = _model_for(EvalConfig, "eval", _DEFAULTS["eval"])
 PipelineParams = _model_for(PipelineConfig, "pipeline", _DEFAULTS["pipeline"], varies=False)
 

@@ -214,6 +214,8 @@ def _data_check(cfg: RunConfig, tokenizer) -> dict[str, Any]:
         f"{got['train_rows']} train / {got['eval_rows']} eval prompts from {cfg.data.source} ({got['format']}), "
         f"{tokens['min']}..{tokens['max']} tokens"
         + (f", {got['dropped_too_long']} over data.max_prompt_tokens dropped" if got["dropped_too_long"] else "")
+        + f"; train.num_steps {cfg.train.num_steps} x {cfg.train.grpo.prompts_per_step} prompts: "
+        f"{cfg.train.num_steps * cfg.train.grpo.prompts_per_step / got['train_rows']:.2f} epochs over them"
     )
     return {"name": "data", "ok": True, "detail": detail, "fix": None, "train_rows": got["train_rows"]}
 

@@ -67,7 +67,7 @@ def test_untouched_form_fields_mean_the_default_for_this_config(prompts, tmp_pat
         assert form.to_dict() == cli.to_dict(), changes
     # what the issue saw: the synthetic task's prompt length and evaluation reward no longer leak in
     own_data = RunParams.model_validate(submit(**{"data.source": prompts})).to_config()
-    assert own_data.data.max_prompt_tokens == 256
+    assert own_data.data.max_prompt_tokens == 512 and own_data.train.sampling.max_new_tokens == 256  # the hf recipe
     math = RunParams.model_validate(submit(rewards=[{"function": "math_answer", "weight": 1.0}])).to_config()
     assert [r.function for r in math.eval_rewards] == ["math_answer"] and math.eval.accuracy_reward == "math_answer"
 
@@ -108,9 +108,9 @@ def test_every_field_is_described_with_its_bounds_and_default():
                     unbounded.append(f"{dname}.{name}")
     assert not missing and not unbounded, (missing, unbounded)
     steps = schema["$defs"]["TrainParams"]["properties"]["num_steps"]["description"]
-    assert "≥ 1" in steps and "Empty: the default for this config (600)" in steps
+    assert "≥ 1" in steps and "Empty: the default for this config (200; on the built-in synthetic task: 600)" in steps
     prompt = schema["$defs"]["DataParams"]["properties"]["max_prompt_tokens"]["description"]
-    assert "(256; on the built-in synthetic task: 16)" in prompt
+    assert "(512; on the built-in synthetic task: 16)" in prompt
 
 
 def test_evaluate_and_readiness_parameters_are_described():

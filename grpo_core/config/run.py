@@ -24,6 +24,7 @@ import os
 import pathlib
 from typing import Any
 
+from grpo_core.config import recipes
 from grpo_core.config.fields import Section, apply_overrides, check, field, section
 from grpo_core.config.model import PATH_OVERRIDES, ModelConfig, ModelSection
 from grpo_core.config.train import ISCorrection, TrainConfig
@@ -242,6 +243,9 @@ class RunConfig:
             base["data"] = {}  # the synthetic defaults (prompt length, task) do not apply to a user's data
         if isinstance(data.get("model"), dict) and data["model"].get("path"):
             base["model"] = {"seed": 0}  # a checkpoint brings its own architecture and tokenizer
+        # the synthetic task's tuned recipe, or on the user's data or a real model the defaults of
+        # TRL and verl (grpo_core.config.recipes; `grpo check` says which filled what)
+        base = recipes.apply(base, data)
         if data.get("rewards"):  # the user's rewards: evaluate with them unless eval.rewards says otherwise
             base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("rewards", "accuracy_reward")}
         d = _merge(base, data)

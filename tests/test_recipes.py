@@ -1,0 +1,122 @@
+"""Defaults by task (issue 29, item 1): the synthetic task keeps its tuned recipe (and hashes);
+a run on the user's data or a real model gets TRL's and verl's defaults, each with its source;
+fields the user sets are kept; `grpo check` says which recipe filled which fields and why."""
+
+import json
+
+import pytest
+
+from flows.cli import main
+from grpo_core.config.recipes import HF_DEFAULTS, choose, explain
+from grpo_core.config.run import DEFAULT, RunConfig, load_config
+
+# The issue's command: 64 GSM8K rows as JSONL, math_answer, the qwen2.5-0.5b preset.
+ISSUE = ["data.source=gsm8k.jsonl", "rewards=[{function: math_answer}]", "model.preset=qwen2.5-0.5b"]
+
+
+def resolved(cfg: RunConfig) -> dict:
+    t = cfg.train
+    return {
+        "max_new_tokens": t.sampling.max_new_tokens,
+        "learning_rate": t.optimizer.learning_rate,
+        "warmup_steps": t.optimizer.warmup_steps,
+        "entropy_coef": t.grpo.entropy_coef,
+        "dynamic_sampling": t.grpo.dynamic_sampling,
+        "epsilon_high": t.grpo.epsilon_high,
+        "beta": t.grpo.beta,
+        "loss_aggregation": t.grpo.loss_aggregation.value,
+        "num_generations": t.grpo.num_generations,
+        "prompts_per_step": t.grpo.prompts_per_step,
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+    }
+
+
+def test_the_issues_command_gets_trl_and_verl_defaults():
+    got = resolved(load_config(None, ISSUE))
+    assert got == {
+        "max_new_tokens": 256,  # was 6: no GSM8K answer fits
+        "learning_rate": 1e-6,  # was 5e-4, ~500x TRL's and verl's
+        "warmup_steps": 0,
+        "entropy_coef": 0.0,  # the demo's bonus (0.03) is demo-only
+        "dynamic_sampling": False,
+        "epsilon_high": 0.2,
+        "beta": 0.0,
+        "loss_aggregation": "token_mean",
+        "num_generations": 8,
+        "prompts_per_step": 8,
+        "max_prompt_tokens": 512,
+    }
+
+
+@pytest.mark.parametrize(
+    ("sets", "recipe", "why"),
+    [
+        ([], "synthetic", "the synthetic task on a test preset"),
+        (["model.preset=small", "model.lora.rank=4"], "synthetic", "the synthetic task on a test preset"),
+        (["data.source=x.jsonl"], "hf", "data.source is set"),
+        (["model.path=/models/qwen"], "hf", "model.path is set"),
+        (["model.preset=llama-3.2-1b"], "hf", "model.preset llama-3.2-1b is a real model's shape"),
+    ],
+)
+def test_which_recipe_and_why(sets, recipe, why):
+    from grpo_core.config.run import read_config
+
+    got = choose(read_config(None, sets))
+    assert got.name == recipe and got.why.startswith(why)
+
+
+def test_the_synthetic_task_keeps_its_recipe():
+    """The demo's tuned recipe, on the tiny and small presets (with LoRA too), field for field."""
+    for sets in ([], ["model.preset=small", "model.lora.rank=4"]):
+        train = load_config(None, sets).train
+        assert train.num_steps == 600 and train.sampling.max_new_tokens == 6
+        assert train.optimizer.learning_rate == 5e-4 and train.grpo.entropy_coef == 0.03
+        assert train.grpo.dynamic_sampling and train.grpo.epsilon_high == 0.28
+
+
+def test_a_real_preset_on_the_synthetic_task_and_lora_get_the_hf_recipe():
+    cfg = load_config(None, ["model.preset=qwen3-0.6b"])
+    assert cfg.data.source == "synthetic" and cfg.data.max_prompt_tokens == 16  # the task's own data defaults
+    assert resolved(cfg)["learning_rate"] == 1e-6 and resolved(cfg)["max_new_tokens"] == 256
+    lora = load_config(None, [*ISSUE, "model.lora.rank=16"])
+    assert lora.train.optimizer.learning_rate == 1e-5  # ~10x full fine-tuning's
+
+
+def test_fields_the_user_sets_are_kept():
+    sets = [*ISSUE, "train.optimizer.learning_rate=3e-6", "train.grpo.dynamic_sampling=true", "train.num_steps=50"]
+    cfg = load_config(None, sets)
+    assert cfg.train.optimizer.learning_rate == 3e-6 and cfg.train.grpo.dynamic_sampling
+    assert cfg.train.num_steps == 50 and cfg.train.sampling.max_new_tokens == 256
+    from grpo_core.config.run import read_config
+
+    filled = explain(read_config(None, sets), DEFAULT)["filled"]
+    assert "train.optimizer.learning_rate" not in filled and "train.num_steps" not in filled
+    assert filled["train.sampling.max_new_tokens"] == {"value": 256, "source": "TRL GRPOConfig.max_completion_length"}
+
+
+def test_every_hf_default_names_its_source_and_is_a_real_field():
+    cfg = load_config(None, ISSUE).to_dict()
+    for d in HF_DEFAULTS:
+        assert d.source, d.field
+        node = cfg
+        for part in d.field.split("."):
+            node = node[part]
+        assert node == d.value, d.field  # the resolved config holds it: no typo in a path
+
+
+def test_check_prints_which_recipe_filled_what(tmp_path, capsys):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"what is {i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(20))
+    )
+    sets = ["--set", f"storage.root={tmp_path}", "--set", f"data.source={data}", "--set", "rewards=[math_answer]"]
+    sets += ["--set", "train.optimizer.learning_rate=2e-6"]
+    assert main(["check", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "defaults: the 'hf' recipe (data.source is set) filled the fields not set:" in out
+    assert "train.sampling.max_new_tokens      256          TRL GRPOConfig.max_completion_length" in out
+    assert "train.optimizer.learning_rate" not in out  # set by the user
+    assert "train.num_steps 200 x 8 prompts: 88.89 epochs over them" in out  # 18 train rows
+    assert main(["check", "--json", "--set", f"storage.root={tmp_path}"]) == 0
+    recipe = json.loads(capsys.readouterr().out)["recipe"]
+    assert recipe["recipe"] == "synthetic" and recipe["filled"]["train.optimizer.learning_rate"]["value"] == 5e-4
