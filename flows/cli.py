@@ -2,7 +2,7 @@
 
     grpo demo                      the pipeline on the embedded default, then where everything is
     grpo run   [--config F] [--set k=v ...]   the pipeline, locally, with live progress
-    grpo check [--config F] [--set k=v ...] [--json]   the readiness report
+    grpo check [--config F] [--set k=v ...] [--json] [--target v5e:2x2]   the readiness report (--target: XLA's figures for a TPU slice)
     grpo eval  RUN --step N [--step M ...]   evaluate checkpoints of a run
     grpo export RUN [--step N]     a checkpoint as a Hugging Face folder, RUN/export/{step}/
     grpo status RUN [--json]       where a run stands, from its run root
@@ -209,6 +209,9 @@ def run_command(args) -> int:
 
 
 def check_command(args) -> int:
+    if args.target:  # the same as --set pipeline.readiness.target=...
+        args.set = [*args.set, f"pipeline.readiness.target={args.target}"]
+        args.set += [f"pipeline.readiness.num_slices={args.num_slices}"] if args.num_slices else []
     cfg = _config(args)
     if cfg is None:
         return 2
@@ -232,7 +235,27 @@ def check_command(args) -> int:
             print(f"  {'ok ' if c['ok'] else 'FAIL'} {c['name']:<18} {c['detail']}")
             if not c["ok"] and c.get("fix"):
                 print(f"       fix: {c['fix']}")
+        if report.get("target", {}).get("programs"):
+            _print_programs(report["target"])
     return 0 if report["ready"] else ExitCode.NOT_READY
+
+
+def _print_programs(aot: dict) -> None:
+    """XLA's figures per program and chip (grpo_core.runtime.aot), one line each."""
+    gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
+    t = aot["target"]
+    print(f"\nper chip on {t['topology']} ({t['device_kind']}, HBM {gib(t['hbm_bytes'])} GiB), GiB:")
+    print(
+        f"  {'program':<13} {'args':>6} {'out':>6} {'temp':>6} {'XLA peak':>8} {'+resident':>9} {'peak':>6}  "
+        f"{'GFLOP':>9} {'compile s':>9}"
+    )
+    for p in aot["programs"]:
+        print(
+            f"  {p['program']:<13} {gib(p.get('argument_bytes')):>6} {gib(p.get('output_bytes')):>6} "
+            f"{gib(p.get('temp_bytes')):>6} {gib(p.get('xla_peak_bytes')):>8} {gib(p['resident_bytes']):>9} "
+            f"{gib(p.get('peak_bytes')):>6}{'' if p['fits'] else ' !'} {p.get('flops', 0) / 1e9:>9.1f} "
+            f"{p['compile_s']:>9.1f}"
+        )
 
 
 def _recipe(args) -> dict:
@@ -383,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     with_config(sub.add_parser("run", help="run the pipeline locally")).set_defaults(func=run_command)
     p = with_config(sub.add_parser("check", help="print the readiness report"))
     p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.add_argument(
+        "--target",
+        metavar="TOPOLOGY",
+        help="also compile every program for this TPU topology (v5e:2x2, v4:2x2x1, v6e:4x4) and check XLA's "
+        "memory figures against its HBM, from any host (pipeline.readiness.target; needs '.[tpu-aot]')",
+    )
+    p.add_argument("--num-slices", type=int, help="slices of the --target (pipeline.readiness.num_slices)")
     p.set_defaults(func=check_command)
     p = with_config(sub.add_parser("eval", help="evaluate checkpoints of a run"))
     p.add_argument("run", help="run URL or name under storage.root")

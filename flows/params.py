@@ -113,6 +113,7 @@ _TITLES = {
     "train.mesh": "Training (advanced): device mesh",
     "pipeline": "Pipeline stages",
     "pipeline.launcher": "Pipeline stages (advanced): where workers run",
+    "pipeline.readiness": "Pipeline stages (advanced): the TPU to check before renting it",
     "eval": "Evaluation",
 }
 _SYMBOLS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "length ≥"}

@@ -177,9 +177,120 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool 
         os.unlink(f.name)
     if "error" in report:  # the request itself was refused (exit 2): say why as a failed check
         checks.append({"name": "request", "ok": False, "detail": report["error"], "fix": "fix the config field named"})
-    report["checks"] = checks + report.get("checks", [])
+    live = report.get("checks", [])
+    if cfg.pipeline.readiness.target:  # XLA's figures for the target replace the formula's for this host
+        aot = aot_report(cfg, tokenizer.vocab_size, timeout_s or cfg.pipeline.check_timeout_s)
+        live = _with_target(report, live, aot)
+    report["checks"] = checks + live
     report["ready"] = all(c["ok"] for c in report["checks"])
     return report
+
+
+def aot_request(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
+    """What grpo_core.stages.aot compiles: the run's programs, for pipeline.readiness.target."""
+    return {
+        "model": cfg.model_config(vocab_size=vocab_size).to_dict(),
+        "train": cfg.train.to_dict(),
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "target": cfg.pipeline.readiness.target,
+        "num_slices": cfg.pipeline.readiness.num_slices,
+        "eval": {k: getattr(cfg.eval, k) for k in ("batch_size", "num_samples", "temperature")},
+        "lora": cfg.model.to_dict().get("lora"),
+        "separate_reference": cfg.separate_reference,
+    }
+
+
+def aot_report(cfg: RunConfig, vocab_size: int, timeout_s: float) -> dict[str, Any]:
+    """Compile the run's programs for pipeline.readiness.target in a process of its own (this
+    one never imports JAX): XLA's report, or {"error": ...} saying why there is none. The process
+    opens no TPU, so it may run beside a training worker on a TPU VM."""
+    import subprocess
+    import sys
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(aot_request(cfg, vocab_size), f)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "grpo_core.stages.aot", "--request", f.name],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {
+            "error": f"compiling for {cfg.pipeline.readiness.target} took longer than {timeout_s:g} s "
+            "(pipeline.check_timeout_s)"
+        }
+    finally:
+        os.unlink(f.name)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": f"the AOT check exited with code {proc.returncode} without a report: {proc.stderr[-2000:]}"}
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _with_target(report: dict[str, Any], live: list[dict[str, Any]], aot: dict[str, Any]) -> list[dict[str, Any]]:
+    """The live checks with the target's: XLA's memory check instead of the formula's (kept as
+    report["memory_formula"]), and whether the chips here are the target's."""
+    report["target"] = aot
+    if "error" in aot:
+        install = "libtpu" in aot["error"]
+        return live + [
+            {
+                "name": "target",
+                "ok": False,
+                "detail": aot["error"],
+                "fix": "pip install -c constraints.txt '.[tpu-aot]'" if install else "fix pipeline.readiness.target",
+            }
+        ]
+    t, mem = aot["target"], aot["memory"]
+    if "memory" in report:
+        report["memory_formula"] = report["memory"]
+    report["memory"] = dict(mem, remat=aot["remat"], grad_accum_steps=aot["grad_accum_steps"])
+    out = [c for c in live if c["name"] != "memory"]
+    chosen = " (chosen by the compiler)" if aot["auto"] else ""
+    worst = next(p for p in aot["programs"] if p["program"] == mem["peak_program"])
+    out.append(
+        {
+            "name": "memory",
+            "ok": bool(mem["fits"]),
+            "detail": f"XLA on {t['topology']}"
+            + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
+            + f" ({t['chips']} x {t['device_kind']}, {_gib(t['hbm_bytes'])} HBM each; {aot['mesh']}): peak "
+            f"{_gib(mem['peak_bytes'])} per chip in {mem['peak_program']} (XLA {_gib(worst['xla_peak_bytes'])} + "
+            f"resident {_gib(worst['resident_bytes'])}) of {_gib(mem['usable_bytes'])} usable; train.remat="
+            f"{aot['remat']}, train.grpo.grad_accum_steps={aot['grad_accum_steps']}{chosen}; "
+            + (
+                f"cached report ({aot['seconds']:.1f} s)"
+                if aot.get("cached")
+                else f"compiled in {aot['seconds']:.0f} s"
+            ),
+            "fix": aot.get("fix"),
+        }
+    )
+    here = report.get("backend")
+    if here == "tpu":
+        same = report.get("device_kind") == t["device_kind"] and report.get("device_count") == t["chips"]
+        detail = (
+            f"{report.get('device_count')} x {report.get('device_kind')} here, target {t['chips']} x {t['device_kind']}"
+        )
+        fix = "run on the target's slice, or set pipeline.readiness.target to this slice's topology"
+        out.append({"name": "target", "ok": same, "detail": detail, "fix": None if same else fix})
+    else:
+        out.append(
+            {
+                "name": "target",
+                "ok": True,
+                "detail": f"no TPU here ({here}): {t['topology']} checked by compiling for it",
+                "fix": None,
+            }
+        )
+    return out
 
 
 def _tokenizer_check(cfg: RunConfig, checks: list[dict[str, Any]]):

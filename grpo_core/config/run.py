@@ -149,6 +149,26 @@ class EvalConfig(Section):
         object.__setattr__(self, "rewards", _reward_specs(self.rewards, "eval.rewards") if self.rewards else ())
 
 
+@section(path="pipeline.readiness")
+class ReadinessConfig(Section):
+    """The `pipeline.readiness` section: the TPU slice the readiness stage compiles the run's
+    programs for (grpo_core.stages.aot), from whatever host it runs on. In no stage hash."""
+
+    target: str | None = field(
+        None,
+        doc="TPU topology to AOT-compile every program of the run for and check against its HBM with XLA's "
+        "own figures, e.g. v5e:2x2, v5e:2x4, v4:2x2x1, v6e:4x4 (needs libtpu: pip install '.[tpu-aot]'); "
+        "empty: none",
+    )
+    num_slices: int = field(1, doc="Slices of the target (multislice, over the data-center network)", ge=1)
+
+    def validate(self) -> None:
+        if self.target is not None:
+            from grpo_core.config.target import Target
+
+            Target.parse(self.target, self.num_slices)  # ConfigError naming pipeline.readiness.target
+
+
 @section(path="pipeline")
 class PipelineConfig(Section):
     """How the stages run. Nothing here changes a result, so none of it is in a stage hash."""
@@ -163,6 +183,11 @@ class PipelineConfig(Section):
     )
     # readiness fails unless the worker sees a TPU
     require_tpu: bool = field(False, doc="Fail readiness unless the worker sees a TPU")
+    # a TPU topology the run's programs are compiled for before it starts
+    readiness: ReadinessConfig = field(
+        factory=ReadinessConfig,
+        doc="The TPU topology (e.g. v5e:2x2) readiness compiles every program for, from any host",
+    )
     # task retries of crashes, preemption and storage errors
     retries: int = field(2, doc="Task retries of crashes, preemption and storage errors", ge=0)
     retry_delay_s: float = field(2.0, doc="Seconds between task retries", ge=0)
