@@ -25,3 +25,14 @@ def _cpu_compile_defaults() -> None:
 
 
 _cpu_compile_defaults()
+
+
+def _cpu_unless_tpu() -> None:
+    """Where libtpu is installed (the dev install brings it, for AOT checks of a TPU target) but
+    this host has no TPU, JAX must not load it: see grpo_core.launch.processes.cpu_unless_tpu."""
+    from grpo_core.launch.processes import cpu_unless_tpu
+
+    cpu_unless_tpu()
+
+
+_cpu_unless_tpu()

@@ -25,7 +25,8 @@ run() {
 run "$PYTHON" -m venv "$VENV"
 run "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$DEV" = 1 ]; then
-    run "$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[dev]'
+    # tpu-aot: libtpu's compiler, so the tests check TPU targets (grpo check --target) on any host
+    run "$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[dev,tpu-aot]'
 else
     run "$VENV/bin/python" -m pip install -q -c constraints.txt .
 fi

@@ -25,7 +25,7 @@ def test_variants_install_what_the_constraints_pin():
     jax = re.search(r"^jax==(\S+)$", open(os.path.join(ROOT, "constraints.txt")).read(), re.M).group(1)
     cpu = dry_run()
     assert cpu[0] == "python3 -m venv .venv"
-    assert ".venv/bin/python -m pip install -q -c constraints.txt -e .[dev]" in cpu
+    assert ".venv/bin/python -m pip install -q -c constraints.txt -e .[dev,tpu-aot]" in cpu
     assert not any("jax[tpu]" in c for c in cpu)
     tpu = dry_run("/opt/venv", "python3", "tpu", GRPO_DEV="0")
     assert "/opt/venv/bin/python -m pip install -q -c constraints.txt ." in tpu  # the image: not editable, no dev
