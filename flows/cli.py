@@ -219,7 +219,7 @@ def check_command(args) -> int:
     from tasks.stages import readiness_report
 
     report = readiness_report(cfg, data=True)  # the data too: prompts its tokenizer cannot encode, before any run
-    report["recipe"] = _recipe(args)
+    report["recipe"] = _recipe(args, cfg)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -258,12 +258,17 @@ def _print_programs(aot: dict) -> None:
         )
 
 
-def _recipe(args) -> dict:
-    """Which recipe filled which fields of this config and why (grpo_core.config.recipes)."""
+def _recipe(args, cfg) -> dict:
+    """Which recipe filled which fields of this config and why (grpo_core.config.recipes), with
+    train.num_steps: auto as the number the data made it."""
     from grpo_core.config.recipes import explain
     from grpo_core.config.run import DEFAULT, read_config
 
-    return explain(read_config(args.config, args.set), DEFAULT)
+    out = explain(read_config(args.config, args.set), DEFAULT)
+    steps = out["filled"].get("train.num_steps")
+    if steps is not None and steps["value"] == "auto" and cfg.train.num_steps != "auto":
+        steps.update(value=cfg.train.num_steps, source=f"auto: {steps['source']}")
+    return out
 
 
 def eval_command(args) -> int:

@@ -155,7 +155,8 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool 
         )
     request = {
         "model": cfg.model_config(vocab_size=tokenizer.vocab_size).to_dict(),
-        "train": cfg.train.to_dict(),
+        # num_steps still auto (data that cannot be prepared): the schedule's length changes no memory
+        "train": cfg.train.replace(num_steps=1).to_dict() if cfg.train.num_steps == "auto" else cfg.train.to_dict(),
         "max_prompt_tokens": cfg.data.max_prompt_tokens,
         "require_tpu": cfg.pipeline.require_tpu,
         "rollout_engine": cfg.train.rollout.engine.value,
@@ -190,7 +191,8 @@ def aot_request(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
     """What grpo_core.stages.aot compiles: the run's programs, for pipeline.readiness.target."""
     return {
         "model": cfg.model_config(vocab_size=vocab_size).to_dict(),
-        "train": cfg.train.to_dict(),
+        # num_steps still auto (data that cannot be prepared): the schedule's length changes no memory
+        "train": cfg.train.replace(num_steps=1).to_dict() if cfg.train.num_steps == "auto" else cfg.train.to_dict(),
         "max_prompt_tokens": cfg.data.max_prompt_tokens,
         "target": cfg.pipeline.readiness.target,
         "num_slices": cfg.pipeline.readiness.num_slices,
@@ -309,6 +311,17 @@ def _tokenizer_check(cfg: RunConfig, checks: list[dict[str, Any]]):
     return tokenizer
 
 
+def _steps_said(cfg: RunConfig, rows: int) -> str:
+    t = cfg.train
+    steps = t.steps_for(rows) if t.num_steps == "auto" else t.num_steps
+    how = (
+        f"auto: {t.num_epochs:g} epochs"
+        if t.num_steps == "auto"
+        else f"{steps * t.grpo.prompts_per_step / rows:.2f} epochs"
+    )
+    return f"; train.num_steps {steps} x {t.grpo.prompts_per_step} prompts ({how} over them)"
+
+
 def _data_check(cfg: RunConfig, tokenizer) -> dict[str, Any]:
     """The prompts read, rendered and tokenized as the run will, written nowhere."""
     from grpo_core.data.prepare import EncodeError, dry_run
@@ -325,8 +338,7 @@ def _data_check(cfg: RunConfig, tokenizer) -> dict[str, Any]:
         f"{got['train_rows']} train / {got['eval_rows']} eval prompts from {cfg.data.source} ({got['format']}), "
         f"{tokens['min']}..{tokens['max']} tokens"
         + (f", {got['dropped_too_long']} over data.max_prompt_tokens dropped" if got["dropped_too_long"] else "")
-        + f"; train.num_steps {cfg.train.num_steps} x {cfg.train.grpo.prompts_per_step} prompts: "
-        f"{cfg.train.num_steps * cfg.train.grpo.prompts_per_step / got['train_rows']:.2f} epochs over them"
+        + _steps_said(cfg, got["train_rows"])
     )
     return {"name": "data", "ok": True, "detail": detail, "fix": None, "train_rows": got["train_rows"]}
 

@@ -108,7 +108,9 @@ def test_every_field_is_described_with_its_bounds_and_default():
                     unbounded.append(f"{dname}.{name}")
     assert not missing and not unbounded, (missing, unbounded)
     steps = schema["$defs"]["TrainParams"]["properties"]["num_steps"]["description"]
-    assert "≥ 1" in steps and "Empty: the default for this config (200; on the built-in synthetic task: 600)" in steps
+    assert (
+        "≥ 1" in steps and 'Empty: the default for this config ("auto"; on the built-in synthetic task: 600)' in steps
+    )
     prompt = schema["$defs"]["DataParams"]["properties"]["max_prompt_tokens"]["description"]
     assert "(512; on the built-in synthetic task: 16)" in prompt
 

@@ -116,7 +116,34 @@ def test_check_prints_which_recipe_filled_what(tmp_path, capsys):
     assert "defaults: the 'hf' recipe (data.source is set) filled the fields not set:" in out
     assert "train.sampling.max_new_tokens      256          TRL GRPOConfig.max_completion_length" in out
     assert "train.optimizer.learning_rate" not in out  # set by the user
-    assert "train.num_steps 200 x 8 prompts: 88.89 epochs over them" in out  # 18 train rows
+    # train.num_steps: auto, 3 epochs over the 18 training rows (2 held out), 8 prompts a step
+    assert "train.num_steps 7 x 8 prompts (3.11 epochs over them)" in out
+    assert "train.num_steps                    7            auto: TRL" in out
     assert main(["check", "--json", "--set", f"storage.root={tmp_path}"]) == 0
     recipe = json.loads(capsys.readouterr().out)["recipe"]
     assert recipe["recipe"] == "synthetic" and recipe["filled"]["train.optimizer.learning_rate"]["value"] == 5e-4
+
+
+def test_num_steps_auto_is_epochs_over_the_prepared_rows(tmp_path, monkeypatch):
+    """Resolved with the sources' versions, before the run is named: the number is in the config
+    (and its hash), counted once per data hash; a new file is a new count."""
+    monkeypatch.setenv("GRPO_MODEL_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "rows.jsonl"
+    rows = lambda n: "".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(n))
+    data.write_text(rows(44))  # 40 train + 4 held out (eval_fraction 0.1)
+    sets = [f"data.source={data}", f"storage.root={tmp_path}", "rewards=[math_answer]"]
+    cfg = load_config(None, sets)
+    assert cfg.train.num_steps == "auto" and cfg.train.num_epochs == 3.0
+    ready = cfg.with_versions()
+    assert ready.train.num_steps == 15  # ceil(3 x 40 / 8)
+    assert ready.epoch_end(3) == 15 and ready.to_dict()["train"]["num_steps"] == 15
+    assert len(list((tmp_path / "cache" / "rows").iterdir())) == 1
+    assert load_config(None, [*sets, "train.num_epochs=1"]).with_versions().train.num_steps == 5
+    assert load_config(None, [*sets, "train.num_steps=9"]).with_versions().train.num_steps == 9  # the user's
+    data.write_text(rows(88))  # rewritten in place: a new version, a new count
+    assert load_config(None, sets).with_versions().train.num_steps == 30  # ceil(3 x 80 / 8)
+    # a run's config.json holds the number: its workers never see auto
+    back = RunConfig.from_dict(ready.to_dict())
+    assert back.train.num_steps == 15 and back.train_hash == ready.train_hash
+    with pytest.raises(Exception, match="train.num_steps is auto"):
+        cfg.epoch_end(0)

@@ -62,12 +62,8 @@ HF_DEFAULTS = (
     Default("train.grpo.scale_rewards", "group", "TRL GRPOConfig.scale_rewards"),
     Default("train.grpo.entropy_coef", 0.0, "verl GSM8K actor.entropy_coeff 0; TRL has no entropy bonus"),
     Default("train.grpo.dynamic_sampling", False, "TRL and verl's GRPO examples (DAPO's recipe turns it on)"),
-    Default(
-        "train.num_steps",
-        200,
-        "1,600 prompts x 8 completions (one epoch of 1.6k rows at 8 prompts a step); set it for your data: "
-        "grpo check prints the epochs it amounts to",
-    ),
+    Default("train.num_steps", "auto", "TRL (TrainingArguments.max_steps -1): num_epochs passes over the data"),
+    Default("train.num_epochs", 3.0, "TRL (TrainingArguments.num_train_epochs)"),
 )
 HF_DATA_DEFAULTS = (
     Default("data.max_prompt_tokens", 512, "TRL GRPOConfig.max_prompt_length; verl GSM8K max_prompt_length"),
@@ -157,3 +153,37 @@ def _flat(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
     for k, v in tree.items():
         out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
     return out
+
+
+def resolve_steps(cfg, warn=None):
+    """`cfg` with train.num_steps: auto made a number: train.num_epochs passes over the training
+    rows that data preparation will keep (read, rendered and tokenized as it will, nothing
+    written; counted once per data hash in the model cache folder). Data the run cannot prepare
+    leaves it auto: the data stage then fails naming the row, before any training."""
+    if cfg.train.num_steps != "auto":
+        return cfg
+    import json
+    import os
+
+    from grpo_core.data.prepare import dry_run
+    from grpo_core.data.tokenizer import make_tokenizer
+    from grpo_core.errors import ConfigError, DataError
+    from grpo_core.store.sources import cache_dir
+
+    where = os.path.join(cache_dir(), "rows", f"{cfg.data_hash}.json")
+    try:
+        with open(where) as f:
+            rows = int(json.load(f)["train_rows"])
+    except (OSError, ValueError, KeyError):
+        try:
+            rows = dry_run(cfg.data, make_tokenizer(cfg))["train_rows"]
+        except (DataError, ConfigError) as exc:
+            if warn is not None:
+                warn(f"train.num_steps: auto is left unresolved: the data cannot be prepared ({type(exc).__name__})")
+            return cfg
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        tmp = f"{where}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"train_rows": rows}, f)
+        os.replace(tmp, where)
+    return dataclasses.replace(cfg, train=cfg.train.replace(num_steps=cfg.train.steps_for(rows)))

@@ -335,10 +335,12 @@ class RunConfig:
     def with_versions(self, warn=None) -> "RunConfig":
         """This config with the current versions of the sources it names (a file rewritten in
         place, an object uploaded again, a Hub repository that moved on: a new version) and, with
-        model.init_from, the policy it names resolved to one run and step."""
+        model.init_from, the policy it names resolved to one run and step; train.num_steps: auto
+        made a number from the data those versions hold (grpo_core.config.recipes.resolve_steps)."""
         from grpo_core.store.versions import source_versions
 
-        return dataclasses.replace(self, versions=tuple(sorted(source_versions(self, warn).items())))
+        cfg = dataclasses.replace(self, versions=tuple(sorted(source_versions(self, warn).items())))
+        return recipes.resolve_steps(cfg, warn)
 
     def with_run_name(self, when: datetime.datetime) -> "RunConfig":
         """This config with a run_name template ({date}, {time}, {datetime}) filled in for `when`."""
@@ -486,6 +488,11 @@ class RunConfig:
     def epoch_end(self, epoch: int) -> int:
         """The step count at the end of epoch `epoch` (0-based): num_steps split evenly."""
         e = self.pipeline.epochs
+        check(
+            self.train.num_steps != "auto",
+            "train.num_steps is auto, which the data's row count makes a number before a run starts "
+            "(RunConfig.with_versions): the data could not be prepared",
+        )
         return (self.train.num_steps * (epoch + 1)) // e
 
 

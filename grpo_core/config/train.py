@@ -6,6 +6,7 @@ description, bounds); each section's `validate` holds only the rules that relate
 from __future__ import annotations
 
 import enum
+import math
 import typing
 from typing import Any
 
@@ -537,7 +538,16 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     rollout: RolloutConfig = field(factory=RolloutConfig)
     mesh: MeshConfig = field(factory=MeshConfig)
-    num_steps: int = field(100, doc="GRPO steps in the whole run", ge=1)
+    num_steps: int | typing.Literal["auto"] = field(
+        100,
+        doc="GRPO steps in the whole run; auto: train.num_epochs passes over the prepared training rows "
+        "(found before the run is named: grpo check prints it)",
+        ge=1,
+    )
+    # with num_steps: auto, how many steps: ceil(num_epochs x training rows / prompts_per_step)
+    num_epochs: float = field(
+        3.0, doc="With train.num_steps: auto, passes over the prepared training rows (TRL's num_train_epochs)", gt=0
+    )
     seed: int = field(0, doc="Seed of every step's sampling", ge=0)
     log_every: int | None = field(
         None, doc="Steps between the training task's metric log lines; empty: about ten per epoch", ge=1
@@ -572,6 +582,10 @@ class TrainConfig(Section):
             f"{self.grpo.num_generations} completions of a group the same reward, so every advantage is 0",
         )
 
+    def steps_for(self, train_rows: int) -> int:
+        """num_steps: auto for `train_rows` prepared training rows: num_epochs passes, whole steps."""
+        return max(1, math.ceil(self.num_epochs * train_rows / self.grpo.prompts_per_step))
+
     def hash_fields(self) -> dict[str, Any]:
         """to_dict() less what changes no result (see RolloutConfig.result_fields)."""
         out = self.to_dict()
@@ -584,6 +598,9 @@ class TrainConfig(Section):
         del out["remat"], out["logits_chunk_mib"]  # how memory is spent: the same numbers
         del out["reward_timeout_s"]  # a time limit: a run that finishes computes the same numbers
         out["log_every"] = 1  # how often the task logs changes no result; 1 is what runs before it was read hashed
+        # num_steps: auto is resolved into a number (RunConfig.with_versions) before a run is named:
+        # the number is hashed, the epochs it came from are not (runs from before keep their hashes)
+        del out["num_epochs"]
         # Accumulation sums exact per-token weights (algo.token_weights): the same update within
         # float tolerance, so it is hashed as 1, except under BNPO, which normalises per micro-batch.
         if self.grpo.loss_aggregation is not LossAggregation.BNPO:
