@@ -47,6 +47,13 @@ class RunRootInUse(ConfigError):  # noqa: N818  (a public name, like RolloutTime
     the Prefect process only, so it needs no row of its own (classify finds ConfigError's)."""
 
 
+class DamagedFile(ConfigError):  # noqa: N818  (a public name, like RunRootInUse)
+    """A file of the run root cannot be read as what it holds (a JSON file cut short by a crash
+    mid-write on a filesystem without atomic renames, or by a partial upload). The message names
+    its URI and the parse error. The same bytes fail the same way, so it is not retried: restore
+    or delete the file. A ConfigError, so it needs no row of its own."""
+
+
 class NonFiniteError(FloatingPointError):
     """A training metric became NaN/Inf. The message names the step and the metric."""
 

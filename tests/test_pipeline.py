@@ -299,15 +299,32 @@ def test_unwritable_storage_root(tmp_path):
     assert f"cannot write {blocker}/r/config.json" in msg
 
 
+def test_a_bucket_we_may_read_but_not_write_fails_at_init(gcs_faults):
+    gcs_faults.read_only = True
+    cfg = small_config(gcs_faults.url_for("runs"), "ro", pipeline={"retries": 0})
+    state, msg = failed_run(cfg)
+    assert "permission denied" in msg and "config.json" in msg
+    assert set(task_runs(state)) <= {"init-run"}  # nothing after init was tried
+
+
 def test_pipeline_on_gcs(gcs_emulator):
+    """Two epochs on gs:// (fake-gcs-server): the summary, status and evaluations the Prefect
+    process reads name every step the workers wrote after it first listed the run root."""
+    from grpo_core.store.report import status
+
     url = gcs_emulator.url_for("runs")
-    s = run_pipeline(small_config(url, "gs-run", pipeline={"epochs": 1}))
+    s = run_pipeline(small_config(url, "gs-run", pipeline={"epochs": 2}))
     run = RunRoot(f"{url}/gs-run")
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS and s["run_uri"] == run.url
     assert s["checkpoint_uri"] == f"{url}/gs-run/checkpoints/{NUM_STEPS}"
+    assert s["eval_after"]["step"] == NUM_STEPS and s["export_uri"] == f"{url}/gs-run/export/{NUM_STEPS}"
     assert run.read_json("summary.json")["steps"] == NUM_STEPS and run.read_bytes("curve.png")[:4] == b"\x89PNG"
     assert [m["step"] for m in run.read_metrics()] == list(range(NUM_STEPS))
-    assert sorted(run.list("eval")) == ["0.json", f"{NUM_STEPS}.json"]
+    assert sorted(run.list("eval")) == ["0.json", "3.json", f"{NUM_STEPS}.json"]
+    st = status(run)
+    assert st["steps_done"] == NUM_STEPS and st["latest_checkpoint"] == NUM_STEPS
+    assert [e["step"] for e in st["eval"]] == [0, 3, NUM_STEPS]
+    assert st["stages_done"] == ["train-epoch-0", "train-epoch-1"]
     with Checkpointer(run.uri("checkpoints")) as ckpt:
         assert ckpt.latest_step() == NUM_STEPS
     # a run on gs:// as another run's start: Orbax's finalised steps, read without JAX, and a

@@ -141,3 +141,15 @@ def test_memory_that_does_not_fit_names_a_lever(tmp_path):
 def test_bad_request(tmp_path, overrides, message):
     rc, report, _ = run_readiness(tmp_path, **overrides)
     assert rc == 2 and message in report["error"]
+
+
+def test_a_host_without_tpu_chips_ignores_libtpus_lockfile():
+    """On a host with no TPU chips the lockfile is not looked at, whoever holds it (a TPU process
+    of another user, an AOT check loading libtpu's compiler): a CPU or GPU run goes on."""
+    from grpo_core.launch.processes import tpu_chips_here
+    from grpo_core.stages.readiness import _tpu_lockfile_check
+
+    if tpu_chips_here():
+        pytest.skip("this host has TPU chips")
+    result = _tpu_lockfile_check(None)
+    assert result["ok"] and "no TPU chips on this host" in result["detail"]

@@ -1,4 +1,4 @@
-"""RunRoot and Orbax checkpoints on gs://, against gcp-storage-emulator on 127.0.0.1 (tests/gcs.py)."""
+"""RunRoot and Orbax checkpoints on gs://, against fake-gcs-server on 127.0.0.1 (tests/gcs.py)."""
 
 import json
 import subprocess

@@ -31,7 +31,7 @@ from grpo_core.data.formats import (
     same_columns,
 )
 from grpo_core.errors import ConfigError, DataError
-from grpo_core.store.root import RunRoot, config_hash
+from grpo_core.store.root import RunRoot, config_hash, filesystem
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +181,11 @@ def data_hash(cfg: DataConfig, tokenizer_id: str, versions: dict[str, str] | Non
 
 
 def _read_file(url: str) -> list[dict[str, Any]]:
-    import fsspec
     import pandas as pd
 
     try:
-        with fsspec.open(url, "rb") as f:
+        fs, path = filesystem(url)  # a file rewritten since this process last looked is read whole
+        with fs.open(path, "rb") as f:
             raw = f.read()
     except (OSError, ValueError) as exc:
         raise DataError(f"cannot read data file {url}: {exc}") from None

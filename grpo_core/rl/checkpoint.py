@@ -37,6 +37,7 @@ from etils import epath
 
 from grpo_core.config.memory import is_out_of_memory
 from grpo_core.errors import StorageError
+from grpo_core.store.root import filesystem
 
 log = logging.getLogger(__name__)
 
@@ -264,18 +265,16 @@ class Checkpointer:
         every process waits for it) and return the new folder's URI; None if it was gone already.
         (Another process names the folder from its own clock: only process 0's name is sure,
         and only process 0 reports.)"""
-        import fsspec
-
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         target: str | None = posixpath.join(self.directory.rstrip("/"), SET_ASIDE, f"{step}-{stamp}")
         if jax.process_index() == 0:
-            fs, src = fsspec.core.url_to_fs(self.uri(step))
+            fs, src = filesystem(self.uri(step))
             try:
                 n, base = 1, target
-                while fs.exists(fsspec.core.url_to_fs(target)[1]):  # the same step set aside twice in a second
+                while fs.exists(filesystem(target)[1]):  # the same step set aside twice in a second
                     target, n = f"{base}.{n}", n + 1
                 if fs.exists(src):
-                    _move_folder(fs, src, fsspec.core.url_to_fs(target)[1])
+                    _move_folder(fs, src, filesystem(target)[1])
                 else:  # removed since it was listed (by a user, or a process of another attempt)
                     log.warning("checkpoint %d at %s is no longer there: nothing to set aside", step, self.uri(step))
                     target = None

@@ -25,6 +25,7 @@ from typing import Any
 from grpo_core.config.model import ModelConfig
 from grpo_core.config.train import RolloutEngineKind, TrainConfig
 from grpo_core.errors import ConfigError, ExitCode
+from grpo_core.launch.processes import tpu_chips_here
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,16 @@ def _lockfile_check(path: str) -> dict[str, Any]:
         f"stale {path}: no process holds it, but libtpu will report the TPU as already in use",
         f"remove it: {sudo}rm {path}",
     )
+
+
+def _tpu_lockfile_check(path: str | None) -> dict[str, Any]:
+    """The lockfile check where it means something: a host with TPU chips (or a lockfile the
+    request names). On a host without TPU chips, libtpu's lockfile says nothing about this run:
+    a TPU process elsewhere on the machine, or an AOT check loading libtpu's compiler, may hold
+    it while a CPU or GPU run goes on beside it."""
+    if path is None and not tpu_chips_here():
+        return check("tpu_lockfile", True, "no TPU chips on this host: libtpu's lockfile is not this run's concern")
+    return _lockfile_check(path or "/tmp/libtpu_lockfile")
 
 
 def _device_checks(req: dict[str, Any], report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -383,7 +394,7 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
         "tpu_generation": None,
         "config_hash": req.get("config_hash", ""),
     }
-    checks = [_lockfile_check(req.get("lockfile") or "/tmp/libtpu_lockfile")]  # before JAX opens a TPU
+    checks = [_tpu_lockfile_check(req.get("lockfile"))]  # before JAX opens a TPU
     checks += _device_checks(req, report)
     if report["backend"] is not None:
         cpu = report["backend"] == "cpu"

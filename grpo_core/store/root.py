@@ -13,6 +13,7 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import posixpath
@@ -23,7 +24,9 @@ from typing import Any
 
 import fsspec
 
-from grpo_core.errors import StorageError
+from grpo_core.errors import DamagedFile, StorageError
+
+_log = logging.getLogger(__name__)
 
 
 def strict(obj: Any) -> Any:
@@ -91,6 +94,18 @@ def describe_storage_error(url: str, exc: BaseException) -> str:
     return f"storage.root {url}: {why}"
 
 
+def filesystem(url: str) -> tuple[Any, str]:
+    """`(fs, path)` for `url`, with directory listings never cached. fsspec's default instance of
+    a URL's filesystem is shared by the whole process and gcsfs keeps every listing it made in it
+    with no expiry, so a long-lived process (the Prefect flow, `grpo serve`, a training worker
+    reading its own run root) would go on seeing a folder as it was when first listed: objects
+    that worker processes wrote later (an epoch's checkpoints, evaluations, metric shards) stay
+    invisible, and a summary names the wrong step. Every reader of a run root, a data source, a
+    model folder or a start point goes through here, so a listing or an existence check is true
+    when it is made. Local folders and memory:// cache nothing either way."""
+    return fsspec.core.url_to_fs(url, use_listings_cache=False)
+
+
 @functools.cache
 def check_reachable(url: str, timeout_s: float = 10.0, field: str | None = None) -> None:
     """For gs://: resolve and connect to the storage endpoint (STORAGE_EMULATOR_HOST's in tests)
@@ -116,7 +131,7 @@ class RunRoot:
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.fs, self.path = fsspec.core.url_to_fs(self.url)
+        self.fs, self.path = filesystem(self.url)  # listings uncached: see `filesystem`
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     @property
@@ -176,7 +191,15 @@ class RunRoot:
         return self.write_bytes(rel, dumps(obj, indent=1, sort_keys=True).encode())
 
     def read_json(self, rel: str) -> Any:
-        return json.loads(self.read_bytes(rel))
+        """The JSON object at `rel`; DamagedFile naming its URI when it does not parse (cut short)."""
+        data = self.read_bytes(rel)
+        try:
+            return json.loads(data)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+            raise DamagedFile(
+                f"{self.uri(rel)} is damaged: not valid JSON ({exc}; {len(data)} bytes), as a write cut short "
+                "by a crash or a partial upload leaves it: restore it, or delete it to have it written again"
+            ) from None
 
     def exists(self, rel: str) -> bool:
         try:
@@ -225,10 +248,32 @@ class RunRoot:
         by_step: dict[int, dict[str, Any]] = {}
         for name in self.list("metrics"):
             if name.endswith(".jsonl"):
-                for line in self.read_bytes(f"metrics/{name}").decode().splitlines():
-                    row = {k: math.nan if v is None else v for k, v in json.loads(line).items()}
-                    by_step[int(row["step"])] = row
+                for row in self._metric_rows(f"metrics/{name}"):
+                    by_step[int(row["step"])] = {k: math.nan if v is None else v for k, v in row.items()}
         return [by_step[s] for s in sorted(by_step)]
+
+    def _metric_rows(self, rel: str) -> list[dict[str, Any]]:
+        """A shard's complete rows. A line that does not parse (a shard cut short by a crash
+        mid-write or a partial upload) is left out with a warning naming the file and the line:
+        one damaged shard must not make the whole run unreadable."""
+        rows, lines = [], self.read_bytes(rel).decode(errors="replace").splitlines()
+        for i, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or "step" not in row:
+                    raise ValueError("not a metric row")
+            except ValueError as exc:
+                _log.warning(
+                    "%s: line %d of %d is damaged (%s), left out%s",
+                    self.uri(rel),
+                    i,
+                    len(lines),
+                    exc,
+                    " (cut short)" if i == len(lines) else "",
+                )
+                continue
+            rows.append(row)
+        return rows
 
     # -- readiness -------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import uuid
 from typing import Any, Sequence
 
 from grpo_core.errors import ConfigError
-from grpo_core.store.root import StorageError
+from grpo_core.store.root import StorageError, filesystem
 
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
@@ -144,12 +144,10 @@ def cache_dir() -> str:
 
 def _fetch_url(url: str, weights: bool, need: _Need = MODEL_FILES) -> str:
     """Copy the top-level files of a model (or tokenizer) folder at `url` into the local cache."""
-    import fsspec
-
     url = url.rstrip("/")
     local = os.path.join(cache_dir(), hashlib.sha256(url.encode()).hexdigest()[:16])
     try:
-        fs, root = fsspec.core.url_to_fs(url)
+        fs, root = filesystem(url)
         entries = [e for e in fs.ls(root, detail=True) if e.get("type") == "file"]
     except FileNotFoundError:
         raise ConfigError(f"{need.field} {url} does not exist") from None

@@ -23,7 +23,7 @@ import os
 import re
 from typing import Any, Callable
 
-from grpo_core.store.root import check_reachable
+from grpo_core.store.root import check_reachable, filesystem
 from grpo_core.store.sources import is_url, looks_local
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -59,9 +59,7 @@ def _object_version(info: dict[str, Any]) -> str:
 
 
 def _remote(url: str) -> str:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = filesystem(url)
     info = fs.info(path)
     if info.get("type") != "directory":
         return _object_version(info)
