@@ -6,6 +6,7 @@ fails nor stalls the others."""
 
 import glob
 import os
+import re
 import time
 
 import pytest
@@ -72,7 +73,14 @@ def test_three_trackers_and_a_resume_that_sends_no_step_twice(tracker_env):
     run = client.get_run(state["mlflow"]["run_id"])
     assert run.info.run_name == "my-run" and run.data.tags["run_uri"] == root.url
     # W&B offline: both invocations wrote the same run id's folders, with the steps in them
-    folders = glob.glob(str(tracker_env / "wandb-dir" / "wandb" / f"offline-run-*-{state['wandb']['id']}"))
+    # (offline-run-<time>-<id>, and -<id>-1 when both invocations started in the same second)
+    run_id = state["wandb"]["id"]
+    ours = re.compile(rf"offline-run-[0-9_]+-{re.escape(run_id)}(-[0-9]+)?")
+    folders = [
+        f
+        for f in glob.glob(str(tracker_env / "wandb-dir" / "wandb" / "offline-run-*"))
+        if ours.fullmatch(os.path.basename(f))
+    ]
     assert len(folders) == 2, folders
     assert all(glob.glob(os.path.join(f, "*.wandb")) for f in folders)
     assert state["wandb"]["last_step"] == {"train": 7, "eval": 8} == state["tensorboard"]["last_step"]
