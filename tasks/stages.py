@@ -187,21 +187,6 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool 
     return report
 
 
-def aot_request(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
-    """What grpo_core.stages.aot compiles: the run's programs, for pipeline.readiness.target."""
-    return {
-        "model": cfg.model_config(vocab_size=vocab_size).to_dict(),
-        # num_steps still auto (data that cannot be prepared): the schedule's length changes no memory
-        "train": cfg.train.replace(num_steps=1).to_dict() if cfg.train.num_steps == "auto" else cfg.train.to_dict(),
-        "max_prompt_tokens": cfg.data.max_prompt_tokens,
-        "target": cfg.pipeline.readiness.target,
-        "num_slices": cfg.pipeline.readiness.num_slices,
-        "eval": {k: getattr(cfg.eval, k) for k in ("batch_size", "num_samples", "temperature")},
-        "lora": cfg.model.to_dict().get("lora"),
-        "separate_reference": cfg.separate_reference,
-    }
-
-
 def aot_report(cfg: RunConfig, vocab_size: int, timeout_s: float) -> dict[str, Any]:
     """Compile the run's programs for pipeline.readiness.target in a process of its own (this
     one never imports JAX): XLA's report, or {"error": ...} saying why there is none. The process
@@ -209,8 +194,10 @@ def aot_report(cfg: RunConfig, vocab_size: int, timeout_s: float) -> dict[str, A
     import subprocess
     import sys
 
+    from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
+
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(aot_request(cfg, vocab_size), f)
+        json.dump(request_for(cfg, vocab_size), f)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "grpo_core.stages.aot", "--request", f.name],

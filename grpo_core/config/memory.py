@@ -200,7 +200,9 @@ def _activations(m: ModelConfig, remat: RematPolicy, p: int, b: int, tp: int, n:
     tokens = p * tp + b * n
     scores = m.num_attention_heads * (b * n * (tp + n) + p * tp * tp)
     k = _PER_TOKEN
-    every = tokens * (k["e"] * e + k["qkv"] * (q + kv) + k["i"] * i) * act_bytes + scores * k["score"] * act_bytes / 4
+    # attention scores and their softmax are f32 on every backend (model.Attention._attend): their
+    # bytes do not scale with the compute dtype
+    every = tokens * (k["e"] * e + k["qkv"] * (q + kv) + k["i"] * i) * act_bytes + scores * k["score"]
     kept = {
         RematPolicy.NONE: every,  # every intermediate: norms, q/k/v, RoPE, attention probabilities, the MLP's
         RematPolicy.DOTS: tokens * (q + 2 * kv + 2 * e + 2 * i) * act_bytes,  # the weight matmuls' outputs

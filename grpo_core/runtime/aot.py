@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 # exact for the program, the rest is the runtime's own reservations (v5e: 15.75 of 16 GiB) and
 # fragmentation between programs.
 HEADROOM = 0.95
+_HOST_BOUNDS = (2, 2, 1)  # the compiler's default chips per host
 INSTALL = "pip install -c constraints.txt '.[tpu-aot]'  (libtpu==0.0.42.*, the libtpu jax 0.10.2 pairs with)"
 
 
@@ -70,6 +71,9 @@ def topology_devices(target: Target) -> list:
     kw: dict[str, Any] = {"chip_config_name": "megacore"} if target.generation in MEGACORE else {}
     if target.num_slices > 1:
         kw["num_slices"] = target.num_slices
+    shape = (*target.shape, 1, 1)[:3]
+    if any(n < d for n, d in zip(shape, _HOST_BOUNDS)):  # smaller than one host (v5e:1x1): a host of that size
+        kw["chips_per_host_bounds"] = tuple(min(n, d) for n, d in zip(shape, _HOST_BOUNDS))
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=target.name, **kw)
     except RuntimeError as exc:
@@ -92,17 +96,24 @@ def _laid(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-_OOM = re.compile(r"Used\s+([\d.]+)([KMGT]?)i?B?\s+of\s+([\d.]+)([KMGT]?)i?B?\s+hbm", re.IGNORECASE)
+# XLA:TPU's two ways of saying a program does not fit: "Ran out of memory in memory space hbm.
+# Used 59.70G of 15.75G hbm" and "the total memory required for HLO temporaries (30.83G) exceeds
+# available HBM (15.75G)"
+_OOM = (
+    re.compile(r"Used\s+([\d.]+)([KMGT]?)i?B?\s+of\s+([\d.]+)([KMGT]?)i?B?\s+hbm", re.IGNORECASE),
+    re.compile(r"\(([\d.]+)([KMGT]?)i?B?\)\s+exceeds available HBM\s+\(([\d.]+)([KMGT]?)i?B?\)", re.IGNORECASE),
+)
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _oom_bytes(text: str) -> tuple[int, int] | None:
-    """(used, capacity) from XLA:TPU's 'Ran out of memory in memory space hbm. Used 59.70G of 15.75G hbm'."""
-    m = _OOM.search(text)
-    if not m:
-        return None
-    used, uu, cap, cu = m.groups()
-    return int(float(used) * _UNIT[uu.upper()]), int(float(cap) * _UNIT[cu.upper()])
+    """(needed, capacity) from XLA:TPU's refusal of a program that does not fit in HBM."""
+    for pattern in _OOM:
+        m = pattern.search(text)
+        if m:
+            used, uu, cap, cu = m.groups()
+            return int(float(used) * _UNIT[uu.upper()]), int(float(cap) * _UNIT[cu.upper()])
+    return None
 
 
 def analyse(name: str, compile_: Callable[[], Any], resident: int, hbm: int) -> dict[str, Any]:
@@ -118,6 +129,7 @@ def analyse(name: str, compile_: Callable[[], Any], resident: int, hbm: int) -> 
         used = found[0] if found else None
         out.update(
             compiled=False,
+            xla_capacity_bytes=found[1] if found else None,
             compile_s=round(time.perf_counter() - t, 2),
             xla_peak_bytes=used,
             peak_bytes=None if used is None else used + resident,
@@ -356,11 +368,13 @@ def check(
     lora=None,
     separate_reference: bool = False,
     max_extra: int = 4,
+    only: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Compile the run's programs for `target`; the report (see grpo_core.stages.aot). train.remat
     and train.grpo.grad_accum_steps at auto are chosen here: candidates cheapest first, the first
     whose update XLA fits. A fixed choice that does not fit is kept (and reported as not fitting),
-    with up to `max_extra` other candidates compiled to name one that would."""
+    with up to `max_extra` other candidates compiled to name one that would. `only`: the programs
+    besides the update to compile (default: all of them)."""
     t0 = time.perf_counter()
     devices = topology_devices(target)
     t_topo = time.perf_counter() - t0
@@ -415,6 +429,8 @@ def check(
                 break
     results = [update]
     for name, (compile_, extra) in run.programs().items():
+        if only is not None and name not in only:
+            continue
         results.append(analyse(name, compile_, sum(resident[k] for k in extra), hbm))
     worst = max(results, key=lambda r: r["peak_bytes"] or math.inf)
     g = train.grpo

@@ -8,11 +8,12 @@ every program fits, 4 when one does not (the report names it, XLA's figure and t
 would fit), 2 when the request is invalid or libtpu is missing (the message says what to install).
 
 The request carries the model and train configs, `max_prompt_tokens`, `target` (`v5e:2x2`) and
-optionally `num_slices`, `eval` ({batch_size, num_samples, temperature}), `lora` (the
-model.lora section) and `separate_reference`. Reports are cached on disk by (the request, the
-jax / jaxlib / libtpu / flax / optax versions): a second check of the same programs reads the
-report back in well under a second, before JAX is imported. The folder is GRPO_AOT_CACHE_DIR,
-else ~/.cache/grpo-pipeline/aot (XDG_CACHE_HOME); GRPO_AOT_CACHE=0 turns it off.
+optionally `num_slices`, `eval` ({batch_size, num_samples, temperature}), `lora` (the model.lora
+section), `separate_reference` and `programs` (the names to compile; default all). Reports are
+cached on disk by (the request, the jax / jaxlib / libtpu / flax / optax versions): a second
+check of the same programs reads the report back in well under a second, before JAX is
+imported. The folder is GRPO_AOT_CACHE_DIR, else ~/.cache/grpo-pipeline/aot (XDG_CACHE_HOME);
+GRPO_AOT_CACHE=0 turns it off.
 
 This process never opens a TPU, not even on a TPU VM whose chips a training worker holds: it
 runs JAX on the CPU and loads libtpu's compiler without its lockfile (ALLOW_MULTIPLE_LIBTPU_LOAD).
@@ -46,11 +47,34 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def cache_key(req: dict[str, Any]) -> str:
-    """The programs' identity: the request's configs and target, and the compiler's versions."""
-    programs = {k: req.get(k) for k in ("model", "train", "max_prompt_tokens", "eval", "lora", "separate_reference")}
-    body = {"programs": programs, "target": req["target"], "num_slices": req.get("num_slices", 1), **versions()}
+def request_for(cfg, vocab_size: int) -> dict[str, Any]:
+    """The request for a run config's programs (grpo_core.config.run.RunConfig), for
+    pipeline.readiness.target; `vocab_size`: the tokenizer's."""
+    return {
+        "model": cfg.model_config(vocab_size=vocab_size).to_dict(),
+        # num_steps (maybe still auto before the data is prepared) only sets the learning-rate
+        # schedule's length: no program's shape or memory, so neither the key nor the compile sees it
+        "train": cfg.train.replace(num_steps=1).to_dict(),
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "target": cfg.pipeline.readiness.target,
+        "num_slices": cfg.pipeline.readiness.num_slices,
+        "eval": {k: getattr(cfg.eval, k) for k in ("batch_size", "num_samples", "temperature")},
+        "lora": cfg.model.to_dict().get("lora"),
+        "separate_reference": cfg.separate_reference,
+    }
+
+
+def programs_key(req: dict[str, Any]) -> str:
+    """The programs' identity: the request's configs and target (not the compiler's versions)."""
+    keys = ("model", "train", "max_prompt_tokens", "eval", "lora", "separate_reference", "programs")
+    body = {k: req.get(k) for k in keys} | {"target": req["target"], "num_slices": req.get("num_slices", 1)}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cache_key(req: dict[str, Any]) -> str:
+    """The programs' identity and the compiler's versions."""
+    body = {"programs": programs_key(req), **versions()}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def cache_dir() -> str | None:
@@ -138,8 +162,9 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     _compiler_env()
     from grpo_core.runtime import aot
 
-    report = aot.check(model, train, mpt, target, aot.EvalShape(*ev), lora, separate)
-    report.update(versions=versions(), cache_key=key)
+    only = None if req.get("programs") is None else tuple(p for p in req["programs"] if p != "update")
+    report = aot.check(model, train, mpt, target, aot.EvalShape(*ev), lora, separate, only=only)
+    report.update(versions=versions(), cache_key=key, programs_key=programs_key(req))
     _write_cache(key, report)
     return dict(report, cached=False)
 

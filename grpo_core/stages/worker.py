@@ -144,9 +144,14 @@ def train(parts, until_step: int) -> int:
     if until_step > cfg.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
         raise ConfigError(f"--until-step {until_step} is past train.num_steps ({cfg.train.num_steps})")
     every, h = cfg.pipeline.checkpoint_every, cfg.train_hash
+    train_cfg = cfg.train
+    chosen = _compiler_choice(parts)
+    if chosen is not None:  # the readiness stage's compiler chose remat and accumulation for these very chips
+        remat, accum = chosen
+        train_cfg = train_cfg.replace(remat=remat, grpo=train_cfg.grpo.replace(grad_accum_steps=accum))
     plan = memory.plan_on(
         parts.model_config(),
-        cfg.train,
+        train_cfg,
         cfg.data.max_prompt_tokens,
         memory.device_facts(),  # before the model exists: the runtime term is this process alone
         cfg.model.lora,
@@ -156,7 +161,7 @@ def train(parts, until_step: int) -> int:
     placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
     trainer = GRPOTrainer(
         parts.create_policy(placement),
-        cfg.train,
+        train_cfg,
         parts.tokenizer,
         parts.rewards,
         DatasetPrompts(parts.train_rows, seed=cfg.data.seed),
@@ -199,6 +204,28 @@ def train(parts, until_step: int) -> int:
                 return ExitCode.INTERRUPTED
     _emit("done", step=trainer.step, steps_run=trainer.step - start)
     return 0
+
+
+def _compiler_choice(parts):
+    """(remat, grad_accum_steps) as XLA chose them for pipeline.readiness.target in this run's
+    readiness.json (grpo_core.stages.aot), when this worker runs on that target (same chips, same
+    count) and the programs are this config's; else None (the memory plan chooses)."""
+    import jax
+
+    from grpo_core.config.train import RematPolicy
+    from grpo_core.stages.aot import programs_key, request_for
+
+    cfg = parts.cfg
+    if not cfg.pipeline.readiness.target or not parts.root.exists("readiness.json"):
+        return None
+    aot = parts.root.read_json("readiness.json").get("target") or {}
+    target, devices = aot.get("target") or {}, jax.devices()
+    same_chips = devices[0].device_kind == target.get("device_kind") and len(devices) == target.get("chips")
+    if not same_chips or aot.get("programs_key") != programs_key(request_for(cfg, parts.tokenizer.vocab_size)):
+        return None
+    if not aot["memory"]["fits"]:
+        return None
+    return RematPolicy(aot["remat"]), int(aot["grad_accum_steps"])
 
 
 def _test_hook(point: str, **info: Any) -> None:

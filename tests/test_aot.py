@@ -1,0 +1,182 @@
+"""Readiness that asks the compiler (grpo_core.runtime.aot, grpo_core.stages.aot, grpo check --target):
+the run's programs compiled by XLA's real TPU compiler (libtpu, installed by the dev install) for
+TPU topologies that are not here, XLA's memory figures against each chip's HBM, a program that
+cannot fit refused with XLA's number, and a second check read back from the cache.
+
+No TPU is touched: JAX runs on the CPU and libtpu loads as a compiler only (ALLOW_MULTIPLE_LIBTPU_LOAD:
+no /tmp/libtpu_lockfile)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grpo_core.config.presets import get_preset
+from grpo_core.config.target import Target
+from grpo_core.config.train import GRPOConfig, RematPolicy, SamplingConfig, TrainConfig
+from grpo_core.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def aot():
+    """grpo_core.runtime.aot with libtpu loaded as a compiler only (set before libtpu first loads)."""
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    from grpo_core.runtime import aot
+
+    return aot
+
+
+def _train(**kw) -> TrainConfig:
+    grpo = dict(num_generations=4, prompts_per_step=4, beta=0.04)
+    grpo.update(kw.pop("grpo", {}))
+    return TrainConfig(grpo=GRPOConfig(**grpo), sampling=SamplingConfig(max_new_tokens=kw.pop("new_tokens", 16)), **kw)
+
+
+def test_target_names_and_refusals():
+    t = Target.parse("v5e:2x4", 2)
+    assert (t.generation, t.shape, t.chips, t.hbm_bytes, t.device_kind) == ("v5e", (2, 4), 16, 16 * GiB, "TPU v5 lite")
+    assert Target.parse("v4:2x2x1").hbm_bytes == 32 * GiB and Target.parse("v6e:2x2").device_kind == "TPU v6 lite"
+    with pytest.raises(ConfigError, match=r"pipeline.readiness.target.*'v5e-8' is a Cloud accelerator type.*v5e:2x4"):
+        Target.parse("v5e-8")
+    with pytest.raises(ConfigError, match="unknown TPU generation 'v9'"):
+        Target.parse("v9:2x2")
+    from grpo_core.config.run import load_config
+
+    with pytest.raises(ConfigError, match="pipeline.readiness.target must look like"):
+        load_config(None, ["pipeline.readiness.target=v5litepod-4"])
+    assert load_config(None, ["pipeline.readiness.target=v6e:2x2"]).pipeline.readiness.target == "v6e:2x2"
+
+
+@pytest.mark.parametrize(("topology", "kind"), [("v4:2x2x1", "TPU v4"), ("v6e:2x2", "TPU v6 lite")])
+def test_tiny_update_compiles_for_each_topology(aot, topology, kind):
+    """The update (accumulation inside) for 4 chips of each generation: XLA's figures per chip."""
+    devices = aot.topology_devices(Target.parse(topology))
+    assert len(devices) == 4 and {d.device_kind for d in devices} == {kind}  # one device per chip (megacore on v4)
+    run = aot.RunPrograms(get_preset("tiny"), _train(grpo={"grad_accum_steps": 2}), 16, devices)
+    assert run.placement.describe() == "train data=1xfsdp=4xtensor=1"
+    compile_, extra = run.update(RematPolicy.FULL, 2)
+    r = aot.analyse("update", compile_, sum(run.resident()[k] for k in extra), Target.parse(topology).hbm_bytes)
+    assert r["compiled"] and r["fits"], r
+    # the state is split over 4 chips: each holds a quarter of params + Adam's two moments, donated in place
+    assert r["argument_bytes"] < get_preset("tiny").num_params() * 4 * 3 / 2
+    assert r["alias_bytes"] > 0 and r["temp_bytes"] > 0 and r["flops"] > 0
+    assert r["peak_bytes"] == r["xla_peak_bytes"] + r["resident_bytes"] > r["argument_bytes"]
+
+
+def test_a_config_that_cannot_fit_one_v5e_chip_is_refused_with_xlas_number(aot):
+    """2 B parameters (a 1 M-word vocabulary) in f32 with Adam on one 16 GiB chip: XLA refuses the
+    update at compile time; the report names the program, XLA's figure and says what would fit."""
+    mc = get_preset(
+        "tiny",
+        vocab_size=1_000_000,
+        hidden_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=2048,
+        tie_word_embeddings=False,
+    )
+    train = _train(grpo={"beta": 0.0, "grad_accum_steps": 1}, remat="full")
+    report = aot.check(mc, train, 16, Target.parse("v5e:1x1"), only=(), max_extra=1)
+    update = report["programs"][0]
+    assert update["program"] == "update" and not update["compiled"] and not update["fits"]
+    assert "RESOURCE_EXHAUSTED" in update["error"] and update["xla_peak_bytes"] > 16 * GiB  # XLA's own figure
+    assert update["xla_capacity_bytes"] <= 16 * GiB
+    mem = report["memory"]
+    assert (mem["source"], mem["fits"], mem["peak_program"], mem["hbm_bytes"]) == ("xla", False, "update", 16 * GiB)
+    assert "LoRA" in report["fix"]  # no remat or accumulation fits weights that large
+
+
+def test_grpo_check_target_json_then_cached(tmp_path):
+    """`grpo check --target v5e:2x2 --json` compiles every program of the tiny run for 4 v5e chips in
+    a process of its own; the same check again reads the report back."""
+    env = dict(
+        os.environ, GRPO_AOT_CACHE_DIR=str(tmp_path / "aot"), PREFECT_HOME=str(tmp_path / "prefect"), PYTHONPATH=ROOT
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "check",
+        "--target",
+        "v5e:2x2",
+        "--json",
+        "--set",
+        f"storage.root={tmp_path / 'runs'}",
+        "--set",
+        "eval.batch_size=8",
+    ]
+
+    def check():
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+        return json.loads(proc.stdout), time.perf_counter() - t
+
+    report, _ = check()
+    mem, target = report["memory"], report["target"]
+    assert mem["source"] == "xla" and mem["hbm_bytes"] == 16 * GiB and 0 < mem["peak_bytes"] < mem["usable_bytes"]
+    assert {p["program"] for p in target["programs"]} >= {"update", "prefill", "decode", "eval_prefill", "eval_decode"}
+    assert all(p["compiled"] and p["fits"] and p["flops"] > 0 for p in target["programs"])
+    assert target["mesh"] == "train data=1xfsdp=4xtensor=1" and not target["cached"]
+    assert "memory_formula" in report  # the formula's estimate, kept beside XLA's
+    names = {c["name"]: c for c in report["checks"]}
+    assert names["memory"]["ok"] and "XLA on v5e:2x2" in names["memory"]["detail"]
+    assert names["target"]["ok"] and "no TPU here" in names["target"]["detail"]
+    again, _ = check()
+    assert again["target"]["cached"] and again["target"]["seconds"] < 5
+    assert again["memory"]["peak_bytes"] == mem["peak_bytes"]
+
+
+def test_without_libtpu_the_check_says_what_to_install(tmp_path):
+    """An interpreter without libtpu (its import blocked): the refusal names the extra to install."""
+    req = tmp_path / "req.json"
+    req.write_text(
+        json.dumps({"model": get_preset("tiny").to_dict(), "train": {}, "max_prompt_tokens": 16, "target": "v5e:2x2"})
+    )
+    code = (
+        "import sys, importlib.metadata as m\n"
+        "real = m.version\n"
+        "def version(name):\n"
+        "    if name == 'libtpu': raise m.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "m.version = version\n"
+        "from grpo_core.stages.aot import main\n"
+        f"sys.exit(main(['--request', {str(req)!r}]))\n"
+    )
+    env = dict(os.environ, GRPO_AOT_CACHE_DIR=str(tmp_path / "aot"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "pip install -c constraints.txt '.[tpu-aot]'" in json.loads(proc.stdout)["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v4:2x2x1", "v6e:2x2"])
+def test_small_update_compiles_for_each_topology(aot, topology):
+    devices = aot.topology_devices(Target.parse(topology))
+    run = aot.RunPrograms(get_preset("small"), _train(grpo={"prompts_per_step": 8}), 64, devices)
+    compile_, extra = run.update(RematPolicy.DOTS, 1)
+    r = aot.analyse("update", compile_, 0, Target.parse(topology).hbm_bytes)
+    assert r["compiled"] and r["fits"] and r["flops"] > 0
+
+
+@pytest.mark.slow
+def test_the_plans_choice_for_qwen_05b_on_v5e_compiles_and_fits(aot):
+    """qwen2.5-0.5b at real shapes (8 prompts x 8 completions x 512 tokens, Qwen's vocabulary) with
+    remat and accumulation at auto: the compiler's choice fits a v5e chip."""
+    train = TrainConfig(
+        grpo=GRPOConfig(num_generations=8, prompts_per_step=8, beta=0.04),
+        sampling=SamplingConfig(max_new_tokens=512),
+    )
+    report = aot.check(get_preset("qwen2.5-0.5b"), train, 64, Target.parse("v5e:2x2"), only=())
+    update = report["programs"][0]
+    assert update["compiled"] and update["fits"] and report["memory"]["fits"]
+    assert update["peak_bytes"] <= aot.HEADROOM * 16 * GiB
+    assert report["update_candidates"][-1]["fits"]  # stopped at the first that fits
+    assert all(not c["fits"] for c in report["update_candidates"][:-1])
