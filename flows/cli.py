@@ -337,11 +337,28 @@ def status_command(args) -> int:
     url = _run_of(args)
     if url is None:
         return 2
+    import logging
+
+    from grpo_core.errors import ConfigError, ExitCode, StorageError
+
+    # a damaged metrics line is left out with a warning naming the file: said here, not as a traceback
+    damaged = logging.StreamHandler(sys.stderr)
+    damaged.setFormatter(logging.Formatter("warning: %(message)s"))
+    store_log = logging.getLogger("grpo_core.store")
+    store_log.addHandler(damaged)
     try:
         st = status(RunRoot(url))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ConfigError) as exc:  # a damaged file (DamagedFile) names itself
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except StorageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ExitCode.STORAGE
+    except (KeyError, TypeError, ValueError) as exc:  # a config.json of another shape: no traceback either
+        print(f"error: {url}/config.json is not a run's config as this version writes it ({exc!r})", file=sys.stderr)
+        return 2
+    finally:
+        store_log.removeHandler(damaged)
     if args.json:
         print(json.dumps(st, indent=1))
         return 0

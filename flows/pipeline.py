@@ -241,7 +241,12 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
     )
     t0 = time.perf_counter()
     lease.raise_if_held()  # reads only: a refused run writes nothing (no config.json) into the other's root
-    run_url = init_run.with_options(**opts)(cfg.to_dict())
+    try:
+        run_url = init_run.with_options(**opts)(cfg.to_dict())
+    except BaseException as exc:  # a reward that cannot load, another config's root, a damaged config.json
+        if not can_retry(exc):
+            _no_flow_retry(log)
+        raise
     lease.acquire()  # the run root is this run's until the flow ends; the heartbeat keeps it so
     # Where the wall time goes: steps (the first step of each worker includes its compilation),
     # evaluation compute, and the eval tasks' wall time (process start, model build, compile).
@@ -277,7 +282,10 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
         status = "interrupted" if isinstance(exc, (KeyboardInterrupt, TerminationSignal)) else "failed"
         if not isinstance(exc, RunRootInUse):  # the run root is another run's now: write nothing there
             worked[0] = True  # a failed or interrupted attempt took its time: it counts
-            summarize(run_url, status, {"error": f"{type(exc).__name__}: {exc}"}, invocation())
+            try:
+                summarize(run_url, status, {"error": f"{type(exc).__name__}: {exc}"}, invocation())
+            except Exception as summary_exc:  # noqa: BLE001 - a damaged or unwritable run root: the cause above counts
+                log.warning("no summary of this attempt: %s: %s", type(summary_exc).__name__, summary_exc)
         log.error("run %s: %s", status, "".join(traceback.format_exception_only(exc)).strip())
         if not can_retry(exc):
             _no_flow_retry(log)
