@@ -47,20 +47,55 @@ def save_tokenizer(folder: pathlib.Path, llama: bool = False):
     return tok
 
 
+GSM8K_TEXTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether in April and May. #### 72",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "<think>12/60 = 0.2 per minute; 0.2 x 50 = 10</think><answer>10</answer>",
+    "What is 13+14? Answer: 27",
+]
+
+
+def save_bpe_tokenizer(folder: pathlib.Path, texts=GSM8K_TEXTS, vocab_size: int = 400, chat: bool = True):
+    """A byte-level BPE tokenizer trained here (any UTF-8 text encodes), Qwen-like: no BOS, pad
+    <|endoftext|>, EOS <|im_end|>, the chat specials and template; saved as users save one
+    (tokenizer.json, tokenizer_config.json: no config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=QWEN_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(list(texts) * 10, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=QWEN_SPECIALS
+    )
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(folder))
+    return tok
+
+
 def build_hf_model(
     folder: pathlib.Path,
     arch: str = "qwen3",
     llama_tokenizer: bool = False,
     seed: int = 0,
     max_shard_size: str | None = None,
+    bpe: bool = False,
 ):
-    """Save a tiny random `arch` model, its tokenizer and a generation config in `folder`.
+    """Save a tiny random `arch` model (qwen3, qwen2, llama), its tokenizer (character-level, or
+    with `bpe` a byte-level BPE trained here) and a generation config in `folder`.
     Returns (the torch model, the tokenizer)."""
     import torch
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    tok = save_tokenizer(folder, llama=llama_tokenizer)
+    tok = save_bpe_tokenizer(folder) if bpe else save_tokenizer(folder, llama=llama_tokenizer)
     common = dict(
         vocab_size=len(tok),
         hidden_size=64,
@@ -73,6 +108,9 @@ def build_hf_model(
     if arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
         model_cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen2":  # attention bias on q/k/v, as Qwen2 and Qwen2.5
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model_cls = transformers.Qwen2ForCausalLM
     elif arch == "llama":
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False)
         model_cls = transformers.LlamaForCausalLM

@@ -21,33 +21,13 @@ from grpo_core.data.synthetic import CharTokenizer  # noqa: E402
 from grpo_core.data.tokenizer import make_tokenizer  # noqa: E402
 from grpo_core.errors import ConfigError  # noqa: E402
 from grpo_core.store.sources import resolve_tokenizer  # noqa: E402
-
-TEXTS = ["What is 13+14? Answer: 27", "Natalia sold clips to 48 of her friends in April."]
-
-
-def save_bpe_tokenizer(folder, texts=TEXTS, vocab_size=300):
-    """A byte-level BPE tokenizer trained here, saved as a user saves one: tokenizer.json and
-    tokenizer_config.json, no config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tk.train_from_iterator(texts * 10, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.save_pretrained(str(folder))
-    return tok
+from tests.hf_models import save_bpe_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tok_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok") / "my-tokenizer"
-    tok = save_bpe_tokenizer(folder)
+    tok = save_bpe_tokenizer(folder, chat=False)
     assert not (folder / "config.json").exists()
     return folder, tok
 
