@@ -158,8 +158,14 @@ def estimate(
         "gradients": per(trained * tb),
         "grad_accumulator": per(trained * tb) if grad_accum_steps > 1 else 0,  # the sum beside each micro-batch's
         "optimizer_update": per(trained * tb),
-        "activations": rows(
-            _activations(m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens, 4 if backend == "cpu" else cb)
+        # split over at most the micro-batch's prompts: XLA:TPU keeps a group's rows together (v5e:2x4's
+        # 8 chips hold no less than v5e:2x2's 4 with 4 prompts a micro-batch), and scaled per backend
+        "activations": int(
+            math.ceil(
+                _ACT_SCALE.get(backend, 1.0)
+                * _activations(m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens, _act_bytes(backend, cb))
+                / min(r, micro_p)
+            )
         ),
         # a vocabulary chunk's logits and their gradient, and the tokens' hidden state and gradient
         "logprob_chunks": rows(CHUNK_BUFFERS * head_tokens * chunk_words * 4 + 2 * head_tokens * m.hidden_size * 4),
@@ -211,6 +217,18 @@ def _activations(m: ModelConfig, remat: RematPolicy, p: int, b: int, tp: int, n:
     # + the working set of the layer whose backward runs: what it recomputes (under dots, all but
     # the matmul outputs it kept) beside its gradients' temporaries
     return int(L * kept + (every - kept if remat is RematPolicy.DOTS else every))
+
+
+def _act_bytes(backend: str, compute_bytes: int) -> int:
+    """Bytes of an activation element: XLA:CPU and XLA:TPU keep bfloat16 work in f32 between
+    fusions (their buffer assignments show f32 intermediates); GPUs as computed."""
+    return 4 if backend in ("cpu", "tpu") else compute_bytes
+
+
+# What XLA:TPU's buffer assignment holds beyond the CPU-fitted per-token counts (layouts padded
+# to its (8, 128) tiles: qwen2.5's 64-wide heads fill half a lane), fitted on bench.aot's rows
+# (grpo_core.runtime.aot: the update's peak per chip against this estimate).
+_ACT_SCALE = {"tpu": 1.38}
 
 
 # Elements per token and layer that a decoder layer keeps without remat (e hidden, q+kv the

@@ -71,9 +71,12 @@ def programs_key(req: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+REPORT_FORMAT = 2  # bumped when what a report holds or how it counts changes: older reports are not read
+
+
 def cache_key(req: dict[str, Any]) -> str:
-    """The programs' identity and the compiler's versions."""
-    body = {"programs": programs_key(req), **versions()}
+    """The programs' identity, the compiler's versions and the report's format."""
+    body = {"programs": programs_key(req), "format": REPORT_FORMAT, **versions()}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
 
