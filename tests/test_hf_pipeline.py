@@ -96,3 +96,129 @@ def test_pipeline_trains_and_exports_a_hugging_face_model(tmp_path):
         ref = hf(torch.tensor(x)).logits.numpy()
     got = np.asarray(trained(jnp.asarray(x)))
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+
+
+# -- a user's path (issue 29, item 4) ---------------------------------------------------------
+
+GSM8K_QUESTIONS = [
+    ("Natalia sold {a} clips in April and {b} in May. How many clips did she sell?", lambda a, b: a + b),
+    ("Weng earns ${a} an hour and worked {b} hours. How much did she earn?", lambda a, b: a * b),
+    ("A box holds {a} pens. Tom takes {b} pens out. How many pens are left?", lambda a, b: a - b),
+]
+
+
+def gsm8k_jsonl(path, n: int, seed: int):
+    """GSM8K-style rows as a user exports them: question, and an answer ending in '#### N'."""
+    import random
+
+    rng, rows = random.Random(seed), []
+    for i in range(n):
+        text, f = GSM8K_QUESTIONS[i % len(GSM8K_QUESTIONS)]
+        a, b = rng.randint(10, 60), rng.randint(1, 9)
+        rows.append({"question": text.format(a=a, b=b), "answer": f"{a} and {b} give {f(a, b)}.\n#### {f(a, b)}"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# What the run resolves to, field by field (paths and versions aside): the 'hf' recipe's
+# defaults (grpo_core.config.recipes) under the few fields this config sets. A default that
+# drifts (back to the demo's 6 tokens and 5e-4, say) fails here.
+PINNED_USER_RUN = {
+    "data.chat": True,
+    "data.eval_fraction": 0.1,
+    "data.eval_rows": "all",
+    "data.format": "auto",  # detected as gsm8k from the first row
+    "data.max_prompt_tokens": 512,
+    "data.system_prompt": "Think inside <think></think>, then give the final number inside <answer></answer>.",
+    "eval.accuracy_reward": "math_answer",
+    "eval.num_samples": 4,
+    "eval.temperature": 1.0,
+    "model.dtype": None,
+    "model.tokenizer": "auto",
+    "rewards": [
+        {"function": "math_answer", "weight": 1.0, "params": None},
+        {"function": "think_format", "weight": 0.2, "params": None},
+    ],
+    "train.grpo.beta": 0.0,
+    "train.grpo.dynamic_sampling": False,
+    "train.grpo.entropy_coef": 0.0,
+    "train.grpo.epsilon_high": 0.2,
+    "train.grpo.epsilon_low": 0.2,
+    "train.grpo.loss_aggregation": "token_mean",
+    "train.grpo.num_generations": 8,
+    "train.grpo.prompts_per_step": 8,
+    "train.grpo.scale_rewards": "group",
+    "train.num_epochs": 3.0,
+    "train.num_steps": 3,  # auto: ceil(3 epochs x 8 training rows / 8 prompts)
+    "train.optimizer.b2": 0.999,
+    "train.optimizer.learning_rate": 1e-06,
+    "train.optimizer.max_grad_norm": 1.0,
+    "train.optimizer.warmup_steps": 0,
+    "train.optimizer.weight_decay": 0.0,
+    "train.sampling.max_new_tokens": 256,
+    "train.sampling.temperature": 1.0,
+}
+
+
+def _field(cfg: dict, path: str):
+    for part in path.split("."):
+        cfg = cfg.get(part) if isinstance(cfg, dict) else None
+    return cfg
+
+
+def test_a_users_path_qwen2_bpe_gsm8k_chat_to_an_export_transformers_generates_with(tmp_path):
+    """As a user would: a Qwen2 folder (random weights, a byte-level BPE tokenizer trained here),
+    GSM8K-style JSONL with '#### N' answers for training and a test file evaluated whole, the
+    chat template on, math_answer and a format reward, nothing else tuned. prepare -> train ->
+    evaluate every test row -> export -> transformers loads the export and generates what our
+    sampler generated."""
+    from flows.cli import main
+
+    folder = tmp_path / "my-qwen2"
+    _, tok = build_hf_model(folder, "qwen2", bpe=True)
+    train, test = gsm8k_jsonl(tmp_path / "train.jsonl", 8, 0), gsm8k_jsonl(tmp_path / "test.jsonl", 7, 1)
+    sets = [
+        f"storage.root={tmp_path}/runs",
+        "run_name=user-run",
+        f"model.path={folder}",
+        f"data.source={train}",
+        f"data.eval_source={test}",
+        "data.eval_rows=all",
+        "data.chat=true",
+        "data.system_prompt=Think inside <think></think>, then give the final number inside <answer></answer>.",
+        "rewards=[{function: math_answer}, {function: think_format, weight: 0.2}]",
+        "pipeline.epochs=1",
+        "pipeline.retries=0",
+        "pipeline.flow_retries=0",
+    ]
+    assert main(["run", *[a for s in sets for a in ("--set", s)]]) == 0
+    run = RunRoot(str(tmp_path / "runs" / "user-run"))
+    cfg = run.read_json("config.json")
+    got = {k: _field(cfg, k) for k in PINNED_USER_RUN}
+    assert got == PINNED_USER_RUN
+    assert cfg["data"]["source"] == str(train) and cfg["model"]["path"] == str(folder)
+
+    # prepared: the chat template with the system prompt, '#### N' read into ground_truth
+    rows = [json.loads(x) for x in run.read_bytes(f"data/{cfg['hashes']['data']}/eval.jsonl").decode().splitlines()]
+    assert len(rows) == 7 and rows[0]["prompt"].startswith("<|im_start|>system\nThink inside <think>")
+    assert rows[0]["ground_truth"] == json.loads(test.read_text().splitlines()[0])["answer"].rsplit("#### ", 1)[1]
+
+    # trained 3 steps, evaluated on every test row before and after
+    summary = run.read_json("summary.json")
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    final = run.read_json("eval/3.json")
+    assert final["greedy"]["num_rows"] == 7.0 and 0.0 <= final["accuracy"] <= 1.0
+    assert run.read_json("eval/0.json")["greedy"]["num_rows"] == 7.0
+
+    # exported, loaded by transformers, generating what our greedy sampler generated at step 3
+    export = str(tmp_path / "runs" / "user-run" / "export" / "3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export)
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and hf_tok.chat_template == tok.chat_template
+    ids = torch.tensor([rows[0]["prompt_ids"]])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    theirs = hf_tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    ours = final["examples"][0]["completion"]
+    n = min(len(theirs), len(ours))
+    assert n > 0 and theirs[:n] == ours[:n], (theirs, ours)
