@@ -112,21 +112,31 @@ def png_data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def _no_flow_retry(log) -> None:
-    """Fail this flow run for good: the server retries a failed flow run while its policy has
-    retries left (pipeline.flow_retries), with no condition of its own, so an error that fails
-    the same way every time (config, data, reward, a stage's non-retryable exit) would run the
-    whole pipeline again. Setting this run's retries to what it has used ends it now."""
+def _set_flow_retries(log, retries: int | None = None) -> None:
+    """This flow run's retry budget on the server, whose RetryFailedFlows rule retries a failed
+    flow run while run_count <= empirical_policy.retries, with no condition of its own. The
+    decorator's `retries` only seeds that budget, so a deployment run (the form, a schedule, the
+    API) would retry as the decorator says whatever the config asks: `retries` sets it to the
+    config's pipeline.flow_retries, the same on every path. None: no more retries (what this run
+    has used), for an error that fails the same way every time (config, data, reward, a stage's
+    non-retryable exit), which would otherwise run the whole pipeline again."""
     from prefect import get_client
     from prefect.runtime import flow_run
 
     try:
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(flow_run.id)
-            used = max(0, (run.run_count or 1) - 1)
-            client.update_flow_run(run.id, empirical_policy=run.empirical_policy.model_copy(update={"retries": used}))
-    except Exception as exc:  # noqa: BLE001 - at worst the pipeline runs once more and fails the same way
-        log.warning("could not turn off this flow run's retries: %s", exc)
+            want = max(0, (run.run_count or 1) - 1) if retries is None else retries
+            if run.empirical_policy.retries != want:
+                policy = run.empirical_policy.model_copy(update={"retries": want})
+                client.update_flow_run(run.id, empirical_policy=policy)
+    except Exception as exc:  # noqa: BLE001 - at worst the flow runs as often as its decorator says
+        log.warning("could not set this flow run's retries: %s", exc)
+
+
+def _no_flow_retry(log) -> None:
+    """Fail this flow run for good (see _set_flow_retries)."""
+    _set_flow_retries(log, None)
 
 
 def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
@@ -215,6 +225,7 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     """
     log = get_run_logger()
     cfg = _allowed(lambda: _config(config), log)  # before anything runs or is written
+    _set_flow_retries(log, cfg.pipeline.flow_retries)  # the form's value, not the decorator's
     # Seconds, not minutes of gcsfs retries, when a gs:// root has no network: the lease's first
     # read is the run's first storage call (StorageError naming storage.root and the cause).
     check_reachable(cfg.storage_url)

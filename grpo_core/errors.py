@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 
 
@@ -38,6 +39,34 @@ class RewardTimeout(RewardFunctionError):  # noqa: N818  (a public name, like Ro
 
 class StorageError(RuntimeError):
     """The storage root cannot be used. The message names the URL."""
+
+
+class LastingStorageError(StorageError):
+    """The storage root fails for a cause that stays until someone changes it: permission
+    denied, a read-only file system, a path in it that is a file, no space left. Neither a task
+    nor the flow retries it. A StorageError whose exception chain shows such a cause is
+    classified as one (storage_cause_lasts); it may also be raised as itself."""
+
+
+# errnos of storage causes that a retry cannot fix (and the texts gcsfs and fsspec give them)
+LASTING_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
+_LASTING_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "Not a directory")
+
+
+def storage_cause_lasts(exc: BaseException) -> bool:
+    """Whether `exc` or what it was raised from is a storage failure a retry cannot fix: the
+    causes grpo_core.store.root.describe_storage_error names as permission, read-only, no space,
+    or a file where a folder should be. A network failure or an unknown cause may pass: False."""
+    e, seen = exc, 0
+    while e is not None and seen < 8:
+        if isinstance(e, LastingStorageError) or isinstance(e, (PermissionError, NotADirectoryError)):
+            return True
+        if isinstance(e, OSError) and e.errno in LASTING_STORAGE_ERRNOS:
+            return True
+        if isinstance(e, OSError) and any(t in str(e) for t in _LASTING_TEXTS):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 class RunRootInUse(ConfigError):  # noqa: N818  (a public name, like RolloutTimeout)
@@ -90,6 +119,7 @@ class ExitCode(enum.IntEnum):
     DISTRIBUTED = 8  # jax.distributed could not start, or the processes disagree
     MEMORY = 9  # out of device or host memory
     INTERRUPTED = 10  # SIGTERM/SIGINT: stopped at a step boundary (a checkpoint saved) or after its grace period
+    STORAGE_LASTING = 11  # a storage error that a retry cannot fix (permission, read-only, not a folder, no space)
 
     @property
     def kind(self) -> str:
@@ -108,6 +138,7 @@ _KINDS = {
     ExitCode.DISTRIBUTED: "multi-host setup failed",
     ExitCode.MEMORY: "out of memory",
     ExitCode.INTERRUPTED: "interrupted",
+    ExitCode.STORAGE_LASTING: "storage error that a retry cannot fix",
 }
 
 
@@ -129,6 +160,7 @@ _CONFIG = Failure(ExitCode.CONFIG, "config", False)
 # worker's except clauses did), so a subclass given a row of its own wins over its base's.
 FAILURES: dict[type[BaseException], Failure] = {
     StorageError: Failure(ExitCode.STORAGE, "storage", True),
+    LastingStorageError: Failure(ExitCode.STORAGE_LASTING, "storage", False),
     FileNotFoundError: _CONFIG,  # no config.json, a missing config file or checkpoint
     ConfigError: _CONFIG,
     json.JSONDecodeError: _CONFIG,  # a config file that is not JSON
@@ -157,6 +189,8 @@ OUT_OF_MEMORY_LEVERS = (
 def classify(exc: BaseException) -> Failure | None:
     """The row for `exc`, from its most specific class that has one; None for an exception the
     table does not know (a bug, or an allocation failure only is_out_of_memory recognises)."""
+    if isinstance(exc, StorageError) and storage_cause_lasts(exc):
+        return FAILURES[LastingStorageError]
     for cls in type(exc).__mro__:
         if cls in FAILURES:
             return FAILURES[cls]

@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import DataError
-from grpo_core.errors import ConfigError, RewardFunctionError
+from grpo_core.errors import ConfigError, RewardFunctionError, storage_cause_lasts
 from grpo_core.store.report import eval_results, latest_checkpoint, read_eval
 from grpo_core.store.root import RunRoot, StorageError
 from grpo_core.store.tracking import Trackers
@@ -40,6 +40,8 @@ def can_retry(exc: BaseException) -> bool:
     divergence) nor an interrupted run (the user or a scheduler asked it to stop)."""
     if isinstance(exc, StageError):
         return exc.retryable
+    if isinstance(exc, StorageError) and storage_cause_lasts(exc):  # permission, read-only, a file, no space
+        return False
     # RewardFunctionError: the data stage's reward probe (a reward that hangs or fails there)
     return not isinstance(exc, (ConfigError, DataError, RewardFunctionError, ValueError, TypeError, KeyboardInterrupt))
 

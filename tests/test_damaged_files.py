@@ -84,7 +84,7 @@ def test_a_cut_config_json_fails_the_flow_once_naming_the_file(tmp_path):
     from tests.test_flow_retries import _flow_run_count
     from tests.test_pipeline import small_config
 
-    cfg = small_config(str(tmp_path), "cut")
+    cfg = small_config(str(tmp_path), "cut", pipeline={"flow_retries": 1})  # the config's budget is the run's
     init_run_root(RunConfig.from_dict(cfg))
     config = tmp_path / "cut" / "config.json"
     config.write_bytes(config.read_bytes()[:100])

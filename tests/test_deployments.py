@@ -118,8 +118,8 @@ def served(server, tmp_path_factory):
     flags = tmp_path_factory.mktemp("faults")
     env = {
         **client_env(home, url),
-        # the "ui-retry" run's worker is killed after step 3 in both of the flow's attempts (the
-        # deployment's flow has 1 retry; the run has no task retries): the flow run fails
+        # the "ui-retry" run's worker is killed after step 3 in both of the flow's attempts (its
+        # config has 1 flow retry and no task retries): the flow run fails
         "GRPO_TEST_HOOK": HOOK,
         "GRPO_FAULT": f"step:3:{flags}/killed,step:3:{flags}/killed-again",
         "GRPO_FAULT_RUN": "/ui-retry",
@@ -271,7 +271,9 @@ def test_failed_run_retried_like_the_ui_resumes(served):
     from prefect.deployments import run_deployment
     from prefect.states import Scheduled
 
-    run = run_deployment("grpo-pipeline/pipeline", parameters={"config": tiny(root, "ui-retry", retries=0)}, timeout=0)
+    run = run_deployment(
+        "grpo-pipeline/pipeline", parameters={"config": tiny(root, "ui-retry", retries=0, flow_retries=1)}, timeout=0
+    )
     run = _wait(client, run.id)
     assert run.state.is_failed() and os.path.exists(flags / "killed-again")
     rr = RunRoot(str(root / "ui-retry"))

@@ -55,8 +55,8 @@ def test_classify_leaves_unknown_exceptions_to_the_caller():
 
 
 def test_what_is_retried():
-    assert errors.NOT_RETRYABLE == {2, 3, 6, 9}
-    assert not any(is_retryable(c) for c in (2, 3, 6, 9))
+    assert errors.NOT_RETRYABLE == {2, 3, 6, 9, 11}  # 11: storage that stays broken (issue 30)
+    assert not any(is_retryable(c) for c in (2, 3, 6, 9, 11))
     assert all(is_retryable(c) for c in (1, 4, 5, 7, 8, -9, -15))  # crashes, kills and the retryable codes
     assert [ExitCode(c).kind for c in (2, 3, 6, 9)] == [
         "config or data error",

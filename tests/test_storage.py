@@ -63,3 +63,41 @@ def test_config_hash_is_stable_and_order_free():
     a = config_hash({"x": 1, "y": {"b": 2, "a": 1}})
     assert a == config_hash({"y": {"a": 1, "b": 2}, "x": 1}) and len(a) == 12
     assert a != config_hash({"x": 2, "y": {"b": 2, "a": 1}})
+
+
+def test_storage_errors_that_cannot_fix_themselves_are_not_retried(tmp_path):
+    """issue 30: a root under a file, a read-only or full disk, a permission refusal took 3 task
+    x 2 flow attempts, each failing the same way; a network failure is still worth a retry."""
+    import errno
+    import socket
+
+    from grpo_core.errors import ExitCode, classify, is_retryable
+    from grpo_core.store.root import check_reachable
+    from tasks.stages import can_retry
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError, match="a path in it is a file, not a folder") as err:
+        RunRoot(str(blocker / "run")).write_json("config.json", {})
+    failure = classify(err.value)
+    assert failure.code == ExitCode.STORAGE_LASTING and not failure.retryable and not is_retryable(failure.code)
+    assert not can_retry(err.value)
+    for cause in (PermissionError(errno.EACCES, "Permission denied"), OSError(errno.EROFS, "Read-only file system")):
+        try:
+            raise StorageError("cannot write x") from OSError(errno.ENOSPC, "No space left on device")
+        except StorageError as exc:
+            assert classify(exc).code == ExitCode.STORAGE_LASTING and not can_retry(exc)
+        try:
+            raise StorageError("cannot write x") from cause
+        except StorageError as exc:
+            assert classify(exc).code == ExitCode.STORAGE_LASTING and not can_retry(exc)
+    with socket.socket() as s:  # a port nothing listens on: connection refused, worth a retry
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["STORAGE_EMULATOR_HOST"], saved = f"127.0.0.1:{port}", os.environ.get("STORAGE_EMULATOR_HOST")
+    try:
+        with pytest.raises(StorageError, match="cannot connect") as err:
+            check_reachable(f"gs://b-{uuid.uuid4().hex[:6]}/runs", timeout_s=2)
+    finally:
+        os.environ.pop("STORAGE_EMULATOR_HOST") if saved is None else os.environ.update(STORAGE_EMULATOR_HOST=saved)
+    assert classify(err.value).code == ExitCode.STORAGE and can_retry(err.value)

@@ -101,6 +101,6 @@ def test_full_disk_in_training_is_a_storage_error(tmp_path):
     )
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     errors = [e for e in events if e.get("event") == "error"]
-    assert out.returncode == 5, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])  # ExitCode.STORAGE
+    assert out.returncode == 11, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])  # ExitCode.STORAGE_LASTING
     assert errors and errors[-1]["kind"] == "storage", errors
     assert f"storage.root {run}: no space left" in errors[-1]["message"], errors[-1]

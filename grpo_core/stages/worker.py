@@ -483,7 +483,7 @@ def _run(args) -> int:
             from grpo_core.store.root import describe_storage_error
 
             _emit("error", kind="storage", message=describe_storage_error(args.root, exc))
-            return ExitCode.STORAGE
+            return ExitCode.STORAGE_LASTING  # each cause _storage_fault knows stays until someone acts
         if failure is None:
             from grpo_core.config import memory
 

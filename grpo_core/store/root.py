@@ -83,6 +83,8 @@ def describe_storage_error(url: str, exc: BaseException) -> str:
         why = "no space left on the device that holds it; free some space or choose another storage.root"
     elif errno.EROFS in errnos or "Read-only file system" in text:
         why = "the file system is read-only; choose another storage.root"
+    elif errno.ENOTDIR in errnos or any(isinstance(c, NotADirectoryError) for c in chain):
+        why = "a path in it is a file, not a folder; choose another storage.root"
     elif any(isinstance(c, PermissionError) for c in chain) or " 403" in text or "Forbidden" in text:
         why = f"permission denied; {CREDENTIALS_FIX}"
     elif any(isinstance(c, socket.gaierror) for c in chain) or "name resolution" in text or "DNS" in text:
