@@ -96,6 +96,7 @@ def test_a_run_started_before_inputs_were_versioned_resumes(tmp_path):
     source = tmp_path / "prompts.jsonl"
     source.write_text(_rows(8))
     sets = [f"storage.root={tmp_path}", f"data.source={source}", "data.format=plain", "run_name=old"]
+    sets.append("train.num_steps=8")  # a number, as every run from before versions (and before num_steps: auto)
     old = load_config(None, sets)  # no versions: as config.json was written before them
     init_run_root(old)
     root = init_run_root(old.with_versions())

@@ -155,7 +155,7 @@ def _flat(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def resolve_steps(cfg, warn=None):
+def resolve_steps(cfg):
     """`cfg` with train.num_steps: auto made a number: train.num_epochs passes over the training
     rows that data preparation will keep (read, rendered and tokenized as it will, nothing
     written; counted once per data hash in the model cache folder). Data the run cannot prepare
@@ -177,13 +177,15 @@ def resolve_steps(cfg, warn=None):
     except (OSError, ValueError, KeyError):
         try:
             rows = dry_run(cfg.data, make_tokenizer(cfg))["train_rows"]
-        except (DataError, ConfigError) as exc:
-            if warn is not None:
-                warn(f"train.num_steps: auto is left unresolved: the data cannot be prepared ({type(exc).__name__})")
+        except (DataError, ConfigError):  # the data stage (and grpo check's data check) names the row
             return cfg
         os.makedirs(os.path.dirname(where), exist_ok=True)
         tmp = f"{where}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"train_rows": rows}, f)
         os.replace(tmp, where)
-    return dataclasses.replace(cfg, train=cfg.train.replace(num_steps=cfg.train.steps_for(rows)))
+    # recorded beside the sources' versions (config.json): the number follows the data, and a run
+    # refused for new data says so (grpo_core.store.runs); in no hash beyond the number itself
+    how = dict(cfg.versions, **{"train.num_steps": f"auto: {cfg.train.num_epochs:g} epochs over {rows} rows"})
+    train = cfg.train.replace(num_steps=cfg.train.steps_for(rows))
+    return dataclasses.replace(cfg, train=train, versions=tuple(sorted(how.items())))

@@ -340,7 +340,7 @@ class RunConfig:
         from grpo_core.store.versions import source_versions
 
         cfg = dataclasses.replace(self, versions=tuple(sorted(source_versions(self, warn).items())))
-        return recipes.resolve_steps(cfg, warn)
+        return recipes.resolve_steps(cfg)
 
     def with_run_name(self, when: datetime.datetime) -> "RunConfig":
         """This config with a run_name template ({date}, {time}, {datetime}) filled in for `when`."""

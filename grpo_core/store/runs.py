@@ -24,7 +24,10 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
         if old.train_hash != cfg.train_hash:
             diff = _diff(old.to_dict(), cfg.to_dict())
             changed = [d.removeprefix("versions.") for d in diff if d.startswith("versions.")]
-            if changed and len(changed) == len(diff):  # same config, new content
+            # train.num_steps: auto, counted from the data (recorded beside the versions): it follows them
+            counted = any(c.startswith("train.num_steps:") for c in changed)
+            follows = [d for d in diff if counted and d.startswith("train.num_steps:")]
+            if changed and len(changed) + len(follows) == len(diff):  # same config, new content
                 raise ConfigError(
                     f"run {cfg.name!r} at {cfg.run_url} was started on other inputs: "
                     f"{'; '.join(changed)} (the source changed since); set run_name to a new name "
