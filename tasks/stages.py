@@ -55,6 +55,33 @@ def retryable(task_, task_run, state) -> bool:
     return True
 
 
+def _progress_artifact(key: str, pct: float, described) -> Any:
+    """The id of this flow run's progress artifact `key`, set to `pct`: the one an earlier epoch
+    or attempt (a task or flow retry) of this flow run made, else a new one. Before, every epoch
+    and attempt made its own (15 after a flow retry)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.runtime import flow_run
+
+    if flow_run.id:
+        try:
+            with get_client(sync_client=True) as client:
+                found = client.read_artifacts(
+                    artifact_filter=ArtifactFilter(
+                        key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])
+                    ),
+                    sort=ArtifactSort.CREATED_DESC,
+                    limit=1,
+                )
+            if found and found[0].type == "progress":
+                update_progress_artifact(found[0].id, pct, description=described(pct))
+                return found[0].id
+        except Exception:  # noqa: BLE001 - a new artifact then, as before
+            pass
+    return create_progress_artifact(pct, key=key, description=described(pct))
+
+
 def _key(name: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")[:90]
@@ -230,15 +257,14 @@ def _with_target(report: dict[str, Any], live: list[dict[str, Any]], aot: dict[s
     report["memory_formula"]), and whether the chips here are the target's."""
     report["target"] = aot
     if "error" in aot:
-        install = "libtpu" in aot["error"]
-        return live + [
-            {
-                "name": "target",
-                "ok": False,
-                "detail": aot["error"],
-                "fix": "pip install -c constraints.txt '.[tpu-aot]'" if install else "fix pipeline.readiness.target",
-            }
-        ]
+        fix = (
+            "pip install -c constraints.txt '.[tpu-aot]'"
+            if "libtpu" in aot["error"]
+            else "raise pipeline.check_timeout_s (a cold check compiles every program)"
+            if "pipeline.check_timeout_s" in aot["error"]
+            else "fix pipeline.readiness.target or the field named"
+        )
+        return live + [{"name": "target", "ok": False, "detail": aot["error"], "fix": fix}]
     t, mem = aot["target"], aot["memory"]
     if "memory" in report:
         report["memory_formula"] = report["memory"]
@@ -490,11 +516,11 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     # starts: its newest checkpoint at or before this epoch's end.
     total = max(1, cfg.train.num_steps)
     resumed_at = max(start_step, newest if newest is not None else 0)
-    progress = create_progress_artifact(
-        100.0 * resumed_at / total,
-        key=_key(f"train-{cfg.name}"),
-        description=f"training {cfg.name}: steps done of {total} (epoch {epoch}: steps {start_step}..{until})",
-    )
+
+    def described(pct: float) -> str:  # the UI's artifact card shows the description, not the number
+        return f"{pct:.0f}% - training {cfg.name}: steps done of {total} (epoch {epoch}: steps {start_step}..{until})"
+
+    progress = _progress_artifact(_key(f"train-{cfg.name}"), 100.0 * resumed_at / total, described)
     every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
     trackers = _trackers(cfg, root, log)
     shown = {"step": resumed_at, "t": time.monotonic()}
@@ -532,7 +558,8 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
                     )
             # every 1% of the run or 10 s, whichever comes first: not one API call per step
             if s - shown["step"] >= total / 100 or time.monotonic() - shown["t"] >= 10 or s == until:
-                update_progress_artifact(progress, 100.0 * min(1.0, s / total))
+                pct = 100.0 * min(1.0, s / total)
+                update_progress_artifact(progress, pct, description=described(pct))
                 shown.update(step=s, t=time.monotonic())
         elif kind == "checkpoint":
             log.info("checkpoint %s", e["uri"])
@@ -568,7 +595,8 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
         first_steps_s=state["first_step_s"] or 0.0,
     )
     root.mark_done(stage, info)  # after the worker's checkpoint is final: the marker is last
-    update_progress_artifact(progress, 100.0 * min(1.0, until / total))
+    pct = 100.0 * min(1.0, until / total)
+    update_progress_artifact(progress, pct, description=described(pct))
     return dict(info, skipped=False)
 
 
