@@ -249,6 +249,74 @@ def deleted_marker(c: Case) -> tuple[bool, str]:
     )
 
 
+SHORT = ["--set", "train.num_steps=40", "--set", "pipeline.epochs=1"]
+
+
+def run_name_dotdot(c: Case) -> tuple[bool, str]:
+    rc, out, secs = c.run("--set", "run_name=..")
+    wrote = sorted(p.name for p in c.dir.iterdir() if p.name != "runs")
+    ok = rc == 2 and "run_name must be a single folder name" in out and not wrote and not c.root.exists()
+    return ok, f"exit {rc} in {secs:.0f} s, nothing written; {why(out, 'run_name')}"
+
+
+def export_outside(c: Case) -> tuple[bool, str]:
+    grpo = str(Path(sys.executable).with_name("grpo"))
+    out = subprocess.run([grpo, "export", "../../etc"], capture_output=True, text=True, cwd=c.dir, timeout=120)
+    ok = out.returncode == 2 and "is not a run" in out.stderr
+    return ok, f"exit {out.returncode}; {why(out.stderr, 'is not a run')}"
+
+
+def cut_metrics_line(c: Case) -> tuple[bool, str]:
+    rc, _, _ = c.run(*SHORT)
+    shard = sorted((c.run_dir / "metrics").glob("*.jsonl"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-20])
+    grpo = str(Path(sys.executable).with_name("grpo"))
+    st = subprocess.run([grpo, "status", str(c.run_dir)], capture_output=True, text=True, timeout=120)
+    rc2, out, secs = c.run(*SHORT)
+    ok = rc == rc2 == st.returncode == 0 and shard.name in st.stderr and "Traceback" not in st.stdout + st.stderr
+    return ok, f"status exit {st.returncode} ({why(st.stderr, 'damaged')}); re-run exit {rc2} in {secs:.0f} s"
+
+
+def cut_config_json(c: Case) -> tuple[bool, str]:
+    c.run(*SHORT)
+    config = c.run_dir / "config.json"
+    config.write_bytes(config.read_bytes()[:200])
+    rc, out, secs = c.run(*SHORT)
+    n = flow_attempts(out)
+    ok = rc != 0 and n == 1 and "config.json is damaged" in out
+    return ok, f"exit {rc} in {secs:.0f} s, {n} flow attempt(s); {why(out, 'is damaged')}"
+
+
+def immutable_checkpoints(c: Case) -> tuple[bool, str]:
+    p = c.start()
+    read_until(p, "checkpoint ")
+    folder = c.run_dir / "checkpoints"
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        p.kill()
+        p.communicate()
+        return True, "skipped: chattr +i is not available here"
+    t = time.monotonic()
+    try:
+        out, _ = p.communicate(timeout=600)
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+    secs = time.monotonic() - t
+    ok = p.returncode != 0 and secs < 120 and "cannot write checkpoint" in out and flow_attempts(out) == 1
+    return ok, f"exit {p.returncode} {secs:.0f} s after the folder locked; {why(out, 'cannot write checkpoint')}"
+
+
+def stale_temp_files(c: Case) -> tuple[bool, str]:
+    c.run(*SHORT)
+    old = time.time() - 3600
+    stale = [c.run_dir / "config.json.tmp-0a1b2c3d", c.run_dir / "metrics" / "x.jsonl.tmp-deadbeef"]
+    for f in stale:
+        f.write_bytes(b"")
+        os.utime(f, (old, old))
+    rc, out, secs = c.run(*SHORT)
+    left = sorted(str(f.relative_to(c.root)) for f in c.root.rglob("*.tmp-*"))
+    return rc == 0 and not left, f"re-run exit {rc} in {secs:.0f} s; temporary files left: {left or 'none'}"
+
+
 CASES = {
     "ctrl-c": ("exit 130 in seconds, status interrupted", lambda c: signal_case(c, signal.SIGINT)),
     "sigterm": ("exit 143 in seconds, status interrupted", lambda c: signal_case(c, signal.SIGTERM)),
@@ -263,6 +331,12 @@ CASES = {
     "gs:// no network": ("fails in seconds naming storage.root", gcs_no_network),
     "empty CSV values": ("counted by column, not as too long", empty_csv_values),
     "deleted marker": ("rebuilt at the epoch's end; timing kept", deleted_marker),
+    "run_name ..": ("refused naming run_name, nothing written", run_name_dotdot),
+    "export ../../etc": ("refused: not a run, no worker", export_outside),
+    "cut metrics line": ("status warns naming the shard; re-run ok", cut_metrics_line),
+    "cut config.json": ("fails once naming config.json", cut_config_json),
+    "locked checkpoints": ("fails in seconds: cannot write checkpoint", immutable_checkpoints),
+    "stale temp files": ("a re-run removes them", stale_temp_files),
 }
 
 

@@ -25,7 +25,7 @@ from grpo_core.config.run import RunConfig
 from grpo_core.errors import RunRootInUse
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, plot_curve
-from grpo_core.store.root import RunRoot, check_reachable
+from grpo_core.store.root import RunRoot, check_reachable, remove_stale_temp
 from tasks.stages import (
     _key,
     can_retry,
@@ -259,6 +259,8 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
             _no_flow_retry(log)
         raise
     lease.acquire()  # the run root is this run's until the flow ends; the heartbeat keeps it so
+    for path in remove_stale_temp(RunRoot(run_url)):  # what killed or failed writes of earlier attempts left
+        log.info("removed a stale temporary file: %s", path)
     # Where the wall time goes: steps (the first step of each worker includes its compilation),
     # evaluation compute, and the eval tasks' wall time (process start, model build, compile).
     timing: dict[str, float] = {"train_steps_s": 0.0, "first_steps_s": 0.0, "eval_compute_s": 0.0, "eval_task_s": 0.0}

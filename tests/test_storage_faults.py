@@ -104,3 +104,62 @@ def test_full_disk_in_training_is_a_storage_error(tmp_path):
     assert out.returncode == 11, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])  # ExitCode.STORAGE_LASTING
     assert errors and errors[-1]["kind"] == "storage", errors
     assert f"storage.root {run}: no space left" in errors[-1]["message"], errors[-1]
+
+
+def _can_make_immutable(tmp_path) -> bool:
+    """Whether `chattr +i` makes a folder refuse new entries to this user (root included)."""
+    probe = tmp_path / "immutable-probe"
+    probe.mkdir()
+    try:
+        if subprocess.run(["chattr", "+i", str(probe)], capture_output=True, timeout=10).returncode != 0:
+            return False
+        try:
+            (probe / "f").touch()
+            return False
+        except OSError:
+            return True
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        subprocess.run(["chattr", "-i", str(probe)], capture_output=True, timeout=10)
+
+
+IMMUTABLE_HOOK = """
+import os, subprocess
+
+def hook(point, *, step, root_url, **_):
+    if point == "checkpoint" and step == 2:
+        subprocess.run(["chattr", "+i", os.path.join(root_url, "checkpoints")], check=True)
+"""
+
+
+def test_a_checkpoints_folder_that_stops_taking_writes_fails_the_attempt_at_once(tmp_path):
+    """issue 28: made immutable after the first checkpoint, the next save hung 300 s inside Orbax
+    and the worker exited 1 (a crash, retried) with a TimeoutError; now exit 11 (a storage error a
+    retry cannot fix) naming the checkpoint and the cause, well within the subprocess's limit
+    (before: 300 s per attempt)."""
+    if not _can_make_immutable(tmp_path):
+        pytest.skip("chattr +i cannot make a folder unwritable here (no chattr, not root, or the file system lacks it)")
+    from tests.test_worker import make_run
+
+    run = make_run(str(tmp_path), "r")
+    hook = tmp_path / "immutable_hook.py"
+    hook.write_text(IMMUTABLE_HOOK)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "grpo_core.stages.worker", "train", "--until-step", "6", "--root", run],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, GRPO_TEST_HOOK=f"{hook}:hook"),
+            timeout=240,
+        )
+    finally:
+        subprocess.run(["chattr", "-i", f"{run}/checkpoints"], capture_output=True, timeout=10)
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    errors = [e for e in events if e.get("event") == "error"]
+    assert out.returncode == 11, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])  # ExitCode.STORAGE_LASTING
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [2]
+    assert errors and errors[-1]["kind"] == "storage", errors
+    msg = errors[-1]["message"]
+    assert msg.startswith(f"cannot write checkpoint 4 at {run}/checkpoints/4: not permitted"), msg
+    assert "Operation not permitted" in msg and "TimeoutError" not in out.stderr

@@ -24,7 +24,9 @@ process whole arrays on its own first device, whatever mesh wrote them (evaluati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import posixpath
 import time
@@ -36,7 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from grpo_core.config.memory import is_out_of_memory
-from grpo_core.errors import StorageError
+from grpo_core.errors import LastingStorageError, StorageError
 from grpo_core.store.root import filesystem
 
 log = logging.getLogger(__name__)
@@ -84,23 +86,46 @@ class SetAside:
         return {**dataclasses.asdict(self), "message": self.message}
 
 
+# errno -> what a user reads when a checkpoint cannot be written (Checkpointer._writable)
+_WRITE_FAULTS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "not permitted (an immutable or locked folder)",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+}
+
+
 class Checkpointer:
     def __init__(
-        self, directory: str, max_to_keep: int | None = 3, async_save: bool = True, keep_steps: Sequence[int] = ()
+        self,
+        directory: str,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        keep_steps: Sequence[int] = (),
+        cleanup_tmp: bool = False,
     ):
         """`max_to_keep` newest checkpoints are kept (None: all), and those of `keep_steps` (each
-        epoch's last, so that it can be evaluated or exported later) whatever their age."""
+        epoch's last, so that it can be evaluated or exported later) whatever their age.
+        `cleanup_tmp`: delete the unfinished saves (`{step}.orbax-checkpoint-tmp`) a killed writer
+        left; only the run's one writer may (a reader beside it would delete its save in flight)."""
         self.directory = directory
         if max_to_keep is not None and keep_steps:
             policy = ocp.checkpoint_managers.AnyPreservationPolicy(
                 [ocp.checkpoint_managers.LatestN(n=max_to_keep), ocp.checkpoint_managers.CustomSteps(list(keep_steps))]
             )
             opts = ocp.CheckpointManagerOptions(
-                preservation_policy=policy, enable_async_checkpointing=async_save, create=True
+                preservation_policy=policy,
+                enable_async_checkpointing=async_save,
+                create=True,
+                cleanup_tmp_directories=cleanup_tmp,
             )
         else:
             opts = ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=async_save,
+                create=True,
+                cleanup_tmp_directories=cleanup_tmp,
             )
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._mngr = ocp.CheckpointManager(directory, options=opts, item_handlers=handlers)
@@ -110,14 +135,40 @@ class Checkpointer:
         return posixpath.join(self.directory.rstrip("/"), str(step))
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Start saving `state` as checkpoint `step` (the number of steps done)."""
-        self._mngr.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta, step=step))),
-        )
+        """Start saving `state` as checkpoint `step` (the number of steps done). StorageError when
+        the folder no longer takes writes (this save's, or the one before it, which Orbax waits for)."""
+        with self._writable(step):
+            self._mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta, step=step))
+                ),
+            )
+        self._saving = step
 
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        """Block until the last save is durable; StorageError naming it when it could not be written."""
+        with self._writable(getattr(self, "_saving", None)):
+            self._mngr.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writable(self, step: int | None):
+        """An OSError of a folder that stopped taking writes (permission denied, an immutable or
+        read-only folder, no space or quota) as LastingStorageError (exit 11, not retried) naming
+        the checkpoint and the cause.
+        Orbax's own threads of that save then wait minutes on signals that never come, so the
+        worker exits without joining them (grpo_core.stages.worker)."""
+        try:
+            yield
+        except OSError as exc:
+            cause = _WRITE_FAULTS.get(exc.errno)
+            if cause is None:
+                raise
+            where = self.uri(step) if step is not None else self.directory
+            raise LastingStorageError(
+                f"cannot write checkpoint {step if step is not None else ''} at {where}: {cause} "
+                f"({exc.strerror}: {exc.filename or where})"
+            ) from exc
 
     # Which steps count as finished is Orbax's rule here, the manager's that restores and prunes
     # them (its step-name format; no temporary name; on gs:// also its commit_success.txt).
@@ -296,7 +347,9 @@ class Checkpointer:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, StorageError):  # a save that could not be written: closing waits on it for minutes
+            return
         self.close()
 
 

@@ -61,6 +61,7 @@ from grpo_core.errors import (
     ExitCode,
     RewardTimeout,
     RolloutTimeout,
+    StorageError,
     classify,
 )
 from grpo_core.launch.processes import ENV_WATCH_PARENT
@@ -170,7 +171,9 @@ def train(parts, until_step: int) -> int:
         reference=parts.reference_policy(placement) if cfg.train.grpo.needs_reference else None,
     )
     ends = [cfg.epoch_end(e) for e in range(cfg.pipeline.epochs)] if cfg.pipeline.keep_epoch_checkpoints else []
-    with Checkpointer(root.uri("checkpoints"), keep_steps=ends) as ckpt, contextlib.closing(trainer):  # the engine
+    # The run's one writer deletes the unfinished saves a killed worker left (4.orbax-checkpoint-tmp);
+    # closing(trainer) stops its rollout engine.
+    with Checkpointer(root.uri("checkpoints"), keep_steps=ends, cleanup_tmp=True) as ckpt, contextlib.closing(trainer):
         # A newest checkpoint that fails to restore is set aside (moved, not deleted) and the next
         # older one tried; each one says so: step, uri, moved_to, error, next_step and a message.
         resumed = trainer.restore(
@@ -483,7 +486,7 @@ def _run(args) -> int:
             from grpo_core.store.root import describe_storage_error
 
             _emit("error", kind="storage", message=describe_storage_error(args.root, exc))
-            return ExitCode.STORAGE_LASTING  # each cause _storage_fault knows stays until someone acts
+            _exit_now(ExitCode.STORAGE_LASTING)  # each cause _storage_fault knows stays until someone acts
         if failure is None:
             from grpo_core.config import memory
 
@@ -498,11 +501,18 @@ def _run(args) -> int:
         # A thread may still wait inside the engine, or run a reward function that never returns
         # (a daemon thread, but one that holds the GIL in C code stalls interpreter shutdown and
         # the engine's threads are joined there): exit at once, output flushed, without them.
-        if isinstance(exc, (RolloutTimeout, RewardTimeout)):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(failure.code)
+        # So may Orbax's threads of a checkpoint that could not be written (StorageError), each
+        # waiting minutes on a signal that never comes.
+        if isinstance(exc, (RolloutTimeout, RewardTimeout, StorageError)):
+            _exit_now(failure.code)
         return failure.code
+
+
+def _exit_now(code: int) -> None:
+    """Exit with `code` at once, output flushed, without joining threads that may never end."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _storage_fault(exc: BaseException) -> bool:
@@ -511,7 +521,7 @@ def _storage_fault(exc: BaseException) -> bool:
     from grpo_core.store.root import exception_chain
 
     return any(
-        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES))
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM))
         or any(s in str(e) for s in ("No space left on device", "Read-only file system"))
         for e in exception_chain(exc)
     )

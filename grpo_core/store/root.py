@@ -9,6 +9,7 @@ under a short hash of the config fields that matter to it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -17,6 +18,7 @@ import logging
 import math
 import os
 import posixpath
+import re
 import socket
 import urllib.parse
 import uuid
@@ -128,6 +130,20 @@ def check_reachable(url: str, timeout_s: float = 10.0, field: str | None = None)
         raise StorageError(f"{describe_storage_error(url, exc)} ({host}:{port}: {exc})") from exc
 
 
+@contextlib.contextmanager
+def _removed_on_error(tmp: str):
+    """Delete local file `tmp` when the block fails (a full disk leaves a zero-byte one), then re-raise."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+TEMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")  # write_bytes' and put_file's temporary names
+
+
 class RunRoot:
     MARKER = "_SUCCESS"
 
@@ -157,8 +173,9 @@ class RunRoot:
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
             if self._local:
                 tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-                self.fs.pipe_file(tmp, data)
-                self.fs.mv(tmp, path)
+                with _removed_on_error(tmp):
+                    self.fs.pipe_file(tmp, data)
+                    self.fs.mv(tmp, path)
             else:
                 self.fs.pipe_file(path, data)
         except OSError as exc:
@@ -172,8 +189,9 @@ class RunRoot:
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
             if self._local:
                 tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-                self.fs.put_file(local_path, tmp)
-                self.fs.mv(tmp, path)
+                with _removed_on_error(tmp):
+                    self.fs.put_file(local_path, tmp)
+                    self.fs.mv(tmp, path)
             else:
                 self.fs.put_file(local_path, path)
         except OSError as exc:
@@ -290,3 +308,22 @@ class RunRoot:
             self.fs.rm_file(self._p(rel))
         except OSError as exc:
             raise StorageError(f"cannot read or delete {self.uri(rel)}: {exc}") from exc
+
+
+def remove_stale_temp(root: RunRoot, older_than_s: float = 600.0) -> list[str]:
+    """Delete the temporary files (`*.tmp-xxxxxxxx`) a killed or failed write left in a local run
+    root, those older than `older_than_s` (a `grpo eval` or `export` writing beside the run may
+    own a newer one); the paths deleted. Object stores have none: an upload appears whole or not."""
+    if not root.is_local or not os.path.isdir(root.path):
+        return []
+    import time
+
+    removed, now = [], time.time()
+    for folder, _, files in os.walk(root.path):
+        for name in files:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):  # gone meanwhile: nothing to do
+                if TEMP_NAME.search(name) and now - os.path.getmtime(path) > older_than_s:
+                    os.remove(path)
+                    removed.append(path)
+    return removed
