@@ -59,8 +59,16 @@ def summarize(run_url: str, status: str, extra: dict[str, Any], this: dict[str, 
     name = run_url.rsplit("/", 1)[-1]
     # The curve is embedded in the artifact (a data URI), so the UI shows it wherever the run
     # root is: a link to a local path or a gs:// object opens nothing in a browser.
-    markdown = summary_markdown(summary, png)
-    create_markdown_artifact(markdown, key=_key(f"summary-{name}"), description="GRPO run summary")
+    from prefect.runtime import flow_run
+
+    # The same key on every attempt: the artifact's latest version is the run's summary. Each
+    # version says which attempt of the flow run wrote it, so a failed attempt's summary beside
+    # the completed one in the flow run's artifacts reads as the earlier attempt it is.
+    attempt = int(flow_run.run_count or 1)
+    markdown = summary_markdown(summary, png, attempt=attempt)
+    create_markdown_artifact(
+        markdown, key=_key(f"summary-{name}"), description=f"GRPO run summary: {status}, attempt {attempt}"
+    )
     return summary
 
 
@@ -79,11 +87,11 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else ("—" if v is None else str(v))
 
 
-def summary_markdown(s: dict[str, Any], curve_png: bytes | None = None) -> str:
+def summary_markdown(s: dict[str, Any], curve_png: bytes | None = None, attempt: int = 1) -> str:
     before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
     keys = sorted({k for k in (*before, *after) if k != "step"})
     lines = [
-        f"## GRPO run: {s['status']}",
+        f"## GRPO run: {s['status']}" + (f" (attempt {attempt} of this flow run)" if attempt > 1 else ""),
         "",
         f"- run: `{s['run_uri']}`",
         f"- steps: {s['steps']}",
@@ -137,6 +145,37 @@ def _set_flow_retries(log, retries: int | None = None) -> None:
 def _no_flow_retry(log) -> None:
     """Fail this flow run for good (see _set_flow_retries)."""
     _set_flow_retries(log, None)
+
+
+def _error_text(exc: BaseException) -> str:
+    """summary.json's error: the exception, and for a TerminationSignal (which says nothing, not
+    even its signal) who stopped the run: a cancel in the UI or API, `grpo serve` stopped (it
+    leaves its reason in a file named after the flow run), or another SIGTERM."""
+    if not isinstance(exc, TerminationSignal):
+        return f"{type(exc).__name__}: {exc}"
+    return f"stopped by SIGTERM: {stop_reason()}"
+
+
+def stop_reason() -> str:
+    import os
+    import tempfile
+
+    from prefect.runtime import flow_run
+
+    try:
+        from prefect._internal.control_listener import get_intent
+
+        intent = get_intent()
+    except Exception:  # noqa: BLE001 - an older or newer Prefect: the other clues
+        intent = None
+    if intent == "cancel":
+        return "the flow run was cancelled (the UI's Cancel or the API)"
+    path = os.path.join(tempfile.gettempdir(), f"grpo-stop-{flow_run.id}.txt")
+    try:
+        with open(path) as f:
+            return f.read().strip() or "grpo serve was stopped"
+    except OSError:
+        return "the process running the flow was sent SIGTERM (a scheduler, a shutdown, or kill)"
 
 
 def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
@@ -296,7 +335,7 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
         if not isinstance(exc, RunRootInUse):  # the run root is another run's now: write nothing there
             worked[0] = True  # a failed or interrupted attempt took its time: it counts
             try:
-                summarize(run_url, status, {"error": f"{type(exc).__name__}: {exc}"}, invocation())
+                summarize(run_url, status, {"error": _error_text(exc)}, invocation())
             except Exception as summary_exc:  # noqa: BLE001 - a damaged or unwritable run root: the cause above counts
                 log.warning("no summary of this attempt: %s: %s", type(summary_exc).__name__, summary_exc)
         log.error("run %s: %s", status, "".join(traceback.format_exception_only(exc)).strip())

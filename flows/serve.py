@@ -105,18 +105,40 @@ def serve(
     parameters: dict[str, Any] | None = None, cron: str | None = None, interval: float | None = None, limit: int = 1
 ) -> None:
     """Serve until interrupted. `limit` bounds concurrent flow runs of this process. On the way
-    out, pause the deployments this process still owns (not those a newer `grpo serve` took)."""
-    from prefect import serve as prefect_serve
+    out (SIGTERM, SIGINT), stop the flow runs this process runs as a cancel does and mark them
+    in the API (stop_flow_runs), then pause the deployments this process still owns (not those
+    a newer `grpo serve` took). On the way in, mark the runs a `grpo serve` that died left as
+    Running (mark_orphaned_runs)."""
+    import asyncio
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
+
+    class _Runner(Runner):
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:  # Prefect's runner installs it
+            _on_stop_signal(signal.SIGTERM, None)
 
     token = owner_token()
     deployments = build_deployments(parameters, cron, interval, version=token)
     if threading.current_thread() is threading.main_thread():
         # until Prefect's runner installs its own handler (after registering the deployments), a
         # SIGTERM would end this process without the pausing below
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        signal.signal(signal.SIGTERM, _on_stop_signal)
+        signal.signal(signal.SIGINT, _on_stop_signal)  # asyncio keeps a handler it did not install
     try:
         _report_replaced(deployments)
-        prefect_serve(*deployments, limit=limit, pause_on_shutdown=False)
+        try:
+            mark_orphaned_runs(deployments)
+        except Exception as exc:  # noqa: BLE001 - serving matters more than tidying up after another
+            print(f"grpo serve: could not check for runs a stopped grpo serve left: {exc}", file=sys.stderr)
+        runner = _Runner(pause_on_shutdown=False, limit=limit)
+        for d in deployments:
+            runner.add_deployment(d)
+        print(f"grpo serve: serving {', '.join(_full_name(d) for d in deployments)} (pid {os.getpid()})", flush=True)
+        try:
+            asyncio.run(runner.start())
+        except (KeyboardInterrupt, TerminationSignal, SystemExit):
+            pass
     finally:
         try:
             _pause_owned(deployments, token)
@@ -124,8 +146,157 @@ def serve(
             print(f"grpo serve: could not pause its deployments on the way out: {exc}", file=sys.stderr)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    sys.exit(0)  # as Prefect's runner does on SIGTERM
+_STOPPING: list[int] = []
+
+
+def _on_stop_signal(signum, frame) -> None:
+    """SIGTERM or SIGINT: stop this process's flow runs as a cancel does, then exit (a second
+    signal exits at once). Without it the runner exited and its flow runs were killed with no
+    checkpoint or summary, their leases left and the API showing them Running, holding the
+    deployment's concurrency slot until someone cancelled them by hand."""
+    if _STOPPING:
+        raise SystemExit(128 + signum)
+    _STOPPING.append(signum)
+    name = signal.Signals(signum).name
+    try:
+        stop_flow_runs(f"grpo serve (pid {os.getpid()}) was stopped by {name}")
+    except Exception as exc:  # noqa: BLE001 - exit anyway
+        print(f"grpo serve: could not stop its flow runs: {exc}", file=sys.stderr)
+    raise SystemExit(0)
+
+
+def _flow_run_children() -> dict[str, int]:
+    """flow run id -> pid of each flow-run process this process started (the runner sets
+    PREFECT__FLOW_RUN_ID in their environment)."""
+    out, me = {}, os.getpid()
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != me:
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"PREFECT__FLOW_RUN_ID" in env:
+            out[env[b"PREFECT__FLOW_RUN_ID"].decode()] = int(name)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_flow_runs(message: str, grace_s: float = 60.0) -> list[str]:
+    """SIGTERM each flow run this process runs, as a cancel does: the flow stops its training
+    worker at a step boundary (an interrupted checkpoint), writes summary.json "interrupted"
+    with `message`, releases the run root's lease and reports Crashed. After `grace_s` a run
+    still going is killed. A run whose state is not final then is set Cancelled, so the
+    deployment's concurrency slot frees. Returns the flow run ids it stopped."""
+    import time
+
+    runs = _flow_run_children()
+    if not runs:
+        return []
+    for run_id, pid in runs.items():
+        print(f"grpo serve: stopping flow run {run_id} (pid {pid}): {message}", file=sys.stderr, flush=True)
+        _write_stop_reason(run_id, message)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while any(_alive(p) for p in runs.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in runs.values():
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    _finalize(list(runs), message)
+    return list(runs)
+
+
+def _stop_reason_path(run_id: str) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"grpo-stop-{run_id}.txt")
+
+
+def _write_stop_reason(run_id: str, message: str) -> None:
+    """Who stopped the run, for its summary.json (flows.pipeline.stop_reason reads it)."""
+    try:
+        with open(_stop_reason_path(run_id), "w") as f:
+            f.write(message)
+    except OSError:
+        pass
+
+
+def _finalize(run_ids: list[str], message: str) -> None:
+    """Set each run that is not in a final state Cancelled (its process is gone)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        for run_id in run_ids:
+            try:
+                run = client.read_flow_run(run_id)
+                if run.state is None or not run.state.is_final():
+                    client.set_flow_run_state(run_id, Cancelled(message=message), force=True)
+            except Exception as exc:  # noqa: BLE001 - the others still
+                print(f"grpo serve: could not mark flow run {run_id}: {exc}", file=sys.stderr)
+
+
+def mark_orphaned_runs(deployments: list) -> list[str]:
+    """Flow runs of these deployments that a `grpo serve` on this host started and that are
+    still Running, Pending or Cancelling though that process is gone (kill -9, a crash of the
+    machine): set Crashed, saying so, so the deployment's concurrency slot frees. The serving
+    process is read from the run's deployment_version (owner_token). Returns their ids."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    host, marked = socket.gethostname(), []
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING, StateType.CANCELLING])
+                )
+            ),
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[d.name for d in deployments])),
+        )
+        for run in runs:
+            owner = (run.deployment_version or "").split()
+            if len(owner) < 4 or owner[0] != "grpo-serve" or owner[1] != host or owner[2] != "pid":
+                continue
+            try:
+                pid = int(owner[3])
+            except ValueError:
+                continue
+            if pid == os.getpid() or _alive(pid):
+                continue
+            message = (
+                f"the grpo serve that ran it (pid {pid} on {host}) is gone; marked by grpo serve pid {os.getpid()}"
+            )
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            print(f"grpo serve: flow run {run.name} ({run.id}) was left {run.state.name}: {message}", file=sys.stderr)
+            marked.append(str(run.id))
+    return marked
 
 
 def _full_name(deployment) -> str:
