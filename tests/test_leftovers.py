@@ -88,3 +88,18 @@ def test_the_training_writer_deletes_unfinished_saves_a_reader_does_not(tmp_path
     with Checkpointer(str(folder), cleanup_tmp=True) as writer:
         assert writer.latest_step() == 1
     assert sorted(p.name for p in folder.iterdir()) == ["1"]
+
+
+def test_a_killed_exports_staging_folder_is_removed_by_the_next(tmp_path):
+    """Before: a 1.2 MB grpo-export-* copy stayed in the system temp folder after a killed export."""
+    from grpo_core.stages.worker import remove_dead_staging
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that is gone
+    for name in (f"grpo-export-{dead.pid}-abc", f"grpo-export-{os.getpid()}-def", "grpo-export-xyz", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"0" * 100)
+    assert remove_dead_staging(str(tmp_path)) == [str(tmp_path / f"grpo-export-{dead.pid}-abc")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"grpo-export-{os.getpid()}-def", "grpo-export-xyz", "other"]
+    )

@@ -129,6 +129,8 @@ class Checkpointer:
             )
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._mngr = ocp.CheckpointManager(directory, options=opts, item_handlers=handlers)
+        if cleanup_tmp:  # Orbax deletes them in a thread of its own, awaited only by a save: wait now
+            getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def uri(self, step: int) -> str:
         """The folder of checkpoint `step` (Orbax's default step name: the number itself)."""

@@ -353,7 +353,8 @@ def export(parts, step: int | None) -> int:
         from grpo_core.nn.lora import merge
 
         model = merge(model)  # W + (alpha / rank) A @ B: a plain model any HF runtime serves
-    with tempfile.TemporaryDirectory(prefix="grpo-export-") as tmp:
+    remove_dead_staging()
+    with tempfile.TemporaryDirectory(prefix=f"{STAGING}{os.getpid()}-") as tmp:
         save_hf_model(model, tmp)
         parts.tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
@@ -372,6 +373,37 @@ def export(parts, step: int | None) -> int:
     root.mark_done(stage, info)  # last: the folder is complete
     _emit("export", cached=False, uri=root.uri(stage), **info)
     return 0
+
+
+STAGING = "grpo-export-"  # the export's staging folders in the system's temp folder: grpo-export-{pid}-xxxx
+
+
+def remove_dead_staging(temp_dir: str | None = None) -> list[str]:
+    """Delete the staging folders of exports whose process is gone (a killed export cannot clean
+    up after itself); the folders deleted. A running export's folder names its live pid (on this
+    machine: a temp folder shared between machines is not one to sweep)."""
+    import shutil
+    import tempfile
+
+    removed = []
+    base = temp_dir or tempfile.gettempdir()
+    for name in os.listdir(base):
+        pid = name[len(STAGING) :].split("-", 1)[0]
+        if not (name.startswith(STAGING) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        removed.append(os.path.join(base, name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
