@@ -565,6 +565,8 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
             log.info("checkpoint %s", e["uri"])
         elif kind == "checkpoint_set_aside":  # names the bad folder, where it went and what resumes
             log.warning("epoch %d: %s", epoch, e["message"])
+        elif kind == "no_signal":  # every group's rewards equal for pipeline.zero_signal_steps steps
+            log.warning("epoch %d: %s", epoch, e["message"])
         elif kind == "memory":
             log.info("memory: %s", e["describe"])
 

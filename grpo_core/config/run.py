@@ -203,6 +203,18 @@ class PipelineConfig(Section):
         doc="Write the final policy as a Hugging Face folder (safetensors, config, tokenizer) under export/{step}/",
     )
     export_timeout_s: float = field(1800.0, doc="Hard limit for the export, seconds", gt=0)
+    # steps in a row on which every group's completions got the same reward: no advantage, no signal
+    zero_signal_steps: int = field(
+        20,
+        doc="Warn after this many steps in a row on which every group's rewards were all equal (nothing to learn)",
+        ge=1,
+    )
+    zero_signal_fail_steps: int = field(
+        0,
+        doc="Fail the run (a reward error) after this many such steps in a row; 0: warn only (a converged "
+        "policy scores every completion alike too)",
+        ge=0,
+    )
     # as TRL's report_to: the metrics also go to these trackers (grpo_core.store.tracking)
     report_to: tuple[str, ...] = field(
         (),

@@ -59,6 +59,7 @@ from grpo_core.errors import (
     OUT_OF_MEMORY_LEVERS,
     ConfigError,
     ExitCode,
+    RewardFunctionError,
     RewardTimeout,
     RolloutTimeout,
     StorageError,
@@ -183,9 +184,12 @@ def train(parts, until_step: int) -> int:
         _agree(h, trainer)
         _emit("resumed" if resumed else "start", step=start, until=until_step)
         pending: list[dict[str, Any]] = []
+        flat = 0  # steps in a row on which every group's rewards were all equal
         while trainer.step < until_step:
             m = trainer.train_step()
             pending.append(m)
+            flat = flat + 1 if m.get("frac_reward_zero_std", 0.0) >= 1.0 else 0
+            no_signal(flat, trainer.step, cfg.pipeline, [r.describe() for r in parts.rewards])
             _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m}, **memory.peak_bytes())
             _test_hook("step", step=trainer.step, root_url=root.url)
             stop = _STOP.is_set()
@@ -229,6 +233,26 @@ def _compiler_choice(parts):
     if not aot["memory"]["fits"]:
         return None
     return RematPolicy(aot["remat"]), int(aot["grad_accum_steps"])
+
+
+def no_signal(flat: int, step: int, pipeline, rewards: list[str]) -> None:
+    """After `flat` steps in a row on which every group's rewards were all equal (GRPO's advantages
+    all 0: a constant reward, or one this data never varies), a "no_signal" event at each
+    pipeline.zero_signal_steps, and RewardFunctionError (exit 3, not retried) at
+    pipeline.zero_signal_fail_steps when that is set."""
+    if not flat:
+        return
+    what = (
+        f"for {flat} steps in a row (to step {step}) every group's completions got the same reward from "
+        f"{', '.join(rewards)}: the advantages are all 0 and the policy learns nothing (a constant reward, one "
+        "this data never varies, or a policy that already solves every prompt)"
+    )
+    fail = pipeline.zero_signal_fail_steps
+    if fail and flat >= fail:
+        raise RewardFunctionError(f"{what}; stopped by pipeline.zero_signal_fail_steps={fail}")
+    if flat % pipeline.zero_signal_steps == 0:
+        then = f"; the run fails at {fail}" if fail else "; set pipeline.zero_signal_fail_steps to fail such a run"
+        _emit("no_signal", step=step, steps=flat, message=what + then)
 
 
 def _test_hook(point: str, **info: Any) -> None:
