@@ -91,3 +91,14 @@ def test_a_cut_config_json_fails_the_flow_once_naming_the_file(tmp_path):
     state = grpo_pipeline.with_options(retries=1, retry_delay_seconds=0)(cfg, return_state=True)
     assert state.is_failed() and _flow_run_count(state) == 1
     assert f"{config} is damaged: not valid JSON" in state.message
+
+
+def test_a_read_only_local_folder_is_not_talked_about_as_a_bucket(tmp_path):
+    """issue 28 (D1): the message for a local folder that refuses writes spoke of buckets and credentials."""
+    from grpo_core.store.root import describe_storage_error
+
+    err = PermissionError(13, "Permission denied", str(tmp_path / "r" / "config.json"))
+    local = describe_storage_error(str(tmp_path), err)
+    assert local.startswith(f"storage.root {tmp_path}: permission denied; make the folder writable by this user")
+    assert "bucket" not in local and "credentials" not in local.lower()
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in describe_storage_error("gs://b/runs", err)

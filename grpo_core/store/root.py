@@ -88,7 +88,13 @@ def describe_storage_error(url: str, exc: BaseException) -> str:
     elif errno.ENOTDIR in errnos or any(isinstance(c, NotADirectoryError) for c in chain):
         why = "a path in it is a file, not a folder; choose another storage.root"
     elif any(isinstance(c, PermissionError) for c in chain) or " 403" in text or "Forbidden" in text:
-        why = f"permission denied; {CREDENTIALS_FIX}"
+        local = "://" not in url or url.startswith("file://")  # a folder: no bucket, no credentials
+        why = "permission denied; " + (
+            "make the folder writable by this user (its owner, mode or an immutable flag), or choose another "
+            "storage.root"
+            if local
+            else CREDENTIALS_FIX
+        )
     elif any(isinstance(c, socket.gaierror) for c in chain) or "name resolution" in text or "DNS" in text:
         why = f"cannot resolve the storage host (no network, or no DNS); {CREDENTIALS_FIX} once it is reachable"
     elif any(isinstance(c, (ConnectionError, TimeoutError, socket.timeout)) for c in chain) or "Cannot connect" in text:
