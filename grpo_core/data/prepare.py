@@ -139,8 +139,14 @@ class DataConfig(Section):
         return self.source.lower().endswith(FILE_FORMATS)
 
     def task(self):
+        import dataclasses
+
         from grpo_core.data.synthetic import ReverseTask
 
+        known = [f.name for f in dataclasses.fields(ReverseTask)]
+        unknown = sorted(set(self.synthetic or {}) - set(known))
+        if unknown:  # said as a field would be, not as ReverseTask.__init__'s TypeError
+            raise ConfigError(f"data.synthetic: unknown key(s) {unknown}; known: {known}")
         try:
             return ReverseTask(**(self.synthetic or {}))
         except TypeError as exc:
