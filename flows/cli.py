@@ -85,7 +85,7 @@ def _interruptible():
 def _config(args):
     """The run config from --config and --set, or None after printing the error (exit 2)."""
     from grpo_core.config.run import load_config
-    from grpo_core.errors import ConfigError
+    from grpo_core.errors import ConfigError, StorageError
 
     try:
         # with the versions of the sources it names: the run's name depends on them (run_name: null)
@@ -94,6 +94,9 @@ def _config(args):
         return cfg.with_versions(warn=lambda w: print(f"warning: {w}", file=sys.stderr))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return None
+    except StorageError as exc:  # a gs:// source out of reach: its message names the field, no traceback
+        print(f"storage error: {exc}", file=sys.stderr)
         return None
 
 

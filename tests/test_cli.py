@@ -69,3 +69,12 @@ def test_a_run_name_that_is_no_folder_name_is_refused(name, capsys):
     # RUN without a separator is a run_name under storage.root, refused naming the field
     assert main(["export", name]) == 2
     assert f"run_name must be a single folder name, got {name!r}: it holds a path separator" in capsys.readouterr().err
+
+
+def test_a_gs_source_out_of_reach_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """issue 28: a gs:// data source without network printed a 34-line uncaught traceback."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")  # nothing listens there: refused
+    assert main(["check", "--set", "data.source=gs://grpo-bucket/no-network.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("storage error: data.source gs://grpo-bucket/no-network.jsonl: cannot reach")
+    assert "Traceback" not in err and len(err.splitlines()) == 1
