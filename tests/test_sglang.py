@@ -30,7 +30,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 def test_engine_matches_the_sampler_and_weight_syncs_change_outputs(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [SGLANG_PYTHON, "-m", "grpo_core.engines.selftest", "--json", str(out)],
+        [SGLANG_PYTHON, "-m", "grpo_core.stages.engine_selftest", "--json", str(out)],
         cwd=ROOT,
         env=ENV,
         capture_output=True,

@@ -17,8 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_core.config.train import MeshConfig, TrainConfig
 from grpo_core.errors import ConfigError
-from grpo_core.nn.model import KV_CACHE_AXES, partition_axes
-from grpo_core.runtime.mesh import fit
+from grpo_core.runtime.mesh import KV_CACHE_AXES, fit, partition_axes
 
 STEPS = 3
 

@@ -15,7 +15,7 @@ between generate calls. Names map one to one: the engine's `model.layers.{i}.sel
 Why a separate process and interpreter: an internal error in sglang-jax's scheduler ends its
 whole process (SIGQUIT to itself), and sglang-jax 0.1.x needs Python 3.12 with older jax, flax
 and fastapi pins. The training worker is therefore started with the .venv-sglang interpreter;
-tests drive this engine through a child process of it (grpo_core.engines.selftest).
+tests drive this engine through a child process of it (grpo_core.stages.engine_selftest).
 
 Known limits: single host only (multi-host slices fail inside sglang-jax), TPU v4 or newer; on
 CPU (tests) the native attention path needs head_dim to be a multiple of 128.

@@ -22,6 +22,7 @@ from flax import nnx
 
 from grpo_core.config.model import DType, ModelConfig
 from grpo_core.config.train import RematPolicy
+from grpo_core.runtime.mesh import KV_CACHE_AXES, constrain
 
 # A KV cache: (k, v), each (L, B, S, K, D) for L layers.
 KVCache = tuple[jax.Array, jax.Array]
@@ -289,8 +290,6 @@ class CausalLM(nnx.Module):
         """(B, T, E) -> (B, T, V) f32, the matmul in the compute dtype with f32 accumulation (the
         learner's chunked log-probs compute the very same numbers). For a few positions only (the
         sampler's): a whole sequence's logits at a real vocabulary are the learner's memory wall."""
-        from grpo_core.rl.logprobs import head_logits
-
         w, vocab_major = self.head()
         return head_logits(h, w, vocab_major, _dtype(self.config.dtype))
 
@@ -362,48 +361,15 @@ def init_kv_cache(cfg: ModelConfig, batch: int, slots: int, mesh=None) -> KVCach
 
 
 def constrain_kv_cache(cache: KVCache, mesh) -> KVCache:
-    from grpo_core.runtime.mesh import constrain
-
     return tuple(constrain(c, KV_CACHE_AXES, mesh) for c in cache)
+
+
+def head_logits(h: jax.Array, w: jax.Array, vocab_major: bool, dtype) -> jax.Array:
+    """(..., E) @ W in `dtype` with f32 accumulation -> (..., V) f32: the LM head, here and in the
+    learner's chunked log-probs (grpo_core.rl.logprobs), which compute the very same numbers."""
+    dims = (((h.ndim - 1,), (1 if vocab_major else 0,)), ((), ()))
+    return jax.lax.dot_general(h.astype(dtype), w.astype(dtype), dims, preferred_element_type=jnp.float32)
 
 
 def create_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     return CausalLM(cfg, rngs=nnx.Rngs(seed))
-
-
-# -- sharding (applied by grpo_core.runtime.mesh) ---------------------------------------------------------
-# Mesh axes of each parameter dimension: the hidden size over fsdp; heads, MLP width and
-# vocabulary over tensor, Megatron-style (q/k/v/gate/up split their outputs and o/down their
-# inputs, so a layer needs one reduction per block); norms whole. The stacked layer axis is never
-# split. mesh.fit keeps an axis only where its size divides the dimension, so every model runs on
-# every mesh (a 14-head model on tensor=4 keeps its heads whole).
-_IN_OUT = {
-    "q_proj": ("fsdp", "tensor"),
-    "k_proj": ("fsdp", "tensor"),
-    "v_proj": ("fsdp", "tensor"),
-    "gate_proj": ("fsdp", "tensor"),
-    "up_proj": ("fsdp", "tensor"),
-    "lm_head": ("fsdp", "tensor"),
-    "o_proj": ("tensor", "fsdp"),
-    "down_proj": ("tensor", "fsdp"),
-}
-KV_CACHE_AXES = (None, ("data", "fsdp"), None, "tensor", None)  # (L, B, S, K, D): rows and kv heads
-
-
-def partition_axes(names: tuple[str, ...], ndim: int) -> tuple:
-    """Mesh axes (None: not split) of each dimension of the array at path `names`, e.g.
-    ('model', 'layers', 'self_attn', 'q_proj', 'kernel'). An optimizer moment's path ends with
-    its parameter's, so it is split the same way; anything unknown stays whole."""
-    names = tuple(n for n in names if n != "value")  # nnx.Variable's field
-    leaf = names[-1] if names else ""
-    if leaf == "embedding":
-        trailing = ("tensor", "fsdp")  # (V, E)
-    else:
-        lin = next((n for n in reversed(names) if n in _IN_OUT), None)
-        i, o = _IN_OUT.get(lin, (None, None))
-        trailing = (
-            {"kernel": (i, o), "bias": (o,), "lora_a": (i, None), "lora_b": (None, o)}.get(leaf, ()) if lin else ()
-        )
-    if len(trailing) > ndim:
-        return (None,) * ndim
-    return (None,) * (ndim - len(trailing)) + trailing

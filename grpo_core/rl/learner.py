@@ -214,7 +214,7 @@ def score_completions(graphdef, params, batch: Batch, temperature: float, chunk_
     """Log-probs of the completions under `params` (the reference policy, or the old policy).
     Forward only: every layer's activations die with it, so no rematerialisation applies.
     Reads the batch's prompt_tokens, prompt_valid and targets; a mapping of those three is taken
-    too (grpo_core.engines.selftest scores sampled tokens without a whole Batch)."""
+    too (grpo_core.stages.engine_selftest scores sampled tokens without a whole Batch)."""
     model = nnx.merge(graphdef, params)
     if isinstance(batch, Mapping):
         ptok, pval, targets = batch["prompt_tokens"], batch["prompt_valid"], batch["targets"]
@@ -287,7 +287,7 @@ class Learner:
 
     def init_state(self, params) -> TrainState:
         """The train state of `params`: with a placement, the parameters and every optimizer
-        moment laid out over the learner's mesh (model.partition_axes), the count replicated."""
+        moment laid out over the learner's mesh (runtime.mesh.partition_axes), the count replicated."""
         if self.placement is None:
             return TrainState(params=params, opt_state=self.tx.init(params), step=jnp.int32(0))
         pl = self.placement

@@ -34,17 +34,13 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from grpo_core.nn.model import head_logits
+
 # Bytes of one chunk's f32 logits (train.logits_chunk_mib): 64 MiB measured fastest on CPU
 # (32 MiB: 17.7 s, 64: 15.2 s, 256: 15.7 s in the benchmark above) and keeps the few chunk-sized
 # buffers alive at once far below the weights of any model with a real vocabulary.
 DEFAULT_CHUNK_MIB = 64
 CHUNK_BUFFERS = 3  # (M, Vc) f32 buffers alive at once in a chunk's backward: logits, probabilities, their gradient
-
-
-def head_logits(h: jax.Array, w: jax.Array, vocab_major: bool, dtype) -> jax.Array:
-    """(..., E) @ W in `dtype` with f32 accumulation -> (..., V) f32."""
-    dims = (((h.ndim - 1,), (1 if vocab_major else 0,)), ((), ()))
-    return jax.lax.dot_general(h.astype(dtype), w.astype(dtype), dims, preferred_element_type=jnp.float32)
 
 
 def num_chunks(vocab: int, tokens: int, chunk_mib: int = DEFAULT_CHUNK_MIB) -> int:

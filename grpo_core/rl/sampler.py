@@ -142,7 +142,7 @@ def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: Sampler
 
     prompt_tokens/valid: (P, Tp). Returns the cache and a loop state for `decode` with
     B = P * num_samples rows.
-    `mesh`: lay the KV cache out over it (model.KV_CACHE_AXES); decode keeps that layout.
+    `mesh`: lay the KV cache out over it (runtime.mesh.KV_CACHE_AXES); decode keeps that layout.
     """
     model: CausalLM = nnx.merge(graphdef, params)
     p, tp = prompt_tokens.shape

@@ -3,7 +3,7 @@
 `train.mesh` (config.MeshConfig) sizes three axes over every device of the run, all hosts
 included: `data` splits batches; `fsdp` splits batches and every parameter's hidden dimension,
 optimizer state with it (ZeRO-3); `tensor` splits heads, MLP width and vocabulary. Which
-dimension goes over which axis is the model's business (model.partition_axes, KV_CACHE_AXES);
+dimension goes over which axis follows the decoder's parameter names (partition_axes, KV_CACHE_AXES, below);
 `fit` keeps an axis only where its size divides the dimension, so any mesh runs any model.
 
 Three roles, one mesh each (`Placement`): the learner's (parameters, optimizer state, update
@@ -165,8 +165,6 @@ class Placement:
     def param_sharding(self, names: Sequence[str], shape: Sequence[int], mesh: Mesh | None = None) -> NamedSharding:
         """The sharding of the parameter at path `names` (('model', 'layers', 'mlp', 'up_proj',
         'kernel')) with this shape."""
-        from grpo_core.nn.model import partition_axes
-
         shape = tuple(shape)
         return NamedSharding(
             mesh or self.train, fit(partition_axes(tuple(names), len(shape)), shape, mesh or self.train)
@@ -208,3 +206,41 @@ class Placement:
             return self.put_params(params, self.reference)
 
         return jax.tree.map(jnp.copy, params) if copy else params
+
+
+# -- the decoder's layout: mesh axes by grpo_core.nn.model's parameter names ---------------------
+# Mesh axes of each parameter dimension: the hidden size over fsdp; heads, MLP width and
+# vocabulary over tensor, Megatron-style (q/k/v/gate/up split their outputs and o/down their
+# inputs, so a layer needs one reduction per block); norms whole. The stacked layer axis is never
+# split. mesh.fit keeps an axis only where its size divides the dimension, so every model runs on
+# every mesh (a 14-head model on tensor=4 keeps its heads whole).
+_IN_OUT = {
+    "q_proj": ("fsdp", "tensor"),
+    "k_proj": ("fsdp", "tensor"),
+    "v_proj": ("fsdp", "tensor"),
+    "gate_proj": ("fsdp", "tensor"),
+    "up_proj": ("fsdp", "tensor"),
+    "lm_head": ("fsdp", "tensor"),
+    "o_proj": ("tensor", "fsdp"),
+    "down_proj": ("tensor", "fsdp"),
+}
+KV_CACHE_AXES = (None, ("data", "fsdp"), None, "tensor", None)  # (L, B, S, K, D): rows and kv heads
+
+
+def partition_axes(names: tuple[str, ...], ndim: int) -> tuple:
+    """Mesh axes (None: not split) of each dimension of the array at path `names`, e.g.
+    ('model', 'layers', 'self_attn', 'q_proj', 'kernel'). An optimizer moment's path ends with
+    its parameter's, so it is split the same way; anything unknown stays whole."""
+    names = tuple(n for n in names if n != "value")  # nnx.Variable's field
+    leaf = names[-1] if names else ""
+    if leaf == "embedding":
+        trailing = ("tensor", "fsdp")  # (V, E)
+    else:
+        lin = next((n for n in reversed(names) if n in _IN_OUT), None)
+        i, o = _IN_OUT.get(lin, (None, None))
+        trailing = (
+            {"kernel": (i, o), "bias": (o,), "lora_a": (i, None), "lora_b": (None, o)}.get(leaf, ()) if lin else ()
+        )
+    if len(trailing) > ndim:
+        return (None,) * ndim
+    return (None,) * (ndim - len(trailing)) + trailing

@@ -1,6 +1,6 @@
 """Check an sglang-jax environment against the built-in sampler, in a process of its own:
 
-    .venv-sglang/bin/python -m grpo_core.engines.selftest [--train-steps N] [--json out.json]
+    .venv-sglang/bin/python -m grpo_core.stages.engine_selftest [--train-steps N] [--json out.json]
 
 Run it with the sglang-jax interpreter (an internal engine error ends the whole process, so
 the tests start it as a child). On one small Qwen3-shaped policy (head_dim 128: sglang-jax's
@@ -219,7 +219,7 @@ def train(report: dict, steps: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m grpo_core.engines.selftest", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m grpo_core.stages.engine_selftest", description=__doc__.split("\n")[0])
     ap.add_argument("--train-steps", type=int, default=0, help="also train this many GRPO steps with the engine")
     ap.add_argument("--skip-parity", action="store_true", help="only the training steps")
     ap.add_argument("--json", help="write the report here too")
