@@ -3,7 +3,7 @@
     python -m bench.aot [--model qwen2.5-0.5b ...] [--target v5e:2x2 ...] [--new-tokens 512] [--json out.json]
 
 For each model and TPU topology: the update of 8 prompts x 8 completions x N tokens (β 0.04, Qwen's
-vocabulary, bf16), AOT-compiled (grpo_core.runtime.aot) with train.remat and
+vocabulary, bf16), AOT-compiled (grpo_core.rl.aot) with train.remat and
 train.grpo.grad_accum_steps at auto, the compiler choosing (candidates cheapest first, the first
 that fits); XLA's peak per chip (the program's peak plus the run's arrays that are not its
 arguments, the KL reference); the formula's estimate (grpo_core.config.memory) for the same

@@ -2,7 +2,8 @@
 
     grpo demo                      the pipeline on the embedded default, then where everything is
     grpo run   [--config F] [--set k=v ...]   the pipeline, locally, with live progress
-    grpo check [--config F] [--set k=v ...] [--json] [--target v5e:2x2]   the readiness report (--target: XLA's figures for a TPU slice)
+    grpo check [--config F] [--set k=v ...] [--json] [--target v5e:2x2]
+                                   the readiness report (--target: XLA's figures for a TPU slice)
     grpo eval  RUN --step N [--step M ...]   evaluate checkpoints of a run
     grpo export RUN [--step N]     a checkpoint as a Hugging Face folder, RUN/export/{step}/
     grpo status RUN [--json]       where a run stands, from its run root
@@ -244,7 +245,7 @@ def check_command(args) -> int:
 
 
 def _print_programs(aot: dict) -> None:
-    """XLA's figures per program and chip (grpo_core.runtime.aot), one line each."""
+    """XLA's figures per program and chip (grpo_core.rl.aot), one line each."""
     gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
     t = aot["target"]
     print(f"\nper chip on {t['topology']} ({t['device_kind']}, HBM {gib(t['hbm_bytes'])} GiB), GiB:")

@@ -1,7 +1,9 @@
 """grpo_core: GRPO in JAX + Flax NNX + Optax. Never imports Prefect."""
 
+import glob as _glob
 import os as _os
 from importlib import metadata as _metadata
+from importlib.util import find_spec as _find_spec
 
 
 def _cpu_compile_defaults() -> None:
@@ -27,12 +29,40 @@ def _cpu_compile_defaults() -> None:
 _cpu_compile_defaults()
 
 
-def _cpu_unless_tpu() -> None:
-    """Where libtpu is installed (the dev install brings it, for AOT checks of a TPU target) but
-    this host has no TPU, JAX must not load it: see grpo_core.launch.processes.cpu_unless_tpu."""
-    from grpo_core.launch.processes import cpu_unless_tpu
+# TPU chips are PCI devices of Google's with these ids (jax._src.hardware_utils' table: v3, v4,
+# v5p, v5e, v6e, 7x; Google's other devices, such as a GCE VM's gVNIC, are not TPUs)
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
+_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
 
-    cpu_unless_tpu()
+
+def tpu_chips_here() -> int:
+    """The TPU chips on this host's PCI bus, which a JAX process could open (0 off TPU VMs)."""
+    count = 0
+    for vendor in _glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as v, open(_os.path.join(_os.path.dirname(vendor), "device")) as d:
+                count += v.read().strip() == _GOOGLE_PCI_VENDOR and d.read().strip() in _TPU_PCI_DEVICES
+        except OSError:
+            continue
+    return count
 
 
-_cpu_unless_tpu()
+def cpu_unless_tpu() -> str | None:
+    """Before JAX is imported in a worker: where libtpu is installed (the dev install brings it
+    for AOT checks) but this host has no TPU and no GPU plugin, run on the CPU backend alone
+    (JAX_PLATFORMS=cpu). Otherwise JAX loads libtpu at its first array, which takes
+    /tmp/libtpu_lockfile for the process's whole life (another process's readiness check then
+    reports "the TPU is in use") and prints its failed TPU probe. A JAX_PLATFORMS the user set
+    wins. Returns the value set, or None."""
+    if "JAX_PLATFORMS" in _os.environ or _find_spec("libtpu") is None:
+        return None
+    if tpu_chips_here() or any(_find_spec(p) is not None for p in _GPU_PLUGINS):
+        return None
+    _os.environ["JAX_PLATFORMS"] = "cpu"
+    return "cpu"
+
+
+# Set before any JAX import in every process of the project (grpo_core is imported first). Kept in
+# this file, which imports no other module of the project (tests/test_errors.py holds that).
+cpu_unless_tpu()

@@ -1,4 +1,4 @@
-"""Readiness that asks the compiler (grpo_core.runtime.aot, grpo_core.stages.aot, grpo check --target):
+"""Readiness that asks the compiler (grpo_core.rl.aot, grpo_core.stages.aot, grpo check --target):
 the run's programs compiled by XLA's real TPU compiler (libtpu, installed by the dev install) for
 TPU topologies that are not here, XLA's memory figures against each chip's HBM, a program that
 cannot fit refused with XLA's number, and a second check read back from the cache.
@@ -25,9 +25,9 @@ GiB = 2**30
 
 @pytest.fixture(scope="module")
 def aot():
-    """grpo_core.runtime.aot with libtpu loaded as a compiler only (set before libtpu first loads)."""
+    """grpo_core.rl.aot with libtpu loaded as a compiler only (set before libtpu first loads)."""
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    from grpo_core.runtime import aot
+    from grpo_core.rl import aot
 
     return aot
 

@@ -59,3 +59,58 @@ def test_grpo_core_never_names_prefect():
     assert not offenders, offenders
     loaded = _loaded_after(_modules_of("grpo_core.stages") + _modules_of("grpo_core.rl"))
     assert not {m for m in loaded if m.split(".")[0] == "prefect"}
+
+
+# -- layers inside grpo_core: every import, at module level or inside a function ----------------
+
+
+def _imports_of(path: pathlib.Path) -> set[str]:
+    """The grpo_core modules `path` imports anywhere in it (a function's body included)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("grpo_core."))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grpo_core"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from grpo_core.nn import lora`
+    return found
+
+
+def _package_edges() -> dict[str, set[str]]:
+    """grpo_core's sub-package -> the sub-packages it imports from (itself left out)."""
+    edges: dict[str, set[str]] = {}
+    for path in (ROOT / "grpo_core").rglob("*.py"):
+        parts = path.relative_to(ROOT / "grpo_core").parts
+        if len(parts) < 2:
+            continue  # errors.py, testing.py, __init__.py: not a layer of their own
+        pkg = parts[0]
+        for name in _imports_of(path):
+            other = name.split(".")[1] if name.count(".") >= 1 else None
+            if other and other != pkg and (ROOT / "grpo_core" / other).is_dir():
+                edges.setdefault(pkg, set()).add(other)
+    return edges
+
+
+# What each layer may not reach, at any depth of a function: the model knows no training, the
+# mesh no model, the engines no trainer.
+FORBIDDEN = {
+    "nn": {"rl", "engines", "stages"},
+    "runtime": {"nn", "rl", "engines", "stages"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_layers_import_only_downwards(package):
+    reached = _package_edges().get(package, set()) & FORBIDDEN[package]
+    assert not reached, f"grpo_core.{package} imports from {sorted(reached)}"
+
+
+def test_the_engines_never_import_the_trainer():
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "grpo_core" / "engines").rglob("*.py")
+        if any(n.startswith("grpo_core.rl.trainer") for n in _imports_of(p))
+    ]
+    assert not offenders, offenders

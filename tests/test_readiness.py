@@ -146,7 +146,7 @@ def test_bad_request(tmp_path, overrides, message):
 def test_a_host_without_tpu_chips_ignores_libtpus_lockfile():
     """On a host with no TPU chips the lockfile is not looked at, whoever holds it (a TPU process
     of another user, an AOT check loading libtpu's compiler): a CPU or GPU run goes on."""
-    from grpo_core.launch.processes import tpu_chips_here
+    from grpo_core import tpu_chips_here
     from grpo_core.stages.readiness import _tpu_lockfile_check
 
     if tpu_chips_here():

@@ -28,7 +28,8 @@ import math
 import os
 from typing import Any
 
-from grpo_core.config.model import DType, ModelConfig
+from grpo_core.config.chunks import CHUNK_BUFFERS, num_chunks
+from grpo_core.config.model import DType, ModelConfig, num_adapter_params
 from grpo_core.config.train import RematPolicy, TrainConfig
 
 GiB = 2**30
@@ -131,8 +132,6 @@ def estimate(
     fine-tuning. `runtime_bytes`: the process before any array exists (CPU: its RSS).
     `separate_reference`: the KL reference is weights of its own (a continual run's base,
     model.reference: base), a copy even under LoRA."""
-    from grpo_core.rl.logprobs import CHUNK_BUFFERS, num_chunks
-
     sh = Shapes.of(train, max_prompt_tokens)
     m, g = model, train.grpo
     n, pb, cb = m.num_params(), _BYTES[m.param_dtype], _BYTES[m.dtype]
@@ -227,7 +226,7 @@ def _act_bytes(backend: str, compute_bytes: int) -> int:
 
 # What XLA:TPU's buffer assignment holds beyond the CPU-fitted per-token counts (layouts padded
 # to its (8, 128) tiles: qwen2.5's 64-wide heads fill half a lane), fitted on bench.aot's rows
-# (grpo_core.runtime.aot: the update's chip peak against this estimate): qwen2.5-0.5b, 8 x 8 x 512
+# (grpo_core.rl.aot: the update's chip peak against this estimate): qwen2.5-0.5b, 8 x 8 x 512
 # tokens on v5e:2x2, v5e:2x4, v4:2x2x1 and v6e:2x2, formula/XLA 0.96-1.04 (other models unmeasured).
 _ACT_SCALE = {"tpu": 1.65}
 
@@ -359,8 +358,6 @@ def plan_on(
 
     trainable = None
     if lora is not None:
-        from grpo_core.nn.lora import num_adapter_params
-
         trainable = num_adapter_params(model, lora)
     layout = Layout()
     if facts["backend"] != "cpu":

@@ -336,3 +336,12 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     if kind != "qwen2":
         out["attention_bias"] = cfg.attention_bias
     return out
+
+
+def num_adapter_params(mc, cfg: LoraConfig) -> int:
+    """Adapter parameters of ModelConfig `mc` under cfg, without building anything: L * r * (in + out)
+    per targeted linear (the readiness stage's memory budget)."""
+    h, i = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    dims = dict(zip(LAYER_LINEARS, [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]))
+    return sum(mc.num_hidden_layers * cfg.rank * sum(dims[p]) for p in cfg.select(LAYER_LINEARS))

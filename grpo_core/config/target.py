@@ -1,6 +1,6 @@
 """The TPU a run is checked for before it exists (pipeline.readiness.target): topology names and
 what each chip generation holds. JAX-free: the config validates names with it, the Prefect
-side prints from it, and grpo_core.runtime.aot compiles for it.
+side prints from it, and grpo_core.rl.aot compiles for it.
 
 A target is a name as XLA's TPU compiler takes it, `GENERATION:TOPOLOGY` (`v5e:2x2`, `v5e:2x4`,
 `v4:2x2x1`, `v6e:4x4`), and a number of slices (multislice: DCN between identical slices).

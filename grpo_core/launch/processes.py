@@ -91,39 +91,4 @@ def sglang_python(repo_root: str | None = None) -> str | None:
     return path if os.path.exists(path) else None
 
 
-# TPU chips are PCI devices of Google's with these ids (jax._src.hardware_utils' table: v3, v4,
-# v5p, v5e, v6e, 7x; Google's other devices, such as a GCE VM's gVNIC, are not TPUs)
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-_TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
-_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
-
-
-def tpu_chips_here() -> int:
-    """The TPU chips on this host's PCI bus, which a JAX process could open (0 off TPU VMs)."""
-    import glob
-
-    count = 0
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        try:
-            with open(vendor) as v, open(os.path.join(os.path.dirname(vendor), "device")) as d:
-                count += v.read().strip() == _GOOGLE_PCI_VENDOR and d.read().strip() in _TPU_PCI_DEVICES
-        except OSError:
-            continue
-    return count
-
-
-def cpu_unless_tpu() -> str | None:
-    """Before JAX is imported in a worker: where libtpu is installed (the dev install brings it
-    for AOT checks) but this host has no TPU and no GPU plugin, run on the CPU backend alone
-    (JAX_PLATFORMS=cpu). Otherwise JAX loads libtpu at its first array, which takes
-    /tmp/libtpu_lockfile for the process's whole life (another process's readiness check then
-    reports "the TPU is in use") and prints its failed TPU probe. A JAX_PLATFORMS the user set
-    wins. Returns the value set, or None."""
-    import importlib.util
-
-    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
-        return None
-    if tpu_chips_here() or any(importlib.util.find_spec(p) is not None for p in _GPU_PLUGINS):
-        return None
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    return "cpu"
+# The host probes that must run before JAX (TPU chips here, JAX_PLATFORMS) live in grpo_core/__init__.py.

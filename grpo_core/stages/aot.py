@@ -3,7 +3,7 @@
     python -m grpo_core.stages.aot --request req.json     # prints one JSON report
 
 AOT-compiles every program of the run for a TPU topology that need not be here
-(grpo_core.runtime.aot) and reports XLA's figures per chip against the chip's HBM. Exit 0 when
+(grpo_core.rl.aot) and reports XLA's figures per chip against the chip's HBM. Exit 0 when
 every program fits, 4 when one does not (the report names it, XLA's figure and the setting that
 would fit), 2 when the request is invalid or libtpu is missing (the message says what to install).
 
@@ -159,11 +159,11 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     if cached is not None:
         return dict(cached, cached=True, seconds=round(time.perf_counter() - t, 3))
     if versions()["libtpu"] is None:
-        from grpo_core.runtime.aot import INSTALL
+        from grpo_core.rl.aot import INSTALL
 
         raise ConfigError(f"checking a TPU target needs XLA's TPU compiler (libtpu), not installed here: {INSTALL}")
     _compiler_env()
-    from grpo_core.runtime import aot
+    from grpo_core.rl import aot
 
     only = None if req.get("programs") is None else tuple(p for p in req["programs"] if p != "update")
     report = aot.check(model, train, mpt, target, aot.EvalShape(*ev), lora, separate, only=only)

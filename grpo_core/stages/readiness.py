@@ -22,10 +22,10 @@ import sys
 import time
 from typing import Any
 
+from grpo_core import tpu_chips_here
 from grpo_core.config.model import ModelConfig
 from grpo_core.config.train import RolloutEngineKind, TrainConfig
 from grpo_core.errors import ConfigError, ExitCode
-from grpo_core.launch.processes import tpu_chips_here
 
 log = logging.getLogger(__name__)
 
