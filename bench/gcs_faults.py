@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.gcs import BUCKET, FakeGcsServer, GcsProxy, _env_for
+from tests.gcs import BUCKET, FakeGcsServer, GcsProxy, env_for
 
 
 def grpo(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     proxy = GcsProxy(server.endpoint, seed=args.seed)
     proxy.start()
-    env = {**os.environ, **_env_for(proxy.endpoint), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    env = {**os.environ, **env_for(proxy.endpoint), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     logs = Path(server.data) / "logs"  # removed with the server's folder
     logs.mkdir()

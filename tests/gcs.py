@@ -75,6 +75,11 @@ if "gcsfs" in sys.modules and sys.modules["gcsfs"].GCSFileSystem.__name__ == "Ex
 BUCKET = "grpo-test"
 
 
+def fresh_url(prefix: str) -> str:
+    """A fresh gs:// folder in the test bucket: gs://grpo-test/{prefix}-{8 hex}."""
+    return f"gs://{BUCKET}/{prefix.strip('/')}-{uuid.uuid4().hex[:8]}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -234,8 +239,8 @@ class GcsProxy:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="gcs-proxy", daemon=True)
 
     def url_for(self, prefix: str) -> str:
-        """A fresh gs:// folder in the test bucket, as GcsEmulator.url_for."""
-        return f"gs://{BUCKET}/{prefix.strip('/')}-{uuid.uuid4().hex[:8]}"
+        """A fresh gs:// folder in the test bucket: gs://grpo-test/{prefix}-{8 hex}."""
+        return fresh_url(prefix)
 
     def reset(self) -> None:
         """Behave again: no injected faults, writable, counters at zero."""
@@ -315,7 +320,7 @@ class GcsEmulator:
 
     def url_for(self, prefix: str) -> str:
         """A fresh gs:// folder in the test bucket: gs://grpo-test/{prefix}-{8 hex}."""
-        return f"gs://{self.bucket}/{prefix.strip('/')}-{uuid.uuid4().hex[:8]}"
+        return fresh_url(prefix)
 
 
 def _forget_gcs_clients():
@@ -327,7 +332,8 @@ def _forget_gcs_clients():
         sys.modules["etils.epath.backend"]._FileSystemSpecBackend._get_filesystem.cache_clear()
 
 
-def _env_for(endpoint: str) -> dict[str, str]:
+def env_for(endpoint: str) -> dict[str, str]:
+    """The variables that point gcsfs and TensorStore at `endpoint`, anonymously (module docstring)."""
     return {
         "STORAGE_EMULATOR_HOST": endpoint,
         "FSSPEC_GCS_TOKEN": "anon",
@@ -378,7 +384,7 @@ def _gcs_proxy():
 
 @pytest.fixture(scope="session")
 def gcs_emulator(_gcs_proxy):
-    env = _env_for(_gcs_proxy.endpoint)
+    env = env_for(_gcs_proxy.endpoint)
     pointed = _Pointed(env)
     try:
         yield GcsEmulator(_gcs_proxy.endpoint, env)
@@ -419,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy.error_rate, proxy.read_only = args.error_rate, args.read_only
     print(f"fake-gcs-server at {server.endpoint}, bucket gs://{BUCKET}, through {proxy.endpoint}", file=sys.stderr)
     try:
-        env = {**os.environ, **_env_for(proxy.endpoint), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        env = {**os.environ, **env_for(proxy.endpoint), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
         rc = subprocess.call(command, env=env)
     except KeyboardInterrupt:
         rc = 130

@@ -6,8 +6,12 @@ models do."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 import string
+import subprocess
+import sys
 
 CHARS = string.ascii_letters + string.digits + " .,:;?!#=+-*/()<>'\"\n"
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -129,3 +133,22 @@ def build_hf_model(
         json.dumps({"eos_token_id": stops, "pad_token_id": tok.pad_token_id, "temperature": 0.7, "top_p": 0.8})
     )
     return model, tok
+
+
+def hub_cache(cache: pathlib.Path, repo_id: str, folder, revision: str = "0" * 40) -> pathlib.Path:
+    """A Hub cache entry as huggingface_hub lays it out: refs/main -> snapshots/{commit}/files."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(folder, repo / "snapshots" / revision)
+    return repo / "snapshots" / revision
+
+
+def run_offline(code: str, cache: pathlib.Path) -> dict:
+    """Run `code` in a fresh interpreter with `cache` as the Hugging Face cache and the Hub offline
+    (huggingface_hub reads both when it is imported); the JSON its last line prints."""
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

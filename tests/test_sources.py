@@ -5,9 +5,6 @@ config."""
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +17,7 @@ from grpo_core.errors import ConfigError  # noqa: E402
 from grpo_core.nn.hf import load_hf_model  # noqa: E402
 from grpo_core.store.root import RunRoot  # noqa: E402
 from grpo_core.store.sources import HFTokenizer, read_config, resolve  # noqa: E402
-from tests.hf_models import build_hf_model  # noqa: E402
+from tests.hf_models import build_hf_model, hub_cache, run_offline  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -118,19 +115,9 @@ def test_gcs_folder_is_fetched_once_and_loads_the_same(qwen, gcs_emulator, tmp_p
         resolve(not_a_model.url)
 
 
-def _hub_cache(cache, repo_id: str, folder, revision: str = "0" * 40):
-    """A Hub cache entry as huggingface_hub lays it out: refs/main -> snapshots/{commit}/files."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(revision)
-    shutil.copytree(folder, repo / "snapshots" / revision)
-    return repo / "snapshots" / revision
-
-
 def test_hub_id_resolves_through_snapshot_download_offline(qwen, tmp_path):
     folder, _, _ = qwen
-    snap = _hub_cache(tmp_path / "hub", "acme/tiny-qwen3", folder)
-    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    snap = hub_cache(tmp_path / "hub", "acme/tiny-qwen3", folder)
     code = (
         "import json, sys; from grpo_core.store.sources import resolve, read_config, load_tokenizer\n"
         "from grpo_core.errors import ConfigError\nfrom grpo_core.store.root import StorageError\n"
@@ -139,16 +126,7 @@ def test_hub_id_resolves_through_snapshot_download_offline(qwen, tmp_path):
         "try:\n    resolve('acme/absent')\nexcept StorageError as e:\n    out['absent'] = str(e)\n"
         "print(json.dumps(out))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_offline(code, tmp_path / "hub")
     assert os.path.realpath(out["folder"]) == os.path.realpath(snap)
     assert out["layers"] == 2 and len(out["stops"]) == 2
     assert "acme/absent" in out["absent"] and "HF_HUB_OFFLINE=1" in out["absent"]

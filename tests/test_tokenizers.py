@@ -7,8 +7,6 @@ data before any run starts."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -21,7 +19,7 @@ from grpo_core.data.synthetic import CharTokenizer  # noqa: E402
 from grpo_core.data.tokenizer import make_tokenizer  # noqa: E402
 from grpo_core.errors import ConfigError  # noqa: E402
 from grpo_core.store.sources import resolve_tokenizer  # noqa: E402
-from tests.hf_models import save_bpe_tokenizer  # noqa: E402
+from tests.hf_models import hub_cache, run_offline, save_bpe_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +99,7 @@ def test_a_tokenizer_url_needs_no_config_json(tok_folder, monkeypatch, tmp_path)
 def test_a_hub_id_loads_a_tokenizer_only_repo_offline(tok_folder, tmp_path):
     """The Hub path of model.tokenizer: snapshot_download through a cache laid out as
     huggingface_hub writes it (a repository holding tokenizer files alone), HF_HUB_OFFLINE=1."""
-    repo = tmp_path / "hub" / "models--acme--tok"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("1" * 40)
-    shutil.copytree(tok_folder[0], repo / "snapshots" / ("1" * 40))
+    hub_cache(tmp_path / "hub", "acme/tok", tok_folder[0], "1" * 40)
     code = (
         "import json; from grpo_core.config.run import RunConfig; from grpo_core.data.tokenizer import make_tokenizer\n"
         "from grpo_core.store.root import StorageError\n"
@@ -114,17 +109,7 @@ def test_a_hub_id_loads_a_tokenizer_only_repo_offline(tok_folder, tmp_path):
         "except StorageError as e:\n    out['absent'] = str(e)\n"
         "print(json.dumps(out))"
     )
-    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_offline(code, tmp_path / "hub")
     assert out["vocab"] == len(tok_folder[1]) and out["ids"] == tok_folder[1].encode("Natalia sold 3")
     assert out["absent"].startswith("model.tokenizer 'acme/absent' is not in the Hugging Face cache")
 
