@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import hashlib
+import json
 import types
 import typing
 from typing import Any, ClassVar
@@ -20,6 +22,14 @@ from typing import Any, ClassVar
 from grpo_core.errors import ConfigError
 
 MISSING = dataclasses.MISSING
+
+
+def config_hash(fields: dict[str, Any], length: int = 12) -> str:
+    """Short stable hash of a config (key order does not matter)."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:length]
+
+
 _RULES = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 

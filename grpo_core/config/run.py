@@ -25,14 +25,12 @@ import pathlib
 from typing import Any
 
 from grpo_core.config import recipes
-from grpo_core.config.fields import Section, apply_overrides, check, field, section
+from grpo_core.config.data import DataConfig, data_hash
+from grpo_core.config.fields import Section, apply_overrides, check, config_hash, field, section
+from grpo_core.config.launch import LauncherConfig
 from grpo_core.config.model import PATH_OVERRIDES, ModelConfig, ModelSection
 from grpo_core.config.train import ISCorrection, TrainConfig
-from grpo_core.data.prepare import DataConfig, data_hash
 from grpo_core.errors import ConfigError
-from grpo_core.launch.launchers import LauncherConfig
-from grpo_core.store.root import config_hash
-from grpo_core.store.tracking import TRACKERS, parse_report_to
 
 DEFAULT: dict[str, Any] = {
     "run_name": None,
@@ -70,6 +68,18 @@ DEFAULT: dict[str, Any] = {
     },
     "pipeline": {"epochs": 4, "checkpoint_every": 50},
 }
+
+
+# Experiment trackers pipeline.report_to names (grpo_core.store.tracking sends to them).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def parse_report_to(value: Any) -> tuple[str, ...]:
+    """TRL's forms: a list, one name, "all" or "none"."""
+    if value in (None, "none", ""):
+        return ()
+    names = TRACKERS if value == "all" else (value,) if isinstance(value, str) else tuple(value)
+    return tuple(dict.fromkeys(names))
 
 
 # The fields of the run config that are not in a section.

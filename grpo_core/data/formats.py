@@ -15,17 +15,11 @@ in every format. Prepared rows all carry the same columns (same_columns).
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from typing import Any
 
-
-class DataFormat(enum.Enum):
-    AUTO = "auto"
-    PLAIN = "plain"
-    GSM8K = "gsm8k"
-    VERL = "verl"
+from grpo_core.config.data import DataFormat  # the data section's choice; re-exported
 
 
 def is_messages(value: Any) -> bool:
@@ -46,6 +40,13 @@ def _verl_truth(row: dict[str, Any]) -> tuple[bool, Any]:
     if nested:
         return True, rm["ground_truth"]
     return False, None
+
+
+def completion_text(completion: Any) -> str:
+    """A completion as text: a chat-style one (a list of messages) is read from its last message."""
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return completion if isinstance(completion, str) else str(completion)
 
 
 def detect(row: dict[str, Any], prompt_column: str) -> DataFormat:

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from grpo_core.errors import ConfigError
-from grpo_core.rewards.functions import completion_text
+from grpo_core.config.data import SyntheticTask
+from grpo_core.data.formats import completion_text
 
 
 class CharTokenizer:
@@ -81,25 +81,17 @@ class CharTokenizer:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReverseTask:
-    """Prompts `w=` with w a word of `min_len..max_len` letters from `alphabet`; answer: w reversed.
+class ReverseTask(SyntheticTask):
+    """Prompts `w=` with w a word of `min_len..max_len` letters from `alphabet`; answer: w reversed
+    (the fields and their checks: grpo_core.config.data.SyntheticTask).
 
     `sample(step, round, n)` is a pure function of its arguments and the seed, so a resumed run
     sees the same prompts; `split` keeps eval words out of training.
     """
 
-    alphabet: str = "abcde"
-    min_len: int = 3
-    max_len: int = 3
-    seed: int = 0
-
-    def __post_init__(self):
-        if not (1 <= self.min_len <= self.max_len):
-            raise ConfigError(
-                f"task.min_len/max_len must satisfy 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}"
-            )
-        if len(self.alphabet) < 2:
-            raise ConfigError(f"task.alphabet needs at least 2 letters, got {self.alphabet!r}")
+    @classmethod
+    def of(cls, settings: SyntheticTask) -> "ReverseTask":
+        return cls(**dataclasses.asdict(settings))
 
     def _row(self, rng: np.random.Generator) -> dict[str, Any]:
         n = int(rng.integers(self.min_len, self.max_len + 1))

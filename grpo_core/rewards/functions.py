@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from grpo_core.data.formats import completion_text  # noqa: F401 - a reward helper; rewards import it from here
 from grpo_core.errors import RewardFunctionError, RewardTimeout
 
 RewardFn = Callable[..., Sequence[float | None]]
@@ -75,13 +76,6 @@ class TrainerState:
 
 # Keys of a prepared row that are not dataset columns: how the prompt was rendered and encoded.
 PROMPT_KEYS = ("prompt", "prompt_ids", "prompt_messages")
-
-
-def completion_text(completion: Any) -> str:
-    """A completion as text: a chat-style one (a list of messages) is read from its last message."""
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    return completion if isinstance(completion, str) else str(completion)
 
 
 def reward_inputs(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ from typing import Any
 
 import fsspec
 
+from grpo_core.config.fields import config_hash  # noqa: F401 - the stages' keys; importers keep it here
 from grpo_core.errors import DamagedFile, StorageError
 
 _log = logging.getLogger(__name__)
@@ -50,12 +50,6 @@ def strict(obj: Any) -> Any:
 def dumps(obj: Any, **kw: Any) -> str:
     """Strict JSON (see `strict`): what every JSON object in a run root is written with."""
     return json.dumps(strict(obj), allow_nan=False, **kw)
-
-
-def config_hash(fields: dict[str, Any], length: int = 12) -> str:
-    """Short stable hash of a config (key order does not matter)."""
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:length]
 
 
 # What a user can do about a storage fault, by its cause (see describe_storage_error).

@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 from grpo_core.store.root import RunRoot
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 STATE = "tracking.json"
 
 
@@ -227,11 +226,3 @@ class Trackers:
             if kind == "close":
                 self._each("close", lambda _, t: t.close())
                 return
-
-
-def parse_report_to(value: Any) -> tuple[str, ...]:
-    """TRL's forms: a list, one name, "all" or "none"."""
-    if value in (None, "none", ""):
-        return ()
-    names = TRACKERS if value == "all" else (value,) if isinstance(value, str) else tuple(value)
-    return tuple(dict.fromkeys(names))
