@@ -403,7 +403,7 @@ def serve_command(args) -> int:
     from flows.serve import allow_code
 
     try:  # what the deployments' runs may name besides the built-ins (grpo_core.rewards.trust)
-        allow_code(args.allow_reward_path, args.allow_reward_module, args.allow_field, params)
+        allow_code(args.allow_reward_path, args.allow_reward_module, args.allow_field, params, args.allow_root)
     except ValueError as exc:
         print(f"grpo serve: {exc}", file=sys.stderr)
         return 2
@@ -486,6 +486,14 @@ def main(argv: list[str] | None = None) -> int:
         "the API or UI may set (repeatable)",
     )
     p.set_defaults(func=serve_command)
+    p.add_argument(
+        "--allow-root",
+        action="append",
+        default=[],
+        metavar="ROOT",
+        help="a folder or URL prefix (gs://bucket/runs) a run from the API or UI may write (storage.root) or read "
+        "(data and model sources) under, besides the places of the served config (repeatable)",
+    )
     args = parser.parse_args(argv)
     return args.func(args)
 

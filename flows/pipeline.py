@@ -185,8 +185,9 @@ def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
 
 def _allowed(make_config, log: Any) -> RunConfig:
     """The config `make_config()` builds, refused (ConfigError naming the field, the flow run not
-    retried) when it is invalid or, in a deployment run, names code the operator did not allow:
-    rewards and programs (grpo_core.rewards.trust). A direct call (the CLI) is the local user's."""
+    retried) when it is invalid or, in a deployment run, names code or places the operator did not
+    allow: rewards, programs, storage and sources (grpo_core.rewards.trust). A direct call (the
+    CLI) is the local user's."""
     from prefect.runtime import deployment
 
     from grpo_core.errors import ConfigError
@@ -195,11 +196,25 @@ def _allowed(make_config, log: Any) -> RunConfig:
     try:
         cfg = make_config()
         if deployment.id is not None:
-            TrustPolicy.from_env().check(cfg)
+            TrustPolicy.from_env().check(cfg, baseline=_deployed_config(deployment.id, log))
         return cfg
     except ConfigError:
         _no_flow_retry(log)
         raise
+
+
+def _deployed_config(deployment_id, log: Any) -> RunConfig | None:
+    """The config of the deployment's own parameters, as its operator deployed it (not the run's,
+    which the form or the API filled in): the places it names are allowed to its runs."""
+    from prefect import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            params = client.read_deployment(deployment_id).parameters or {}
+        return _config(params.get("config"))
+    except Exception as exc:  # noqa: BLE001 - no baseline: only the allowed roots (GRPO_ALLOW_ROOTS)
+        log.warning("could not read this deployment's own parameters: %s", exc)
+        return None
 
 
 FLOW_RUNS = "_flow-runs"  # under storage.root: the run_name each flow run filled its template in to

@@ -69,14 +69,19 @@ def build_deployments(
 
 
 def allow_code(
-    paths: list[str], modules: list[str], fields: list[str], parameters: dict[str, Any] | None = None
+    paths: list[str],
+    modules: list[str],
+    fields: list[str],
+    parameters: dict[str, Any] | None = None,
+    roots: list[str] | None = None,
 ) -> None:
     """What the served deployments' runs may name besides the built-in rewards, set in this
     process's environment, which the flow runs it starts inherit (grpo_core.rewards.trust): the
     reward folders and modules and the program fields given, added to those already set, and
-    the reward files and modules of the operator's own config (`parameters`, from --config/--set)."""
+    the reward files and modules of the operator's own config (`parameters`, from --config/--set),
+    and the roots its runs may write and read under besides the deployment's own places."""
     from grpo_core.rewards.registry import builtin_rewards
-    from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, PROGRAM_FIELDS, TrustPolicy
+    from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, ENV_ROOTS, PROGRAM_FIELDS, TrustPolicy
 
     unknown = [f for f in fields if f not in PROGRAM_FIELDS]
     if unknown:
@@ -94,6 +99,10 @@ def allow_code(
     os.environ[ENV_PATHS] = os.pathsep.join(dict.fromkeys(paths))
     os.environ[ENV_MODULES] = ",".join(dict.fromkeys(modules))
     os.environ[ENV_FIELDS] = ",".join(dict.fromkeys([*policy.fields, *fields]))
+    given = [r if "://" in r else os.path.abspath(os.path.expanduser(r)) for r in roots or []]
+    if any("," in r for r in given):
+        raise ValueError(f"--allow-root {next(r for r in given if ',' in r)!r}: a root may not contain ','")
+    os.environ[ENV_ROOTS] = ",".join(dict.fromkeys([*policy.roots, *given]))
 
 
 def owner_token() -> str:

@@ -7,6 +7,7 @@ that cannot fix itself once."""
 import json
 import socket
 import subprocess
+import uuid
 
 import pytest
 
@@ -24,8 +25,10 @@ def served(server, tmp_path_factory):  # noqa: F811
         closed = s.getsockname()[1]
     env = {**client_env(home, url), "STORAGE_EMULATOR_HOST": f"127.0.0.1:{closed}"}
     sets = [f"{k}={json.dumps(v)}" for k, v in _flatten(tiny(root, "default")).items()]
+    # the runs below write and read in the tests' temporary folders and an unreachable bucket
+    allow = ["--allow-root", str(tmp_path_factory.getbasetemp()), "--allow-root", "gs://grpo-unreachable"]
     proc = subprocess.Popen(
-        [f"{BIN}/grpo", "serve", *sum((["--set", s] for s in sets), [])],
+        [f"{BIN}/grpo", "serve", *allow, *sum((["--set", s] for s in sets), [])],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -56,21 +59,26 @@ def test_a_retryable_failure_runs_one_plus_flow_retries_times(served, flow_retri
     assert count == 1 + flow_retries  # before: 2 whatever the form said
 
 
-def test_errors_that_fail_the_same_way_run_once(served, tmp_path):
+def test_errors_that_fail_the_same_way_run_once(served, tmp_path, tmp_path_factory):
     client, root = served
     data = tmp_path / "q.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n' * 4)  # 4 rows: fewer than eval_rows + a batch
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
+    elsewhere = tmp_path_factory.getbasetemp().parent / f"not-allowed-{uuid.uuid4().hex[:8]}"  # outside every root
     cases = {
         # a config error found after submission: rloo with the default scale_rewards
         "rloo": ({**tiny(root, "rloo", flow_retries=2), "train": {"grpo": {"advantage": "rloo"}}}, "scale_rewards"),
         "reward": ({**tiny(root, "reward", flow_retries=2), "rewards": [{"function": "nope.py:f"}]}, "nope.py"),
         "data": ({**tiny(root, "data", flow_retries=2), "data": {"source": str(data)}}, str(data)),
         "storage": (tiny(blocker, "storage", retries=2, flow_retries=2), "a path in it is a file, not a folder"),
+        # issue 28: places outside the served config's and the allowed roots, refused before anything is written
+        "write": (tiny(elsewhere, "write", flow_retries=2), "storage.root='" + str(elsewhere)),
+        "read": ({**tiny(root, "read", flow_retries=2), "data": {"source": __file__}}, f"data.source='{__file__}'"),
     }
     counts = {}
     for name, (config, said) in cases.items():
         counts[name], message = attempts(client, config)
         assert said in message, (name, message)
     assert counts == dict.fromkeys(cases, 1)
+    assert not elsewhere.exists() and not (root / "read").exists()

@@ -43,7 +43,7 @@ def pg_served(pg_server, tmp_path_factory):
     url, home = pg_server
     root = tmp_path_factory.mktemp("served-runs-pg")
     proc = subprocess.Popen(
-        [f"{BIN}/grpo", "serve"],
+        [f"{BIN}/grpo", "serve", "--allow-root", str(root)],  # the default config's storage.root is ./runs
         env=client_env(home, url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

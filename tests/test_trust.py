@@ -9,7 +9,7 @@ import pytest
 from grpo_core.config.run import load_config
 from grpo_core.errors import ConfigError
 from grpo_core.rewards.registry import make_rewards
-from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, TrustPolicy
+from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, ENV_ROOTS, TrustPolicy
 
 REWARD = "def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
 
@@ -110,3 +110,44 @@ def test_grpo_serve_allows_what_the_operator_gave(project, monkeypatch):
     assert policy.reward_refusal(f"{project}/elsewhere/other.py:score") is not None
     with pytest.raises(ValueError, match="--allow-field 'model.path'"):
         allow_code([], [], ["model.path"])
+
+
+def test_places_stay_where_the_deployment_has_them_unless_allowed(project):
+    """issue 28: a run from the UI writes into no other folder or bucket and reads no other file of
+    the machine: storage.root and the sources as the deployment's own config has them, or under a
+    root the operator allowed; Hub ids, the synthetic task and run names are not places."""
+    deployed = cfg(f"storage.root={project}/runs", f"data.source={project}/data/train.jsonl")
+    TrustPolicy().check(deployed, baseline=deployed)  # the deployment's own places
+    TrustPolicy().check(cfg("data.source=openai/gsm8k", "model.init_from=nightly-*"))  # a Hub id, a run name
+    with pytest.raises(ConfigError, match=r"^storage\.root=.* may not be set in a deployment run: .*--allow-root"):
+        TrustPolicy().check(cfg(f"storage.root={project}/.."), baseline=deployed)
+    with pytest.raises(ConfigError, match=r"^data\.source='/etc/passwd\.jsonl' may not .* where this .* runs read"):
+        TrustPolicy().check(cfg(f"storage.root={project}/runs", "data.source=/etc/passwd.jsonl"), baseline=deployed)
+    policy = TrustPolicy()
+    assert policy.place_refusal("model.path", "Qwen/Qwen2.5-0.5B", deployed) is None  # a Hub id
+    for field, value in [
+        ("data.eval_source", f"{project}/rewards/mine.py.jsonl"),
+        ("model.path", "gs://someone-elses/model"),
+        ("model.tokenizer", "./tok"),
+        ("model.init_from", "gs://someone-elses/runs/x@4"),
+    ]:
+        assert "is not where this deployment's runs read" in policy.place_refusal(field, value, deployed), field
+    # `..` is resolved before it is compared: runs/../x is not under runs
+    with pytest.raises(ConfigError, match=r"^storage\.root=.* is not where this deployment's runs write"):
+        TrustPolicy.from_env({ENV_ROOTS: f"{project}/runs"}, cwd=str(project)).check(cfg("storage.root=runs/../x"))
+    allowed = TrustPolicy.from_env({ENV_ROOTS: f"{project}/shared,gs://someone-elses/runs"}, cwd=str(project))
+    assert allowed.place_refusal("model.init_from", "gs://someone-elses/runs/x@4", deployed) is None
+    allowed.check(cfg(f"storage.root={project}/shared/a", f"data.source={project}/shared/q.jsonl"), baseline=deployed)
+    with pytest.raises(ConfigError, match=r"^storage\.root=.*allowed: .*/shared, gs://someone-elses/runs"):
+        allowed.check(cfg("storage.root=gs://someone-elses/runs-2"), baseline=deployed)  # a prefix, not a folder
+
+
+def test_grpo_serve_allow_root(project, monkeypatch):
+    from flows.serve import allow_code
+
+    monkeypatch.delenv(ENV_ROOTS, raising=False)
+    monkeypatch.chdir(project)
+    allow_code([], [], [], None, ["shared/runs", "gs://bucket/runs/"])
+    assert TrustPolicy.from_env().roots == (os.path.realpath(project / "shared" / "runs"), "gs://bucket/runs")
+    with pytest.raises(ValueError, match="may not contain ','"):
+        allow_code([], [], [], None, ["a,b"])

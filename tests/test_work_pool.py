@@ -71,11 +71,12 @@ def worker(line: str, env: dict, log_path):
 
 
 @pytest.fixture(scope="module")
-def deployed(server):  # noqa: F811 - the module-scoped fixture imported above
+def deployed(server, tmp_path_factory):  # noqa: F811 - the module-scoped fixture imported above
     url, home = server
     lines = recipe()
     assert len(lines) == 4 and lines[-1].startswith("GRPO_PROJECT_DIR=") and " worker start " in lines[-1], lines
-    env = cli_env(url, home)
+    # the runs below write in the tests' temporary folders, not the pool deployment's storage.root
+    env = {**cli_env(url, home), "GRPO_ALLOW_ROOTS": str(tmp_path_factory.getbasetemp())}
     for line in lines[:3]:  # create the pool, set its limit, deploy
         done = run_line(line, env)
         assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -198,6 +198,16 @@ class RunRoot:
             raise StorageError(f"cannot write {self.uri(rel)}: {exc}") from exc
         return self.uri(rel)
 
+    def get_file(self, rel: str, local_path: str) -> str:
+        """Copy `rel` to a local file (streamed, not read into memory)."""
+        try:
+            self.fs.get_file(self._p(rel), local_path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.uri(rel)} does not exist") from None
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.uri(rel)}: {describe_storage_error(self.url, exc)}") from exc
+        return local_path
+
     def read_bytes(self, rel: str) -> bytes:
         try:
             return self.fs.cat_file(self._p(rel))
