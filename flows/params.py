@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import types
 import typing
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer, model_validator
 
 from grpo_core.config.fields import bounds_of, doc_of, enum_type, section_type
 from grpo_core.config.model import LoraConfig, ModelSection, ReferencePolicy
@@ -46,9 +47,19 @@ def _plain(schema: dict[str, Any]) -> None:
             schema["anyOf"] = kinds
 
 
+def _positions(schema: dict[str, Any], cls: type) -> None:
+    """Each field's place in its section as Prefect's form reads it (`position`: the UI sorts a
+    section's fields by it, a field without one first), in declaration order: what a run needs
+    first, the advanced subsections last."""
+    for i, prop in enumerate(schema.get("properties", {}).values()):
+        prop["position"] = i
+
+
 class _Form(BaseModel):
     """A section of the form: empty fields are left out when it is written out (the flow's
     default parameters, a flow run's parameters), so they stay empty in the UI."""
+
+    model_config = ConfigDict(json_schema_extra=_positions)
 
     @model_serializer(mode="wrap")
     def _drop_empty(self, handler):
@@ -64,10 +75,41 @@ def _empty(**kw: Any) -> Any:
 
 
 class RewardParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", title="Reward")
+    model_config = ConfigDict(extra="forbid", title="Reward", json_schema_extra=_positions)
     function: str = Field(description=doc_of(_REWARD["function"]), **bounds_of(_REWARD["function"]))
     weight: float = Field(1.0, description=doc_of(_REWARD["weight"]))
     params: dict[str, Any] | None = _empty(description=doc_of(_REWARD["params"]))
+
+
+class _Switched(_Form):
+    """An optional section (LoRA, another mesh for the rollout): a plain switch, `enabled`, and
+    its fields, instead of a null/object choice (which the UI shows as 'Property is type
+    "None"'). Off: the section is left out of the config (null, as `lora: null` in a YAML file).
+    Given as null or false it is off; given as a mapping without `enabled` (a YAML file's, the
+    API's; `{}` or true: the section's defaults) it is on."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        if value is None or value is False:
+            return {"enabled": False}
+        if value is True:
+            return {"enabled": True}
+        if isinstance(value, dict) and "enabled" not in value:
+            return {**value, "enabled": True}
+        return value
+
+
+def _switched(model: type[BaseModel], title: str | None, doc: str) -> tuple[Any, Any]:
+    """The field of an optional section `model`: `enabled` first (off), then its fields."""
+    name = model.__name__
+    off = re.search(r"[Ee]mpty: (.*)$", doc)
+    said = f"Off (the default): {off.group(1).rstrip('. ')}." if off else "Off (the default): left out."
+    switch = (bool, Field(False, title="Enabled", description=f"On: the fields below apply. {said}"))
+    fields = {"enabled": switch, **{k: (f.annotation, f) for k, f in model.model_fields.items()}}
+    base = type(name, (_Switched,), {"model_config": ConfigDict(extra="forbid", title=model.model_config.get("title"))})
+    switched = create_model(name, __base__=base, **fields)
+    return switched, Field(default_factory=lambda: switched(enabled=False), title=title, description=doc)
 
 
 def _annotation(hint: Any, enum_cls: type[enum.Enum] | None, bounds: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -142,8 +184,13 @@ def _describe(doc: str, bounds: dict[str, Any], default: Any, demo: Any, fill: b
 
 
 def _ordered(described: list[tuple[str, Any, Any]], path: str) -> list[tuple[str, Any, Any]]:
+    """A section's fields as the form shows them: those a user changes first, then the rest,
+    then its subsections (the advanced ones: Training's objective, sampling, optimizer, ...)."""
     first = _FIRST.get(path, ())
-    return sorted(described, key=lambda d: first.index(d[0]) if d[0] in first else len(first))
+    return sorted(
+        described,
+        key=lambda d: (section_type(d[1]) is not None, first.index(d[0]) if d[0] in first else len(first)),
+    )
 
 
 def _section_default(f: dataclasses.Field) -> Any:
@@ -175,8 +222,8 @@ def _model_for(
             model = _model_for(sub, f"{path}.{fname}", (demo or {}).get(fname) or {}, varies=varies, user=sub_user)
             title = _TITLES.get(f"{path}.{fname}")
             doc = doc or title
-            if default is None:  # an optional section: off (null) unless given, a None/object switch in the form
-                fields[fname] = (Optional[model], Field(None, title=title, description=doc))
+            if default is None:  # an optional section: off (null) unless given, an enable switch in the form
+                fields[fname] = _switched(model, title, doc)
             else:
                 fields[fname] = (model, Field(default_factory=model, title=title, description=doc))
             continue
@@ -212,6 +259,7 @@ class StorageParams(_Form):
 
 _MODEL = {name: f for name, _, f in ModelSection.describe()}
 LoraParams = _model_for(LoraConfig, "model.lora", LoraConfig().to_dict(), name="LoraParams")
+_LoraSwitched, _LoraField = _switched(LoraParams, _TITLES["model.lora"], doc_of(_MODEL["lora"]))
 
 
 def _model_field(name: str, **kw: Any) -> Any:
@@ -228,11 +276,11 @@ class ModelParams(_Form):
     revision: Optional[str] = _model_field("revision")
     tokenizer: Optional[str] = _model_field("tokenizer")
     seed: Optional[int] = _model_field("seed")
-    lora: Optional[LoraParams] = Field(None, description=doc_of(_MODEL["lora"]))
     init_from: Optional[str] = _model_field("init_from", title="Start from run (init_from)")
     reference: Optional[Literal[tuple(r.value for r in ReferencePolicy)]] = _model_field(
         "reference", title="KL reference (with init_from)"
     )
+    lora: _LoraSwitched = _LoraField  # a subsection: last
 
 
 DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"], user=_ON_USER_DATA["data"])
@@ -253,7 +301,11 @@ def _given(m: BaseModel) -> dict[str, Any]:
         v, f = getattr(m, name), type(m).model_fields.get(name)
         if v is None and (f is None or f.default is None):
             continue
-        if isinstance(v, BaseModel):
+        if isinstance(v, _Switched):
+            if not v.enabled:
+                continue  # off: left out, as null is
+            v = {k: x for k, x in _given(v).items() if k != "enabled"}
+        elif isinstance(v, BaseModel):
             v = _given(v)
         elif isinstance(v, list):
             v = [_given(x) if isinstance(x, BaseModel) else x for x in v]
@@ -267,29 +319,35 @@ class RunParams(_Form):
     command line (the embedded default is the tiny preset on the synthetic task)."""
 
     model_config = ConfigDict(extra="forbid", title="GRPO run")
-    storage: StorageParams = Field(
-        title=_TITLES["storage"], default_factory=StorageParams, description="Where the run folder lives"
-    )
-    run_name: Optional[str] = _empty(title="Run folder", description=RUN_DOCS["run_name"])
-    model: ModelParams = Field(title=_TITLES["model"], default_factory=ModelParams, description="The starting policy")
+    # What a run needs first: the data, the model, the rewards, epochs and steps (each the first
+    # field of its section, Pipeline's short section before Training's long one, whose advanced
+    # subsections come last), where the run lands at the end. Prefect's form follows this order
+    # (each field's `position`); a parameter's shape cannot change (config.train.num_steps, ...).
     data: DataParams = Field(
         title=_TITLES["data"], default_factory=DataParams, description="The prompts: source, format, split, length"
     )
+    model: ModelParams = Field(title=_TITLES["model"], default_factory=ModelParams, description="The starting policy")
     rewards: Optional[list[RewardParams]] = _empty(
         description=RUN_DOCS["rewards"] + f". {_EMPTY} (char_match on the built-in synthetic task)",
         min_length=1,
     )
-    train: TrainParams = Field(
-        title=_TITLES["train"], default_factory=TrainParams, description="Steps, objective, sampling, optimizer"
-    )
     pipeline: PipelineParams = Field(
         title=_TITLES["pipeline"],
         default_factory=PipelineParams,
-        description="Epochs, checkpoints, retries and time limits of the stages",
+        description="Epochs first; then checkpoints, retries and time limits of the stages",
+    )
+    train: TrainParams = Field(
+        title=_TITLES["train"],
+        default_factory=TrainParams,
+        description="Steps first; then the objective, sampling, optimizer, rollout engine and mesh (advanced)",
     )
     eval: EvalParams = Field(
         title=_TITLES["eval"], default_factory=EvalParams, description="Evaluation on the eval split after each epoch"
     )
+    storage: StorageParams = Field(
+        title=_TITLES["storage"], default_factory=StorageParams, description="Where the run folder lives"
+    )
+    run_name: Optional[str] = _empty(title="Run folder", description=RUN_DOCS["run_name"])
 
     def to_config(self) -> RunConfig:
         # The fields that were given and not left empty: RunConfig applies the defaults that

@@ -79,15 +79,43 @@ def test_the_cli_config_sent_whole_is_the_same_config():
     assert sent.to_dict() == cli.to_dict() and sent.train.optimizer.max_grad_norm is None
 
 
+def _as_the_form_shows(schema: dict) -> list[str]:
+    """Every field's dotted path in the order Prefect's form shows them: each section's fields
+    sorted by `position` (a field without one first, as the UI does), subsections inline."""
+    out: list[str] = []
+
+    def walk(props: dict, prefix: str) -> None:
+        for name, prop in sorted(props.items(), key=lambda kv: kv[1].get("position", 0)):
+            ref = prop.get("$ref")
+            if ref:
+                walk(schema["$defs"][ref.rsplit("/", 1)[1]]["properties"], f"{prefix}{name}.")
+            else:
+                out.append(prefix + name)
+
+    walk(schema["properties"], "")
+    return out
+
+
 def test_the_form_leads_with_the_fields_users_change():
     schema = RunParams.model_json_schema()
     defs = schema["$defs"]
-    assert list(schema["properties"])[:4] == ["storage", "run_name", "model", "data"]
-    assert list(schema["properties"]).index("rewards") < list(schema["properties"]).index("train")
+    shown = _as_the_form_shows(schema)
+    # issue 30, item 3: what a run needs first (before: storage and run folder first, the
+    # advanced Training subsections before pipeline.epochs, which sat at 75 % of the form)
+    assert [f for f in shown if "." not in f or f.endswith((".source", ".path", ".epochs", ".num_steps"))][:6] == [
+        "data.source",
+        "model.path",
+        "rewards",
+        "pipeline.epochs",
+        "train.num_steps",
+        "run_name",
+    ]
+    assert shown.index("pipeline.epochs") < 0.25 * len(shown) and shown.index("train.num_steps") < 0.45 * len(shown)
+    assert shown.index("train.num_steps") < min(i for i, f in enumerate(shown) if f.startswith("train.grpo."))
     assert list(defs["ModelParams"]["properties"])[:2] == ["path", "preset"]
-    assert list(defs["DataParams"]["properties"])[0] == "source"
-    assert list(defs["TrainParams"]["properties"])[0] == "num_steps"
-    assert list(defs["PipelineParams"]["properties"])[0] == "epochs"
+    # every section's fields carry their place: the UI puts a field without one first
+    for name, d in [("RunParams", schema), *defs.items()]:
+        assert [p.get("position") for p in d["properties"].values()] == list(range(len(d["properties"]))), name
     # one "Run name" in the UI: Prefect's own flow-run name field; ours is the run's folder
     assert schema["properties"]["run_name"]["title"] == "Run folder"
     titles = [d["title"] for d in defs.values()]
@@ -123,3 +151,33 @@ def test_evaluate_and_readiness_parameters_are_described():
     for flow in (grpo_pipeline, grpo_evaluate, grpo_readiness):
         props = parameter_schema(flow.fn).model_dump()["properties"]
         assert props and all(p.get("description") for p in props.values()), (flow.name, props)
+
+
+def test_optional_sections_have_an_enable_switch_not_a_none_choice():
+    """issue 30, item 3: LoRA and train.mesh.rollout/reference rendered as a null/object choice
+    ('Property is type "None"'); now a plain switch, off by default, and configs as before."""
+    schema = RunParams.model_json_schema()
+    nulls = [
+        f"{d}.{name}"
+        for d, sec in [("RunParams", schema), *schema["$defs"].items()]
+        for name, prop in sec["properties"].items()
+        if any(k.get("type") == "null" for k in prop.get("anyOf", ())) and any("$ref" in k for k in prop["anyOf"])
+    ]
+    assert nulls == []
+    for section in ("LoraParams", "TrainMeshRolloutParams", "TrainMeshReferenceParams"):
+        enabled = schema["$defs"][section]["properties"]["enabled"]
+        assert enabled["type"] == "boolean" and enabled["default"] is False and enabled["position"] == 0, section
+    assert (
+        "Off (the default): full fine-tuning" in schema["$defs"]["LoraParams"]["properties"]["enabled"]["description"]
+    )
+    # the untouched form, old configs with lora: null, and the CLI's mapping mean what they did
+    assert RunParams().to_config().name == "tiny-ecc6c5c9" == load_config(None, []).name  # grpo demo's run
+    assert RunParams.model_validate({"model": {"lora": None}}).to_config().model.lora is None
+    assert RunParams.model_validate({"model": {"lora": {"enabled": False, "rank": 4}}}).to_config().model.lora is None
+    assert RunParams.model_validate({"model": {"lora": {"enabled": True, "rank": 4}}}).to_config().model.lora.rank == 4
+    assert RunParams.model_validate({"model": {"lora": {"rank": 4}}}).to_config().model.lora.rank == 4
+    rollout = {"data": 1, "fsdp": 1, "tensor": -1}
+    mesh = RunParams.model_validate({"train": {"mesh": {"rollout": rollout}}}).to_config().train.mesh
+    assert mesh.rollout is not None and mesh.rollout.tensor == -1 and mesh.reference is None
+    assert RunParams.model_validate({"train": {"mesh": {"rollout": None}}}).to_config().train.mesh.rollout is None
+    assert RunParams().model_dump()["model"]["lora"] == {"enabled": False}  # the deployment's default parameters
