@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
+import os
+import re
 import time
 import traceback
 from typing import Any, Optional
@@ -249,13 +252,51 @@ def _fill_run_name(cfg: RunConfig, log: Any = None) -> RunConfig:
     return filled
 
 
+# The names a flow run gets when nobody typed one: the UI's Run Name suggestions (the V2 UI's
+# "Rustic-Koala": one of these adjectives; the V1 UI's "alpha3-andromedae-...": a Greek letter)
+# and the server's coolname slug ("masterful-beetle", two words of coolname's lists).
+_UI_ADJECTIVES = (
+    "Awesome|Rustic|Small|Gorgeous|Fantastic|Sleek|Intelligent|Unbranded|Refined|Licensed|Generic|Practical|"
+    "Ergonomic|Handcrafted|Tasty|Handmade|Incredible"
+)
+_SUGGESTED = re.compile(
+    rf"(({_UI_ADJECTIVES})-[A-Z][A-Za-z' ]*)|((alpha|beta|gamma|delta|epsilon|zeta|eta|theta|iota|kappa|lambda|mu|nu|"
+    r"xi|omicron|pi|rho|sigma|tau|upsilon|phi|chi|psi|omega)\d*-[a-z]+(-[a-z]+)?)"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _slug_words() -> frozenset[str]:
+    import coolname  # Prefect's dependency: the words of the server's generated names
+
+    folder = os.path.join(os.path.dirname(coolname.__file__), "data")
+    words: set[str] = set()
+    for f in os.listdir(folder):
+        if f.endswith(".txt"):
+            with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                words.update(w for line in fh if not line.startswith("#") for w in re.findall(r"[a-z]+", line))
+    return frozenset(words)
+
+
+def typed_name(name: str | None) -> bool:
+    """Whether a flow run's name is one a user typed (the UI's Run Name, the API's name) rather than
+    one Prefect made up for it: a typed name is kept, a made-up one becomes the run folder's."""
+    if not name or _SUGGESTED.fullmatch(name):
+        return False
+    words = name.split("-")
+    return not (len(words) == 2 and all(w in _slug_words() for w in words))
+
+
 def _run_named(prefix: str = ""):
     """A flow_run_name: the run's folder name (run_name, or preset and config hash), so the UI's
-    list says which run each flow run is; Prefect's random pair of words where it cannot tell."""
+    list says which run each flow run is; Prefect's random pair of words where it cannot tell. A
+    name the user typed (the UI's Run Name, run_deployment's flow_run_name) is kept."""
 
     def name() -> str:
         from prefect.runtime import flow_run
 
+        if typed_name(flow_run.name):
+            return flow_run.name
         params = flow_run.parameters or {}
         try:
             if "run_url" in params:  # grpo-evaluate: the run folder it reads

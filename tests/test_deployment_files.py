@@ -56,6 +56,7 @@ def test_the_scheduled_patterns_are_valid_and_the_readme_shows_them_as_deployed(
         d = deployed[name]
         assert yaml.safe_load(text) == [d], name
         assert [s.get("active") for s in d["schedules"]] == [False]
+        assert d.get("paused") is True and d.get("description"), name  # the UI's list: paused, described
         if d["entrypoint"].endswith("grpo_pipeline"):
             cfg = RunParams.model_validate(d["parameters"]["config"]).to_config()  # the form's and the flow's reading
             assert isinstance(cfg, RunConfig)

@@ -56,11 +56,10 @@ def tiny(root, name, **pipeline) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    proc, url = start_server(home)
-    yield url, home
-    _stop(proc)
+def server(deployment_server):
+    """(url, PREFECT_HOME) of the session's `prefect server start` (tests.prefect_server): every
+    module that imports this fixture shares the one server."""
+    return deployment_server
 
 
 def start_server(home, **env: str) -> tuple[subprocess.Popen, str]:
@@ -209,9 +208,13 @@ def test_run_with_parameters_and_invalid_parameters_rejected(served):
     client, root, _ = served
     from prefect.deployments import run_deployment
 
-    run = run_deployment("grpo-pipeline/pipeline", parameters={"config": tiny(root, "api-run")}, timeout=0)
+    typed = "lr sweep: baseline"  # a name given with the run (the UI's Run Name) is kept (issue 30, item 5)
+    run = run_deployment(
+        "grpo-pipeline/pipeline", parameters={"config": tiny(root, "api-run")}, flow_run_name=typed, timeout=0
+    )
     run = _wait(client, run.id)
     assert run.state.is_completed(), run.state.message
+    assert run.name == typed  # not renamed to the run folder's name
     summary = RunRoot(str(root / "api-run")).read_json("summary.json")
     assert summary["status"] == "completed" and summary["steps"] == 4
     with pytest.raises(Exception, match="greater than or equal to 2|num_generations"):
@@ -220,6 +223,8 @@ def test_run_with_parameters_and_invalid_parameters_rejected(served):
         )
     dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
     assert dep.enforce_parameter_schema and "RunParams" in json.dumps(dep.parameter_openapi_schema)
+    for name in ("grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness"):
+        assert client.read_deployment_by_name(name).description  # what the UI's deployment list shows
 
 
 def test_run_naming_a_library_callable_is_refused_before_anything_runs(served, tmp_path):
@@ -263,6 +268,7 @@ def test_schedule_fires(served):
         assert time.monotonic() < deadline, [(r.name, r.state.name) for r in runs]
         time.sleep(2)
     assert RunRoot(str(root / "nightly")).read_json("summary.json")["status"] == "completed"
+    assert done[0].name == "nightly"  # the server's made-up name (coolname's pair of words) became the folder's
     client.pause_deployment(dep.id)  # the schedule has fired; keep the runner free for the tests after this
 
 
@@ -410,3 +416,16 @@ def _run_created_with_root(client, deployment_id, root: str, browser, tmp_path, 
                 f"(screenshot: {tmp_path / 'ui-after-submit.png'}); browser console:\n{browser_log}"
             )
         time.sleep(1)
+
+
+def test_a_typed_run_name_is_told_from_a_made_up_one():
+    """issue 30, item 5: the names Prefect makes up (the server's coolname pair, the UI's Run Name
+    suggestions) give way to the run folder's name; a name a user typed is kept."""
+    from prefect.utilities.names import generate_slug
+
+    from flows.pipeline import typed_name
+
+    made_up = [generate_slug(2) for _ in range(200)] + ["Rustic-Koala", "Sleek-Bat", "alpha3-andromedae-warp", None, ""]
+    assert [n for n in made_up if typed_name(n)] == []
+    typed = ["lr sweep: baseline", "baseline-run", "qwen-gsm8k", "nightly", "tiny-ecc6c5c9"]
+    assert [n for n in typed if not typed_name(n)] == []

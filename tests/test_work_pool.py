@@ -109,6 +109,7 @@ def test_recipe_deploys_the_pool_and_nothing_else(deployed):
         scheduled = client.read_deployment_by_name(name)
         assert "YOUR-BUCKET" in json.dumps(scheduled.parameters)
         assert [s.active for s in scheduled.schedules] == [False]  # a placeholder bucket never runs on a schedule
+        assert scheduled.paused and scheduled.description  # the UI's list shows it paused, with what it does
     nightly = client.read_deployment_by_name("grpo-pipeline/pool-nightly")
     assert nightly.parameters["config"]["run_name"] == "nightly-{date}"
     assert client.read_deployment_by_name("grpo-pipeline/pool-resume").concurrency_options.collision_strategy == (
