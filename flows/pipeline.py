@@ -370,11 +370,17 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
         check_readiness.with_options(**opts)(run_url)
         for epoch in range(cfg.pipeline.epochs):
             lease.check()
-            info = train_epoch.with_options(**opts)(run_url, epoch)
+            steps = [0, cfg.epoch_end(epoch)] if epoch == 0 else [cfg.epoch_end(epoch)]
+            last = epoch == cfg.pipeline.epochs - 1
+            # The training worker goes on to evaluate the epoch (and, the last, to export) in its
+            # own process: the evaluate and export tasks below read that back, and start a worker
+            # of their own only for what it could not do (or did not: a failed follow-up).
+            info = train_epoch.with_options(**opts)(run_url, epoch, steps, last and cfg.pipeline.export)
             if not info.get("skipped"):
                 worked[0] = True
                 for k in ("train_steps_s", "first_steps_s"):
                     timing[k] += info.get(k, 0.0)
+            timing["eval_compute_s"] += info.get("eval_compute_s", 0.0)
             lease.check()
             t = time.perf_counter()
             ev = evaluate.with_options(**opts)(run_url, [0, info["step"]] if epoch == 0 else [info["step"]])

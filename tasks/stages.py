@@ -486,9 +486,29 @@ def check_readiness(run_url: str) -> dict[str, Any]:
     return {"ready": True, "backend": report.get("backend"), "device_count": report.get("device_count")}
 
 
+def _follow_ups(cfg: RunConfig, root: RunRoot, eval_steps: list[int], export: bool) -> list[str]:
+    """The training worker's arguments for the stages after it that it can run itself, in the
+    same process (grpo_core.stages.worker train --then-eval/--then-export): the steps of
+    `eval_steps` not yet evaluated with this eval config, and the export. Only a worker that is one
+    local process of this interpreter: evaluation and export run alone in this interpreter (a
+    multi-host set, or sglang-jax's environment, trains elsewhere). Their tasks still run, read
+    what the worker wrote and start a process only for what is missing (a failed follow-up)."""
+    import sys
+
+    from grpo_core.launch.launchers import LauncherKind
+
+    if cfg.pipeline.launcher.kind is not LauncherKind.LOCAL or worker_python(cfg) != sys.executable:
+        return []
+    steps = [s for s in eval_steps if _evaluated(cfg, root, s) is None]
+    return (["--then-eval", ",".join(map(str, steps))] if steps else []) + (["--then-export"] if export else [])
+
+
 @task(name="train-epoch", task_run_name="train-epoch-{epoch}", cache_policy=NO_CACHE)
-def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
-    """Train until the end of `epoch` in a worker process, resuming from the newest checkpoint."""
+def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, export: bool = False) -> dict[str, Any]:
+    """Train until the end of `epoch` in a worker process, resuming from the newest checkpoint;
+    then, in the same process, evaluate `eval_steps` and (`export`) export the epoch's end, which
+    the evaluate and export tasks read back (each runs alone in a process of its own when this
+    worker's part failed: trained steps are kept)."""
     cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
     stage, until = f"stages/train-epoch-{epoch}", cfg.epoch_end(epoch)
     done = root.done_for(stage, cfg.train_hash)
@@ -524,7 +544,8 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
     trackers = _trackers(cfg, root, log)
     shown = {"step": resumed_at, "t": time.monotonic()}
-    state: dict[str, Any] = {"last": None, "steps_s": 0.0, "first_step_s": None, "unscored": 0}
+    state: dict[str, Any] = {"last": None, "steps_s": 0.0, "first_step_s": None, "unscored": 0, "done": None}
+    state["eval_s"] = 0.0  # seconds of the evaluations this worker ran after training
 
     def on_event(e: dict[str, Any]) -> None:
         kind = e["event"]
@@ -569,21 +590,45 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
             log.warning("epoch %d: %s", epoch, e["message"])
         elif kind == "memory":
             log.info("memory: %s", e["describe"])
+        elif kind == "done":
+            state["done"] = e
+        elif kind == "eval":  # a follow-up: the epoch's evaluation in this worker
+            _log_eval(log, e)
+            if not e["cached"]:
+                state["eval_s"] += e.get("seconds", 0.0)
+                trackers.log(int(e["step"]), {k: v for k, v in e.items() if k != "seconds"}, kind="eval")
+        elif kind == "export":
+            log.info("exported step %d as a Hugging Face model: %s", e["step"], e["uri"])
 
+    follow_ups = _follow_ups(cfg, root, eval_steps or [], export)
     t = time.perf_counter()
     try:
-        events = run_worker(
-            ["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until)],
+        run_worker(
+            ["grpo_core.stages.worker", "train", "--root", run_url, "--until-step", str(until), *follow_ups],
             timeout_s=cfg.pipeline.train_timeout_s,
             timeout_field="pipeline.train_timeout_s",
             on_event=on_event,
-            what=f"training epoch {epoch}",
+            what=f"training epoch {epoch}" + (" and its evaluation or export" if follow_ups else ""),
             python=worker_python(cfg),
             launcher=cfg.pipeline.launcher,
         )
+    except StageError as exc:
+        if state["done"] is None or state["done"]["step"] != until:
+            raise
+        # Trained to the end ("done" follows the final checkpoint): what failed is a follow-up,
+        # which its own task runs again in a process of its own. The steps are kept.
+        log.warning(
+            "epoch %d trained to step %d; the evaluation or export in its worker failed, so its task runs it "
+            "in a process of its own: %s",
+            epoch,
+            until,
+            exc,
+        )
     finally:
         trackers.close()
-    done = next(e for e in events if e["event"] == "done")
+    done = state["done"]
+    if done is None:
+        raise StageError(f"training epoch {epoch} ended without saying it was done", retryable=True)
     if done["step"] != until:  # the worker trains to exactly --until-step from any checkpoint at or before it
         raise StageError(f"training epoch {epoch} ended at step {done['step']}, not at its end ({until})")
     info = _epoch_info(
@@ -599,7 +644,7 @@ def train_epoch(run_url: str, epoch: int) -> dict[str, Any]:
     root.mark_done(stage, info)  # after the worker's checkpoint is final: the marker is last
     pct = 100.0 * min(1.0, until / total)
     update_progress_artifact(progress, pct, description=described(pct))
-    return dict(info, skipped=False)
+    return dict(info, skipped=False, eval_compute_s=round(state["eval_s"], 3))
 
 
 def _trackers(cfg: RunConfig, root: RunRoot, log) -> Trackers:
@@ -661,6 +706,17 @@ def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _log_eval(log, e: dict[str, Any]) -> None:
+    extra = " ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
+    log.info(
+        "eval step %d: accuracy %.3f %s%s",
+        e["step"],
+        e["accuracy"],
+        extra,
+        " (already evaluated)" if e["cached"] else "",
+    )
+
+
 @task(name="evaluate", task_run_name="evaluate-{steps}", cache_policy=NO_CACHE)
 def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     """Greedy accuracy and pass@k on the eval split for the given checkpoints (0: the starting
@@ -669,14 +725,7 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
 
     def on_event(e: dict[str, Any]) -> None:
         if e["event"] == "eval":
-            extra = " ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
-            log.info(
-                "eval step %d: accuracy %.3f %s%s",
-                e["step"],
-                e["accuracy"],
-                extra,
-                " (already evaluated)" if e["cached"] else "",
-            )
+            _log_eval(log, e)
 
     stored = [_evaluated(cfg, root, s) for s in steps]
     if all(r is not None for r in stored):

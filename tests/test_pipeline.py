@@ -81,6 +81,12 @@ def test_clean_run_writes_every_output(baseline):
     timing = s["timing"]
     assert 0 < timing["train_steps_s"] < timing["wall_s"]
     assert s["export_uri"] == run.uri("export", str(NUM_STEPS)) and run.is_done(f"export/{NUM_STEPS}")
+    # Each epoch's training worker went on to evaluate it (the last one to export too): written
+    # before the task marked the epoch done, when the worker had exited. No process of their own.
+    written = lambda rel: os.path.getmtime(os.path.join(root, "baseline", rel))  # noqa: E731
+    epoch0, epoch1 = (written(f"stages/train-epoch-{e}/{run.MARKER}") for e in (0, 1))
+    assert written("eval/0.json") < written("eval/3.json") < epoch0 < written("eval/6.json") < epoch1
+    assert written(f"export/{NUM_STEPS}/{run.MARKER}") < epoch1
 
 
 def test_export_loads_in_transformers_with_the_trained_logits(baseline):
@@ -228,14 +234,16 @@ def test_killed_worker_resumes_to_the_same_parameters(baseline, tmp_path, monkey
     root, _ = baseline
     # Killed after step 5 (mid epoch 1, its last checkpoint at 4) and right after epoch 0's
     # final checkpoint (3), before the stage marker: the retry must train 0 steps there, and
-    # epoch 1 must still train its 3.
+    # epoch 1 must still train its 3. Then killed again while evaluating step 6 after training,
+    # in the same worker: the epoch stays trained, and the evaluate task evaluates 6 alone.
     from tests.faults import HOOK
 
     monkeypatch.setenv("GRPO_TEST_HOOK", HOOK)
-    monkeypatch.setenv("GRPO_FAULT", f"checkpoint:3:{tmp_path}/f1,step:5:{tmp_path}/f2")
+    monkeypatch.setenv("GRPO_FAULT", f"checkpoint:3:{tmp_path}/f1,step:5:{tmp_path}/f2,eval:6:{tmp_path}/f3")
     s = run_pipeline(small_config(str(tmp_path), "killed", pipeline={"report_to": ["tensorboard"]}))
-    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2")  # both faults fired
+    assert all(os.path.exists(tmp_path / f) for f in ("f1", "f2", "f3"))  # every fault fired
     run = RunRoot(str(tmp_path / "killed"))
+    assert s["eval_after"]["step"] == NUM_STEPS and run.read_json("eval/6.json")["step"] == NUM_STEPS
     from tests.test_tracking import scalars
 
     assert [step for step, _ in scalars(run.url, "reward")] == list(range(NUM_STEPS))  # re-run steps sent once
@@ -243,6 +251,7 @@ def test_killed_worker_resumes_to_the_same_parameters(baseline, tmp_path, monkey
     assert [m["step"] for m in run.read_metrics()] == list(range(NUM_STEPS))
     assert run.done_info("stages/train-epoch-0")["steps_run"] == 0  # resumed at the boundary
     assert run.done_info("stages/train-epoch-1")["step"] == NUM_STEPS
+    assert run.done_info("stages/train-epoch-1")["steps_run"] == 2  # 4 -> 6 once: the killed eval re-trained nothing
     want, got = final_params(f"{root}/baseline"), final_params(str(tmp_path / "killed"))
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -1,7 +1,7 @@
 """The worker: the process a pipeline task launches and watches for each stage that touches an
 accelerator (DESIGN.md says why these never run inside the Prefect process).
 
-    python -m grpo_core.stages.worker train --root RUN_URL --until-step N
+    python -m grpo_core.stages.worker train --root RUN_URL --until-step N [--then-eval 0,N] [--then-export]
     python -m grpo_core.stages.worker eval  --root RUN_URL --steps 0,100,200
     python -m grpo_core.stages.worker export --root RUN_URL [--step N]
 
@@ -11,6 +11,9 @@ one written for the same training hash), trains until N steps are done in total,
 `pipeline.checkpoint_every` steps writes the metrics shard of those steps and then a checkpoint
 (outputs first, checkpoint last). `eval` evaluates the starting policy (step 0) or a
 checkpoint and writes `eval/{step}.json`, skipping steps already evaluated with the same config.
+`train --then-eval STEPS --then-export` goes on, once trained ("done"), to what `eval` and
+`export` do, in the same process (the pipeline's stages then pay one JAX start, restore and
+compile per epoch, not three).
 Progress goes to stdout as JSON lines, one object per event:
 
     {"event": "start" | "resumed", "step": s, "until": N}
@@ -45,6 +48,7 @@ import argparse
 import contextlib
 import errno
 import functools
+import gc
 import importlib.util
 import json
 import os
@@ -256,11 +260,12 @@ def no_signal(flat: int, step: int, pipeline, rewards: list[str]) -> None:
 
 
 def _test_hook(point: str, **info: Any) -> None:
-    """Where the tests reach into a running worker: after a step ('step') and once its checkpoint
-    is durable ('checkpoint'), where tests/faults.py kills it to prove that the retry resumes
-    with no step lost or doubled. GRPO_TEST_HOOK="path/to/file.py:function" names a function,
-    called as function(point, **info); unset, nothing runs. It is named by file path because the
-    worker is a separate process whose sys.path need not reach the tests."""
+    """Where the tests reach into a running worker: after a step ('step'), once its checkpoint
+    is durable ('checkpoint') and before a step's evaluation ('eval'), where tests/faults.py
+    kills it to prove that the retry resumes with no step lost or doubled.
+    GRPO_TEST_HOOK="path/to/file.py:function" names a function, called as function(point,
+    **info); unset, nothing runs. It is named by file path because the worker is a separate
+    process whose sys.path need not reach the tests."""
     hook = _load_test_hook(os.environ.get("GRPO_TEST_HOOK", ""))
     if hook is not None:
         hook(point, **info)
@@ -316,6 +321,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             if root.exists(rel) and root.read_json(rel).get("eval_hash") == h:
                 _emit("eval", cached=True, uri=root.uri(rel), **read_eval(root, rel))  # null scores as NaN
                 continue
+            _test_hook("eval", step=step, root_url=root.url)
             t = time.perf_counter()
             graphdef, params = parts.policy_at(ckpt, step)
             kw = dict(
@@ -494,6 +500,14 @@ def main(argv: list[str] | None = None) -> int:
             help="join a multi-host run (jax.distributed; see grpo_core.launch.cluster for the environment)",
         )
     sub.choices["train"].add_argument("--until-step", type=int, required=True, help="train until this many steps")
+    sub.choices["train"].add_argument(
+        "--then-eval",
+        default="",
+        help="once trained, evaluate these steps in this process (comma-separated; 0 = starting policy), as eval would",
+    )
+    sub.choices["train"].add_argument(
+        "--then-export", action="store_true", help="once trained (and evaluated), export --until-step, as export would"
+    )
     sub.choices["eval"].add_argument("--steps", required=True, help="comma-separated steps; 0 = starting policy")
     sub.choices["export"].add_argument("--step", type=int, help="checkpoint to export (default: the newest)")
     args = ap.parse_args(argv)
@@ -528,14 +542,20 @@ def _run(args) -> int:
         if args.command == "train":
             if args.until_step < 0:
                 raise ConfigError(f"--until-step must be >= 0, got {args.until_step}")
-            return train(parts, args.until_step)
+            then_eval = _steps(args.then_eval, "--then-eval")
+            rc = train(parts, args.until_step)
+            if rc or _STOP.is_set():
+                return rc
+            # The stages after training, in this process (tasks.stages.train_epoch asks for them):
+            # no second JAX start, restore and compile. Training is durable by now ("done"): a
+            # failure from here on is the eval's or export's, which their tasks run again alone.
+            if then_eval:
+                gc.collect()  # the trainer's optimizer state and programs are garbage now
+                evaluate_steps(parts, then_eval)
+            return export(parts, args.until_step) if args.then_export and not _STOP.is_set() else 0
         if args.command == "export":
             return export(parts, args.step)
-        try:
-            steps = sorted({int(s) for s in args.steps.split(",") if s.strip()})
-        except ValueError:
-            raise ConfigError(f"--steps must be comma-separated integers, got {args.steps!r}") from None
-        return evaluate_steps(parts, steps)
+        return evaluate_steps(parts, _steps(args.steps, "--steps"))
     except Exception as exc:
         failure = classify(exc)
         if failure is None and _storage_fault(exc):  # a full or read-only disk under Orbax or TensorStore
@@ -562,6 +582,13 @@ def _run(args) -> int:
         if isinstance(exc, (RolloutTimeout, RewardTimeout, StorageError)):
             _exit_now(failure.code)
         return failure.code
+
+
+def _steps(text: str, flag: str) -> list[int]:
+    try:
+        return sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def _exit_now(code: int) -> None:
