@@ -86,13 +86,14 @@ def _interruptible():
 def _config(args):
     """The run config from --config and --set, or None after printing the error (exit 2)."""
     from grpo_core.config.run import load_config
+    from grpo_core.data.resolve import with_versions
     from grpo_core.errors import ConfigError, StorageError
 
     try:
         # with the versions of the sources it names: the run's name depends on them (run_name: null)
         # a run_name template ({date}, ...) filled in now: the command prints the folder it names
         cfg = load_config(args.config, args.set).with_run_name(datetime.datetime.now(datetime.timezone.utc))
-        return cfg.with_versions(warn=lambda w: print(f"warning: {w}", file=sys.stderr))
+        return with_versions(cfg, warn=lambda w: print(f"warning: {w}", file=sys.stderr))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return None

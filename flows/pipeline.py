@@ -25,6 +25,7 @@ from prefect.exceptions import TerminationSignal
 
 from flows.params import RunParams
 from grpo_core.config.run import RunConfig
+from grpo_core.data.resolve import with_versions
 from grpo_core.errors import RunRootInUse
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, plot_curve
@@ -301,7 +302,7 @@ def _run_named(prefix: str = ""):
         try:
             if "run_url" in params:  # grpo-evaluate: the run folder it reads
                 return prefix + str(params["run_url"]).rstrip("/").rsplit("/", 1)[-1]
-            return prefix + _fill_run_name(_config(params.get("config"))).with_versions().name
+            return prefix + with_versions(_fill_run_name(_config(params.get("config")))).name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"
 
@@ -327,7 +328,7 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     cfg = _fill_run_name(cfg, log)  # a run_name template: the same folder for every retry of this flow run
     # the sources' current versions (a file rewritten in place is new data: a new run under
     # run_name: null, a refusal naming what changed under a fixed run_name)
-    cfg = cfg.with_versions(warn=log.warning)
+    cfg = with_versions(cfg, warn=log.warning)
     from prefect.runtime import flow_run
 
     # The run root's owner (grpo_core.store.lease): a second run of it is refused, not run beside this one.

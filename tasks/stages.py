@@ -30,6 +30,7 @@ from grpo_core.data.prepare import DataError
 from grpo_core.errors import ConfigError, RewardFunctionError, storage_cause_lasts
 from grpo_core.store.report import eval_results, latest_checkpoint, read_eval
 from grpo_core.store.root import RunRoot, StorageError
+from grpo_core.store.sources import model_config
 from grpo_core.store.tracking import Trackers
 from tasks.process import StageError, run_worker
 
@@ -183,7 +184,7 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool 
             }
         )
     request = {
-        "model": cfg.model_config(vocab_size=tokenizer.vocab_size).to_dict(),
+        "model": model_config(cfg, vocab_size=tokenizer.vocab_size).to_dict(),
         # num_steps still auto (data that cannot be prepared): the schedule's length changes no memory
         "train": cfg.train.replace(num_steps=1).to_dict() if cfg.train.num_steps == "auto" else cfg.train.to_dict(),
         "max_prompt_tokens": cfg.data.max_prompt_tokens,

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from grpo_core.config.run import RunConfig, format_run_name
+from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError
 from grpo_core.store.root import RunRoot
 from grpo_core.store.runs import init_run_root
@@ -52,11 +53,11 @@ def test_a_name_resolves_to_the_newest_policy_an_export_before_a_checkpoint(tmp_
     src = _fake_run(tmp_path, "src", checkpoints=[2, 4], exports=[4])
     os.makedirs(f"{src.run_url}/checkpoints/6.orbax-checkpoint-tmp-1")  # a save in progress: not a policy
     assert policies(RunRoot(src.run_url)) == {2: "checkpoint", 4: "export"}
-    cfg = _cfg(tmp_path, "next", init_from="src").with_versions()
+    cfg = with_versions(_cfg(tmp_path, "next", init_from="src"))
     assert cfg.start_point == StartPoint(src.run_url, 4, "export", src.train_hash)
     assert dict(cfg.versions)["model.init_from"] == f"{src.run_url}@4:export:{src.train_hash}"
     # a given step, and the run named by its folder
-    at2 = _cfg(tmp_path, "next2", init_from=f"{src.run_url}@2").with_versions()
+    at2 = with_versions(_cfg(tmp_path, "next2", init_from=f"{src.run_url}@2"))
     assert at2.start_point == StartPoint(src.run_url, 2, "checkpoint", src.train_hash)
     assert at2.start_point.uri == f"{src.run_url}/checkpoints/2"
     # the start is part of the training hash (not of the data's); config.json records it
@@ -86,7 +87,7 @@ def test_what_cannot_be_started_from_is_refused_naming_the_field(tmp_path):
     _fake_run(tmp_path, "next", checkpoints=[2])
     for ref, message in cases.items():
         with pytest.raises(ConfigError, match=message):
-            _cfg(tmp_path, "next", init_from=ref).with_versions()
+            with_versions(_cfg(tmp_path, "next", init_from=ref))
     with pytest.raises(ConfigError, match=r"model\.reference: base differs from start only when model\.init_from"):
         _cfg(tmp_path, "x", reference="base")
     with pytest.raises(ConfigError, match=r"model\.reference"):
@@ -98,16 +99,16 @@ def test_a_pattern_takes_the_last_finished_run_and_never_this_one(tmp_path):
     _fake_run(tmp_path, "nightly-2026-11-21", exports=[4])
     _fake_run(tmp_path, "nightly-2026-11-22", checkpoints=[2])  # preempted, never finished
     _fake_run(tmp_path, "other-2026-11-23", checkpoints=[4])
-    cfg = _cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*").with_versions()
+    cfg = with_versions(_cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*"))
     assert cfg.start_point.run_url.endswith("/nightly-2026-11-21") and cfg.start_point.kind == "export"
     # the night's own run, finished, is not its own start: a re-run resolves as the first run did
     _fake_run(tmp_path, "nightly-2026-11-23", init_from="nightly-*", exports=[4])
-    again = _cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*").with_versions()
+    again = with_versions(_cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*"))
     assert again.start_point == cfg.start_point
     # the first night of a chain: nothing finished matches yet, so the base model, said once
     _fake_run(tmp_path, "weekly-1", checkpoints=[2])
     said = []
-    first = _cfg(tmp_path, "weekly-2", init_from="weekly-*").with_versions(warn=said.append)
+    first = with_versions(_cfg(tmp_path, "weekly-2", init_from="weekly-*"), warn=said.append)
     assert first.start_point is None and dict(first.versions)["model.init_from"].startswith("base:")
     assert said == [
         f"model.init_from 'weekly-*': no finished run under {tmp_path} matches it (matching, not finished: "
@@ -154,7 +155,7 @@ def test_the_start_is_the_source_policy_and_the_reference_as_configured(tmp_path
     from grpo_core.store.report import build_summary
 
     lora = {"lora": {"rank": 4, "alpha": 8}} if source_lora else {}
-    src = _cfg(tmp_path, "src", **lora).with_versions()
+    src = with_versions(_cfg(tmp_path, "src", **lora))
     root = init_run_root(src)
     prepare_dataset(src.data, make_tokenizer(src), root, src.tokenizer_id)
     parts = open_run(src, root)
@@ -167,7 +168,7 @@ def test_the_start_is_the_source_policy_and_the_reference_as_configured(tmp_path
         trained = {s: merge(m) for s, m in trained.items()}
 
     def continual(name, ref, **model):
-        cfg = _cfg(tmp_path, name, init_from=ref, **model).with_versions()
+        cfg = with_versions(_cfg(tmp_path, name, init_from=ref, **model))
         run = init_run_root(cfg)
         prepare_dataset(cfg.data, make_tokenizer(cfg), run, cfg.tokenizer_id)
         return cfg, open_run(cfg, run)

@@ -13,6 +13,7 @@ import pytest
 from flows.cli import main
 from grpo_core.config.recipes import HF_DEFAULTS, choose, explain
 from grpo_core.config.run import DEFAULT, RunConfig, load_config
+from grpo_core.data.resolve import with_versions
 
 # The issue's command: 64 GSM8K rows as JSONL, math_answer, the qwen2.5-0.5b preset.
 ISSUE = ["data.source=gsm8k.jsonl", "rewards=[{function: math_answer}]", "model.preset=qwen2.5-0.5b"]
@@ -138,14 +139,14 @@ def test_num_steps_auto_is_epochs_over_the_prepared_rows(tmp_path, monkeypatch):
     sets = [f"data.source={data}", f"storage.root={tmp_path}", "rewards=[math_answer]"]
     cfg = load_config(None, sets)
     assert cfg.train.num_steps == "auto" and cfg.train.num_epochs == 3.0
-    ready = cfg.with_versions()
+    ready = with_versions(cfg)
     assert ready.train.num_steps == 15  # ceil(3 x 40 / 8)
     assert ready.epoch_end(3) == 15 and ready.to_dict()["train"]["num_steps"] == 15
     assert len(list((tmp_path / "cache" / "rows").iterdir())) == 1
-    assert load_config(None, [*sets, "train.num_epochs=1"]).with_versions().train.num_steps == 5
-    assert load_config(None, [*sets, "train.num_steps=9"]).with_versions().train.num_steps == 9  # the user's
+    assert with_versions(load_config(None, [*sets, "train.num_epochs=1"])).train.num_steps == 5
+    assert with_versions(load_config(None, [*sets, "train.num_steps=9"])).train.num_steps == 9  # the user's
     data.write_text(rows(88))  # rewritten in place: a new version, a new count
-    assert load_config(None, sets).with_versions().train.num_steps == 30  # ceil(3 x 80 / 8)
+    assert with_versions(load_config(None, sets)).train.num_steps == 30  # ceil(3 x 80 / 8)
     # a run's config.json holds the number: its workers never see auto
     back = RunConfig.from_dict(ready.to_dict())
     assert back.train.num_steps == 15 and back.train_hash == ready.train_hash
@@ -227,8 +228,9 @@ RESOLVE_AND_CHECK = """
 import json, sys
 from flows.cli import main
 from grpo_core.config.run import load_config
+from grpo_core.data.resolve import with_versions
 recipe, sets = sys.argv[1], sys.argv[2:]
-cfg = load_config(recipe, sets).with_versions()
+cfg = with_versions(load_config(recipe, sets))
 print(json.dumps({"config": cfg.to_dict()}))
 main(["check", "--json", "--config", recipe, *[a for s in sets for a in ("--set", s)]])
 """

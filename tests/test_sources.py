@@ -16,7 +16,7 @@ from grpo_core.config.run import RunConfig  # noqa: E402
 from grpo_core.errors import ConfigError  # noqa: E402
 from grpo_core.nn.hf import load_hf_model  # noqa: E402
 from grpo_core.store.root import RunRoot  # noqa: E402
-from grpo_core.store.sources import HFTokenizer, read_config, resolve  # noqa: E402
+from grpo_core.store.sources import HFTokenizer, model_config, read_config, resolve  # noqa: E402
 from tests.hf_models import build_hf_model, hub_cache, run_offline  # noqa: E402
 
 
@@ -136,13 +136,13 @@ def test_run_config_with_model_path(qwen):
     folder, _, _ = qwen
     cfg = RunConfig.from_dict({"model": {"path": str(folder), "dtype": "bfloat16"}})
     assert cfg.model.preset is None and cfg.model.tokenizer == "auto"
-    mc = cfg.model_config()
+    mc = model_config(cfg)  # the architecture from the checkpoint's config.json
     assert mc.num_hidden_layers == 2 and mc.qk_norm and mc.head_dim == 16 and mc.dtype.value == "bfloat16"
     assert cfg.tokenizer_id == f"hf:{folder}" and cfg.name.startswith("tiny-qwen3-")
     with pytest.raises(ConfigError, match="model.hidden_size: set by the checkpoint"):
         RunConfig.from_dict({"model": {"path": str(folder), "hidden_size": 32}})
-    with pytest.raises(ConfigError, match="model.path .* does not exist"):
-        RunConfig.from_dict({"model": {"path": str(folder) + "-missing"}})
+    with pytest.raises(ConfigError, match="model.path .* does not exist"):  # config is data: read where resolved
+        model_config(RunConfig.from_dict({"model": {"path": str(folder) + "-missing"}}))
     with pytest.raises(ConfigError, match="model.revision applies"):
         RunConfig.from_dict({"model": {"revision": "main"}})
     assert read_config(str(folder))["model_type"] == "qwen3"

@@ -153,39 +153,3 @@ def _flat(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
     for k, v in tree.items():
         out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
     return out
-
-
-def resolve_steps(cfg):
-    """`cfg` with train.num_steps: auto made a number: train.num_epochs passes over the training
-    rows that data preparation will keep (read, rendered and tokenized as it will, nothing
-    written; counted once per data hash in the model cache folder). Data the run cannot prepare
-    leaves it auto: the data stage then fails naming the row, before any training."""
-    if cfg.train.num_steps != "auto":
-        return cfg
-    import json
-    import os
-
-    from grpo_core.data.prepare import dry_run
-    from grpo_core.data.tokenizer import make_tokenizer
-    from grpo_core.errors import ConfigError, DataError
-    from grpo_core.store.sources import cache_dir
-
-    where = os.path.join(cache_dir(), "rows", f"{cfg.data_hash}.json")
-    try:
-        with open(where) as f:
-            rows = int(json.load(f)["train_rows"])
-    except (OSError, ValueError, KeyError):
-        try:
-            rows = dry_run(cfg.data, make_tokenizer(cfg))["train_rows"]
-        except (DataError, ConfigError):  # the data stage (and grpo check's data check) names the row
-            return cfg
-        os.makedirs(os.path.dirname(where), exist_ok=True)
-        tmp = f"{where}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"train_rows": rows}, f)
-        os.replace(tmp, where)
-    # recorded beside the sources' versions (config.json): the number follows the data, and a run
-    # refused for new data says so (grpo_core.store.runs); in no hash beyond the number itself
-    how = dict(cfg.versions, **{"train.num_steps": f"auto: {cfg.train.num_epochs:g} epochs over {rows} rows"})
-    train = cfg.train.replace(num_steps=cfg.train.steps_for(rows))
-    return dataclasses.replace(cfg, train=train, versions=tuple(sorted(how.items())))

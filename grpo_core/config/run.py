@@ -22,13 +22,25 @@ import dataclasses
 import datetime
 import os
 import pathlib
+import posixpath
 from typing import Any
+
+import yaml
 
 from grpo_core.config import recipes
 from grpo_core.config.data import DataConfig, data_hash
 from grpo_core.config.fields import Section, apply_overrides, check, config_hash, field, section
 from grpo_core.config.launch import LauncherConfig
-from grpo_core.config.model import PATH_OVERRIDES, ModelConfig, ModelSection
+from grpo_core.config.model import (
+    PATH_OVERRIDES,
+    DType,
+    ModelConfig,
+    ModelSection,
+    ReferencePolicy,
+    model_config_from_hf,
+)
+from grpo_core.config.presets import get_preset
+from grpo_core.config.target import Target
 from grpo_core.config.train import ISCorrection, TrainConfig
 from grpo_core.errors import ConfigError
 
@@ -174,8 +186,6 @@ class ReadinessConfig(Section):
 
     def validate(self) -> None:
         if self.target is not None:
-            from grpo_core.config.target import Target
-
             Target.parse(self.target, self.num_slices)  # ConfigError naming pipeline.readiness.target
 
 
@@ -258,6 +268,46 @@ class PipelineConfig(Section):
     )
 
 
+# model.init_from resolved (grpo_core.store.startpoint): the kinds of policy a run holds, and the
+# version recorded where a pattern matched no finished run yet.
+KINDS = ("checkpoint", "export")
+NO_MATCH = "base:no finished run matched"
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPoint:
+    """The policy of another run a continual run starts from (model.init_from, as resolved)."""
+
+    run_url: str
+    step: int
+    kind: str  # "checkpoint" or "export"
+    train_hash: str  # the source run's, as its config.json records it
+
+    @property
+    def version(self) -> str:
+        return f"{self.run_url}@{self.step}:{self.kind}:{self.train_hash}"
+
+    @classmethod
+    def parse(cls, version: str) -> "StartPoint | None":
+        """From a recorded version; None where a pattern matched no finished run (NO_MATCH)."""
+        if version.startswith(NO_MATCH):
+            return None
+        where, kind, train_hash = version.rsplit(":", 2)
+        run_url, step = where.rsplit("@", 1)
+        if kind not in KINDS or not step.isdigit():
+            raise ConfigError(f"versions['model.init_from'] {version!r} is not '<run>@<step>:<kind>:<hash>'")
+        return cls(run_url, int(step), kind, train_hash)
+
+    @property
+    def uri(self) -> str:
+        """The folder of the policy: checkpoints/{step} or export/{step} of the run."""
+        folder = "checkpoints" if self.kind == "checkpoint" else "export"
+        return posixpath.join(self.run_url.rstrip("/"), folder, str(self.step))  # as RunRoot.uri joins
+
+    def describe(self) -> dict[str, Any]:
+        return {"run": self.run_url, "step": self.step, "kind": self.kind, "uri": self.uri}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     run_name: str | None
@@ -269,7 +319,7 @@ class RunConfig:
     eval: EvalConfig
     pipeline: PipelineConfig
     # The versions of the sources the config names, by field (grpo_core.store.versions): part of
-    # the data and training hashes, so new content is a new run. Set by with_versions.
+    # the data and training hashes, so new content is a new run. Set by grpo_core.data.resolve.with_versions.
     versions: tuple[tuple[str, str], ...] = ()
 
     SECTIONS = ("run_name", "storage", "model", "data", "rewards", "train", "eval", "pipeline")
@@ -331,7 +381,7 @@ class RunConfig:
             cfg.eval.accuracy_reward in names,
             f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards {names}",
         )
-        compute = cfg.model_config().dtype  # validates the model section now, not in a worker
+        compute = cfg.compute_dtype  # validates the model section now, not in a worker
         ro = cfg.train.rollout
         check(
             ro.is_correction in (ISCorrection.AUTO, ISCorrection.OFF) or ro.learner_logprobs(compute),
@@ -354,16 +404,6 @@ class RunConfig:
             **({"versions": dict(self.versions)} if self.versions else {}),
         }
 
-    def with_versions(self, warn=None) -> "RunConfig":
-        """This config with the current versions of the sources it names (a file rewritten in
-        place, an object uploaded again, a Hub repository that moved on: a new version) and, with
-        model.init_from, the policy it names resolved to one run and step; train.num_steps: auto
-        made a number from the data those versions hold (grpo_core.config.recipes.resolve_steps)."""
-        from grpo_core.store.versions import source_versions
-
-        cfg = dataclasses.replace(self, versions=tuple(sorted(source_versions(self, warn).items())))
-        return recipes.resolve_steps(cfg)
-
     def with_run_name(self, when: datetime.datetime) -> "RunConfig":
         """This config with a run_name template ({date}, {time}, {datetime}) filled in for `when`."""
         if not self.run_name or not is_template(self.run_name):
@@ -373,8 +413,6 @@ class RunConfig:
     @property
     def separate_reference(self) -> bool:
         """Whether the KL reference is weights of its own: a continual run's base (model.reference: base)."""
-        from grpo_core.config.model import ReferencePolicy
-
         return self.model.init_from is not None and self.model.reference is ReferencePolicy.BASE
 
     @property
@@ -383,8 +421,6 @@ class RunConfig:
         with_versions resolved it; None without init_from."""
         if self.model.init_from is None:
             return None
-        from grpo_core.store.startpoint import StartPoint
-
         version = dict(self.versions).get("model.init_from")
         if version is None:
             raise ConfigError(
@@ -415,23 +451,18 @@ class RunConfig:
         tok = self.model.tokenizer
         return None if tok == "char" else (self.model_path if tok == "auto" else tok)
 
-    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
-        from grpo_core.config.presets import get_preset
-
+    def model_config(self, vocab_size: int | None = None, checkpoint: dict[str, Any] | None = None) -> ModelConfig:
+        """The architecture: the preset's (its vocab_size the tokenizer's unless set), or with
+        model.path the `checkpoint`'s config.json, which grpo_core.store.sources.model_config reads."""
         fields = dict(self.model.overrides)
         if self.model_path:
-            from grpo_core.config.model import model_config_from_hf
-            from grpo_core.store.sources import read_config
-
-            fixed = sorted(set(fields) - set(PATH_OVERRIDES))
-            check(
-                not fixed,
-                f"model.{', model.'.join(fixed)}: set by the checkpoint at model.path "
-                f"{self.model_path!r}; only {', '.join(PATH_OVERRIDES)} may be overridden",
-            )
-            return model_config_from_hf(
-                read_config(self.model_path, self.model.revision), f"{self.model_path}/config.json", **fields
-            )
+            self._check_path_overrides()
+            if checkpoint is None:
+                raise ValueError(
+                    f"model.path {self.model_path!r}: the architecture is in its config.json "
+                    "(grpo_core.store.sources.model_config reads it)"
+                )
+            return model_config_from_hf(checkpoint, f"{self.model_path}/config.json", **fields)
         if vocab_size is not None:
             fields.setdefault("vocab_size", vocab_size)
         try:
@@ -439,6 +470,22 @@ class RunConfig:
         except TypeError as exc:  # dataclasses.replace on an unknown field
             known = sorted(f.name for f in dataclasses.fields(ModelConfig))
             raise ConfigError(f"model: {exc}; ModelConfig fields are {known}") from None
+
+    def _check_path_overrides(self) -> None:
+        fixed = sorted(set(self.model.overrides) - set(PATH_OVERRIDES))
+        check(
+            not fixed,
+            f"model.{', model.'.join(fixed)}: set by the checkpoint at model.path "
+            f"{self.model_path!r}; only {', '.join(PATH_OVERRIDES)} may be overridden",
+        )
+
+    @property
+    def compute_dtype(self) -> DType:
+        """The model's compute dtype, known without reading a checkpoint (model.path leaves dtype open)."""
+        if not self.model_path:
+            return self.model_config().dtype
+        self._check_path_overrides()
+        return get_preset("tiny", **{k: v for k, v in self.model.overrides.items() if k in PATH_OVERRIDES}).dtype
 
     @property
     def data_hash(self) -> str:
@@ -513,7 +560,7 @@ class RunConfig:
         check(
             self.train.num_steps != "auto",
             "train.num_steps is auto, which the data's row count makes a number before a run starts "
-            "(RunConfig.with_versions): the data could not be prepared",
+            "(grpo_core.data.resolve.with_versions): the data could not be prepared",
         )
         return (self.train.num_steps * (epoch + 1)) // e
 
@@ -597,8 +644,6 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 def read_config(path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """The YAML file with `key=value` overrides applied: what the user gave, before the defaults
     (a deployment's parameters, so a field left out there is the default for the run's config)."""
-    import yaml
-
     data: dict[str, Any] = {}
     if path:
         p = pathlib.Path(path)

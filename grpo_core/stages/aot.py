@@ -32,6 +32,7 @@ from importlib import metadata
 from typing import Any
 
 from grpo_core.errors import ConfigError, ExitCode
+from grpo_core.store.sources import model_config
 
 _VERSIONED = ("jax", "jaxlib", "libtpu", "flax", "optax")
 
@@ -51,7 +52,7 @@ def request_for(cfg, vocab_size: int) -> dict[str, Any]:
     """The request for a run config's programs (grpo_core.config.run.RunConfig), for
     pipeline.readiness.target; `vocab_size`: the tokenizer's."""
     return {
-        "model": cfg.model_config(vocab_size=vocab_size).to_dict(),
+        "model": model_config(cfg, vocab_size=vocab_size).to_dict(),
         # num_steps (maybe still auto before the data is prepared) only sets the learning-rate
         # schedule's length: no program's shape or memory, so neither the key nor the compile sees it
         "train": cfg.train.replace(num_steps=1).to_dict(),

@@ -12,6 +12,7 @@ from grpo_core.errors import ConfigError
 from grpo_core.rewards.functions import Reward
 from grpo_core.rewards.registry import make_rewards
 from grpo_core.store.root import RunRoot
+from grpo_core.store.sources import model_config
 
 
 @dataclasses.dataclass
@@ -25,7 +26,7 @@ class RunParts:
     eval_rows: list[dict[str, Any]]
 
     def model_config(self):
-        return self.cfg.model_config(vocab_size=self.tokenizer.vocab_size)
+        return model_config(self.cfg, vocab_size=self.tokenizer.vocab_size)
 
     def create_policy(self, placement=None):
         """The starting policy: the policy model.init_from resolved to, else the checkpoint at

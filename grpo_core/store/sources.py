@@ -110,6 +110,7 @@ def _resolve(path: str, revision: str | None, weights: bool, need: _Need) -> str
 
 
 def _fetch_hub(repo_id: str, revision: str | None, weights: bool, field: str = "model.path") -> str:
+    # huggingface_hub (~0.3 s) only where a model comes from the Hub
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -198,6 +199,13 @@ def read_config(path: str, revision: str | None = None) -> dict[str, Any]:
         raise ConfigError(f"model.path {path!r}: config.json is not valid JSON: {exc}") from None
 
 
+def model_config(cfg, vocab_size: int | None = None):
+    """The run's architecture (grpo_core.config.model.ModelConfig): with model.path, from the
+    checkpoint's config.json (fetched as read_config does); else the preset's."""
+    checkpoint = read_config(cfg.model_path, cfg.model.revision) if cfg.model_path else None
+    return cfg.model_config(vocab_size, checkpoint)
+
+
 def generation_config(folder: str) -> dict[str, Any]:
     where = os.path.join(folder, "generation_config.json")
     if not os.path.exists(where):
@@ -220,7 +228,7 @@ class HFTokenizer:
     stop ids, vocab size, chat template)."""
 
     def __init__(self, folder: str, field: str = "model.tokenizer"):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy (~2 s): only an HF tokenizer needs it
 
         try:
             self.tok = AutoTokenizer.from_pretrained(folder)

@@ -24,45 +24,15 @@ import fnmatch
 import os
 import posixpath
 import re
-from typing import Any, Callable
+from typing import Callable
 
+from grpo_core.config.run import KINDS, NO_MATCH, RunConfig, StartPoint, is_template  # noqa: F401 - KINDS, StartPoint: re-exported
 from grpo_core.errors import ConfigError
 from grpo_core.store.report import checkpoint_steps, export_steps
 from grpo_core.store.root import RunRoot
+from grpo_core.store.sources import model_config
 
 _STEP = re.compile(r"^(?P<run>.+?)@(?P<step>\d+)$")
-KINDS = ("checkpoint", "export")
-
-
-@dataclasses.dataclass(frozen=True)
-class StartPoint:
-    run_url: str
-    step: int
-    kind: str  # "checkpoint" or "export"
-    train_hash: str  # the source run's, as its config.json records it
-
-    @property
-    def version(self) -> str:
-        return f"{self.run_url}@{self.step}:{self.kind}:{self.train_hash}"
-
-    @classmethod
-    def parse(cls, version: str) -> "StartPoint | None":
-        """From a recorded version; None where a pattern matched no finished run (NO_MATCH)."""
-        if version.startswith(NO_MATCH):
-            return None
-        where, kind, train_hash = version.rsplit(":", 2)
-        run_url, step = where.rsplit("@", 1)
-        if kind not in KINDS or not step.isdigit():
-            raise ConfigError(f"versions['model.init_from'] {version!r} is not '<run>@<step>:<kind>:<hash>'")
-        return cls(run_url, int(step), kind, train_hash)
-
-    @property
-    def uri(self) -> str:
-        """The folder of the policy: checkpoints/{step} or export/{step} of the run."""
-        return RunRoot(self.run_url).uri("checkpoints" if self.kind == "checkpoint" else "export", str(self.step))
-
-    def describe(self) -> dict[str, Any]:
-        return {"run": self.run_url, "step": self.step, "kind": self.kind, "uri": self.uri}
 
 
 def _is_name(ref: str) -> bool:
@@ -83,8 +53,6 @@ def policies(root: RunRoot) -> dict[int, str]:
 
 
 def _source_config(run_url: str, field: str):
-    from grpo_core.config.run import RunConfig
-
     root = RunRoot(run_url)
     if not root.exists("config.json"):
         raise ConfigError(f"{field}: {run_url} is not a run (no config.json there)")
@@ -102,8 +70,6 @@ def _finished(run_url: str) -> bool:
 def _match(cfg, pattern: str) -> tuple[str | None, list[str]]:
     """The run under storage.root that `pattern` picks (the greatest matching name that
     finished), or None, and the matching names."""
-    from grpo_core.config.run import is_template
-
     top = RunRoot(cfg.storage_url)
     own = cfg.run_name.strip("/") if cfg.run_name and not is_template(cfg.run_name) else None
     names = sorted(
@@ -117,16 +83,11 @@ def _match(cfg, pattern: str) -> tuple[str | None, list[str]]:
     return None, names
 
 
-NO_MATCH = "base:no finished run matched"  # the version of a pattern that matched nothing yet
-
-
 def resolve(cfg, warn: Callable[[str], None] | None = None) -> StartPoint | None:
     """The policy `cfg.model.init_from` names, checked against `cfg` (same architecture and
     tokenizer), or ConfigError naming the field and what is wrong. A pattern that matches no
     finished run yet (the first night of a nightly chain) is None: the run starts from the base
     model, and `warn` says so."""
-    from grpo_core.config.run import is_template
-
     ref = cfg.model.init_from.strip()
     m = _STEP.match(ref)
     ref, step = (m["run"], int(m["step"])) if m else (ref, None)
@@ -173,7 +134,7 @@ def _check_compatible(cfg, source, url: str) -> None:
             f"{field}: the run at {url} used tokenizer {source.tokenizer_id}, this config {cfg.tokenizer_id}; "
             "a policy is read with the tokenizer it was trained with"
         )
-    mine, theirs = cfg.model_config(), source.model_config()
+    mine, theirs = model_config(cfg), model_config(source)
     differ = [
         f"{f.name} {getattr(theirs, f.name)!r} there, {getattr(mine, f.name)!r} here"
         for f in dataclasses.fields(mine)

@@ -12,7 +12,7 @@ Hub repository that moved on is a new input, not yesterday's.
 
 - model.init_from: the run and step it resolves to (grpo_core.store.startpoint)
 
-The flow computes them once per invocation (RunConfig.with_versions), before it names the run:
+The flow computes them once per invocation (grpo_core.data.resolve.with_versions), before it names the run:
 they are part of the data and training hashes, recorded in config.json and the data manifest.
 """
 
