@@ -2,6 +2,7 @@
 grpo_core) never imports JAX, and grpo_core never imports Prefect. Each import runs in a fresh
 interpreter, since this test process has long imported both."""
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -78,6 +79,7 @@ def _imports_of(path: pathlib.Path) -> set[str]:
     return found
 
 
+@functools.lru_cache(maxsize=1)  # one parse of the tree for every layer test
 def _package_edges() -> dict[str, set[str]]:
     """grpo_core's sub-package -> the sub-packages it imports from (itself left out)."""
     edges: dict[str, set[str]] = {}
@@ -114,3 +116,37 @@ def test_the_engines_never_import_the_trainer():
         if any(n.startswith("grpo_core.rl.trainer") for n in _imports_of(p))
     ]
     assert not offenders, offenders
+
+
+def test_config_is_data():
+    """config/ imports only config/ and grpo_core.errors: what resolves sources, start points,
+    versions and row counts lives above it (grpo_core.store, grpo_core.data.resolve)."""
+    reached = _package_edges().get("config", set())
+    assert not reached, f"grpo_core.config imports from {sorted(reached)}"
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One circle of packages in `edges` (its first package repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+
+    def walk(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := walk(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := walk(start, [start])):
+            return found
+    return None
+
+
+def test_no_circle_between_packages():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself finds one
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}}) is None
+    circle = _cycle(_package_edges())
+    assert circle is None, f"grpo_core's packages import in a circle: {' -> '.join(circle)}"

@@ -5,7 +5,7 @@
     engine.sync(params, step)  # after each optimizer step: the engine serves the new policy
     engine.close()
 
-- `jax` (JaxEngine, the default): grpo_core.rl.sampler in the learner's own process and devices;
+- `jax` (JaxEngine, the default): grpo_core.generate.sampler in the learner's own process and devices;
   works on any backend and on multi-host slices.
 - `sglang` (SglangEngine): sglang-jax in the same process, single host. Its model is built
   from the policy's config with dummy weights; every sync assigns the policy's weights to the
@@ -36,8 +36,10 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
+from grpo_core.config.train import RolloutEngineKind
+from grpo_core.engines.jax_engine import JaxEngine  # the built-in engine: it imports nothing from here
 from grpo_core.errors import ExitCode, RolloutError, RolloutTimeout
-from grpo_core.rl.types import Completions  # the rows every engine returns, as the built-in sampler does
+from grpo_core.generate.types import Completions  # the rows every engine returns, as the built-in sampler does
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +168,12 @@ def make_engine(
     """The engine `cfg` (a RolloutConfig) names. params_fn returns the policy's current params
     (the built-in engine reads them at each call; the others are sent them by `sync`).
     `placement` (grpo_core.runtime.mesh): the built-in engine's rollout mesh."""
-    from grpo_core.config.train import RolloutEngineKind
-
     if cfg.engine is RolloutEngineKind.JAX:
-        from grpo_core.engines.jax_engine import JaxEngine
-
         return JaxEngine(graphdef, params_fn, opts, placement)
     if cfg.engine is RolloutEngineKind.SGLANG:
-        from grpo_core.engines.sglang import SglangEngine
+        from grpo_core.engines.sglang import SglangEngine  # a cycle: sglang imports this package's base types
 
         return SglangEngine(cfg, model_config, opts, batch_size, seed=seed)
-    from grpo_core.engines.http import HttpEngine
+    from grpo_core.engines.http import HttpEngine  # a cycle, as sglang
 
     return HttpEngine(cfg, graphdef, model_config, opts, batch_size, tokenizer=tokenizer, seed=seed)

@@ -1,4 +1,4 @@
-"""The built-in engine: grpo_core.rl.sampler on the learner's own parameters and devices.
+"""The built-in engine: grpo_core.generate.sampler on the learner's own parameters and devices.
 
 Nothing to sync: each call reads the current parameters through `params_fn`, so the compiled
 prefill/decode programs see every update (and no second copy of the weights exists). This is
@@ -10,8 +10,8 @@ completions come back whole to every process.
 
 from __future__ import annotations
 
-from grpo_core.rl.sampler import SamplerOptions, compile_jobs, generate
-from grpo_core.rl.types import Completions
+from grpo_core.generate.sampler import SamplerOptions, compile_jobs, generate
+from grpo_core.generate.types import Completions
 from grpo_core.runtime.mesh import to_host
 
 

@@ -1,8 +1,8 @@
 """The records passed between the sampler, the rollout engines, the trainer and the learner.
 
 NamedTuples: pytrees as they stand (jax.jit, jax.tree.map, device_get and the mesh's put_batch
-take them whole) and importable without JAX, so grpo_core.engines (which the Prefect side
-imports) can name them too. Build them with keywords: the fields are many and alike.
+take them whole) and importable without JAX. Build them with keywords: the fields are many and
+alike. Completions, what a rollout draws, lives with the sampler (grpo_core.generate.types).
 
 Shapes: P prompts, each with G completions (B = P * G rows; rows i*G .. i*G+G-1 follow prompt
 i), Tp prompt tokens (left-padded), N completion tokens.
@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, TypedDict
 
-
-class Completions(NamedTuple):
-    """The rows a rollout draws: what the built-in sampler and every rollout engine return.
-    Device arrays from grpo_core.rl.sampler.generate (until the caller reads them), numpy from
-    a RolloutEngine."""
-
-    tokens: Any  # (B, N) int32 sampled ids, pad after the stop token
-    logprobs: Any  # (B, N) float32 log-prob of each token under softmax(logits / T), 0 after the end
-    lengths: Any  # (B,) int32 tokens up to and including the stop token
-    truncated: Any  # (B,) bool: no stop token within N
+from grpo_core.generate.types import Completions  # noqa: F401 - the rows a rollout draws; re-exported
 
 
 class Batch(NamedTuple):

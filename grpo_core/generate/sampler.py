@@ -1,0 +1,310 @@
+"""Batched sampling: one jitted prefill and one jitted decode loop over a preallocated KV cache.
+
+Graph and state are kept apart at the jit boundary: the jitted functions take the model's
+parameters as an `nnx.State` and rebuild the module inside the trace, so a new set of weights
+(each training step) reuses the compiled program. Prompts are left-padded to a bucket length
+(`SamplingConfig.prompt_buckets`): one program per bucket, never one per batch.
+
+Each of the `num_prompts` prompts is prefilled once and its cache repeated for its G samples,
+so prompt compute does not grow with the group size. The decode loop is a `lax.while_loop`
+that stops as soon as every row has hit EOS; the KV cache is donated to it so XLA updates the
+cache in place instead of copying (B, S, K, D) per layer each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from grpo_core.config.train import SamplingConfig
+from grpo_core.errors import ConfigError
+from grpo_core.generate.types import Completions
+from grpo_core.nn.model import CausalLM, causal_inputs, constrain_kv_cache, init_kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOptions:
+    """The static part of sampling (a change recompiles)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+    @classmethod
+    def from_config(cls, cfg: SamplingConfig, eos_ids: Sequence[int], pad_id: int, **overrides):
+        opts = cls(
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_k,
+            cfg.top_p,
+            () if cfg.ignore_eos else tuple(int(e) for e in eos_ids),
+            int(pad_id),
+        )
+        return dataclasses.replace(opts, **overrides)
+
+
+class DecodeState(NamedTuple):
+    """The decode loop's state over B rows, beside the KV cache (prefill makes it, decode runs it)."""
+
+    tokens: jax.Array  # (B, N) int32: the ids so far, pad beyond
+    logprobs: jax.Array  # (B, N) float32: their log-probs, 0 beyond
+    done: jax.Array  # (B,) bool: the row has emitted a stop token
+    lengths: jax.Array  # (B,) int32: tokens so far, up to and including the stop token
+    key_valid: jax.Array  # (B, Tp + N) bool: the cache slots attended to
+    next_pos: jax.Array  # (B,) int32: the RoPE position of completion token 0
+    t: jax.Array  # int32: the index of the next token to draw
+
+
+def bucket_length(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ConfigError(
+        f"a prompt of {n} tokens is longer than the largest sampling.prompt_buckets entry "
+        f"({buckets[-1]}); shorten prompts or add a bucket"
+    )
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token lists to the smallest bucket holding the longest. -> (tokens, valid) (P, Tp)."""
+    longest = max(len(p) for p in prompts)
+    if longest == 0:
+        raise ConfigError("an empty prompt (0 tokens) cannot be sampled from")
+    tp = bucket_length(longest, buckets)
+    tokens = np.full((len(prompts), tp), pad_id, np.int32)
+    valid = np.zeros((len(prompts), tp), bool)
+    for i, p in enumerate(prompts):
+        if len(p):
+            tokens[i, tp - len(p) :] = p
+            valid[i, tp - len(p) :] = True
+    return tokens, valid
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, opts: SamplerOptions) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row. logits: (B, V) f32. -> (ids (B,), logprob (B,)).
+
+    The returned log-prob is under softmax(logits / T) before top-k/top-p filtering: the same
+    distribution the learner scores, so the ratio pi_theta / pi_old starts at 1.
+    """
+    t = opts.temperature if opts.temperature > 0 else 1.0
+    logp_all = jax.nn.log_softmax(logits / t, axis=-1)
+    if opts.temperature == 0:
+        ids = jnp.argmax(logits, axis=-1)
+    else:
+        ids = _sample_filtered(logp_all, key, opts.top_k, opts.top_p)
+    logp = jnp.take_along_axis(logp_all, ids[:, None], axis=-1)[:, 0]
+    return ids.astype(jnp.int32), logp
+
+
+def _inverse_cdf(probs: jax.Array, key: jax.Array) -> jax.Array:
+    """One uniform per row against the cumulative probabilities: (B, V) -> (B,) indices.
+
+    Cheaper than Gumbel-max (B uniforms instead of B*V) in a decode loop that draws every step.
+    """
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.random.uniform(key, (probs.shape[0], 1), probs.dtype) * cdf[:, -1:]
+    return jnp.minimum(jnp.sum(cdf <= u, axis=-1), probs.shape[-1] - 1)
+
+
+def _sample_filtered(logp: jax.Array, key: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    if top_k == 0 and top_p >= 1.0:
+        return _inverse_cdf(jnp.exp(logp), key)
+    # Work on the top candidates only: top-k first (cheap), then the nucleus within them.
+    k = top_k if top_k > 0 else logp.shape[-1]
+    vals, idx = jax.lax.top_k(logp, k)  # (B, k), sorted descending
+    probs = jnp.exp(vals)
+    if top_p < 1.0:
+        norm = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        before = jnp.cumsum(norm, axis=-1) - norm  # mass of strictly more likely candidates
+        probs = jnp.where(before < top_p, probs, 0.0)  # the first candidate always stays
+    choice = _inverse_cdf(probs, key)
+    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+
+
+def step_key(seed: int, step: int, round_: int = 0) -> jax.Array:
+    """The PRNG key of training step `step`: a function of (seed, step), never reused."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), round_)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opts", "num_samples", "mesh"))
+def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: SamplerOptions, num_samples: int, mesh=None):
+    """Run the prompts once, fill the cache, draw every row's first token.
+
+    prompt_tokens/valid: (P, Tp). Returns the cache and a loop state for `decode` with
+    B = P * num_samples rows.
+    `mesh`: lay the KV cache out over it (runtime.mesh.KV_CACHE_AXES); decode keeps that layout.
+    """
+    model: CausalLM = nnx.merge(graphdef, params)
+    p, tp = prompt_tokens.shape
+    slots = tp + opts.max_new_tokens
+    positions, mask = causal_inputs(prompt_valid)
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, slots - tp)))  # (P, Tp, S)
+    cache = init_kv_cache(model.config, p, slots, mesh)
+    h, cache = model.hidden_states(prompt_tokens, positions, mask, cache, 0)
+    logits = model.logits(h[:, -1:])[:, 0]  # (P, V): left padding puts every prompt's end last
+
+    # Repeat each prompt's cache for its G samples: rows i*G .. i*G+G-1 belong to prompt i.
+    rep = lambda x: jnp.repeat(x, num_samples, axis=0)
+    cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, S, K, D)
+    if mesh is not None:
+        cache = constrain_kv_cache(cache, mesh)
+    logits, prompt_valid = rep(logits), rep(prompt_valid)
+    b = p * num_samples
+    first, first_lp = sample_logits(logits, jax.random.fold_in(key, 0), opts)
+    tokens = jnp.full((b, opts.max_new_tokens), opts.pad_id, jnp.int32).at[:, 0].set(first)
+    logprobs = jnp.zeros((b, opts.max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
+    done = _is_eos(first, opts.eos_ids)
+    lengths = jnp.ones((b,), jnp.int32)
+    key_valid = jnp.concatenate([prompt_valid, jnp.zeros((b, opts.max_new_tokens), bool)], axis=1)
+    next_pos = jnp.sum(prompt_valid, axis=1).astype(jnp.int32)  # (B,) RoPE position of token 0
+    state = DecodeState(
+        tokens=tokens,
+        logprobs=logprobs,
+        done=done,
+        lengths=lengths,
+        key_valid=key_valid,
+        next_pos=next_pos,
+        t=jnp.int32(1),
+    )
+    return cache, state
+
+
+def _is_eos(ids, eos_ids):
+    if not eos_ids:
+        return jnp.zeros(ids.shape, bool)
+    return jnp.isin(ids, jnp.asarray(eos_ids, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "opts", "prompt_len"), donate_argnums=(2,))
+def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOptions, prompt_len: int):
+    """Generate tokens 1..N-1 in one compiled loop. The cache (argument 2) is donated.
+    -> (the cache, the rows' Completions)."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    n = opts.max_new_tokens
+
+    def cond(carry):
+        _, s = carry
+        return (s.t < n) & ~jnp.all(s.done)
+
+    def body(carry):
+        cache, s = carry
+        t = s.t
+        slot = prompt_len + t - 1  # the cache slot of the previous token, fed now
+        prev = jax.lax.dynamic_slice_in_dim(s.tokens, t - 1, 1, axis=1)  # (B, 1)
+        key_valid = jax.lax.dynamic_update_slice_in_dim(s.key_valid, jnp.ones((prev.shape[0], 1), bool), slot, 1)
+        pos = (s.next_pos + t - 1)[:, None]  # (B, 1)
+        h, cache = model.hidden_states(prev, pos, key_valid[:, None, :], cache, slot)
+        ids, lp = sample_logits(model.logits(h)[:, 0], jax.random.fold_in(key, t), opts)
+        live = ~s.done
+        ids = jnp.where(live, ids, opts.pad_id)
+        lp = jnp.where(live, lp, 0.0)
+        s = s._replace(
+            t=t + 1,
+            key_valid=key_valid,
+            tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, ids[:, None], t, 1),
+            logprobs=jax.lax.dynamic_update_slice_in_dim(s.logprobs, lp[:, None], t, 1),
+            lengths=s.lengths + live.astype(jnp.int32),
+            done=s.done | _is_eos(ids, opts.eos_ids),
+        )
+        return cache, s
+
+    # The cache is returned (and dropped by the caller) so the donated input buffer can alias
+    # an output: XLA then updates it in place instead of copying it into the loop.
+    cache, s = jax.lax.while_loop(cond, body, (cache, state))
+    return cache, Completions(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, truncated=~s.done)
+
+
+def generate(
+    model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int = 1, mesh=None
+) -> Completions:
+    """Sample `num_samples` completions for each left-padded prompt: B = P * num_samples rows,
+    rows i*G .. i*G+G-1 following prompt i, as device arrays. No host sync inside.
+    `mesh`: the rollout's (grpo_core.runtime.mesh), over which the KV cache is laid out."""
+    graphdef = model_or_graphdef
+    if isinstance(model_or_graphdef, nnx.Module):
+        graphdef, params = nnx.split(model_or_graphdef)
+    cache, state = prefill(
+        graphdef,
+        params,
+        jnp.asarray(prompt_tokens),
+        jnp.asarray(prompt_valid),
+        key,
+        opts=opts,
+        num_samples=num_samples,
+        mesh=mesh,
+    )
+    _, out = decode(graphdef, params, cache, state, key, opts=opts, prompt_len=int(prompt_tokens.shape[1]))
+    return out
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """The ids that end a completion: the tokenizer's `stop_ids` (an HF model's generation config
+    may list several, e.g. <|im_end|> and <|endoftext|>), else its EOS."""
+    ids = getattr(tokenizer, "stop_ids", None)
+    return [int(i) for i in ids] if ids else [int(tokenizer.eos_token_id)]
+
+
+def completion_texts(tokenizer, tokens: np.ndarray, lengths: np.ndarray, eos_ids, rows: int | None = None) -> list[str]:
+    """Decode host completions up to their length, without the closing EOS."""
+    out = []
+    for i in range(len(tokens) if rows is None else rows):
+        ids = list(tokens[i, : lengths[i]])
+        if ids and ids[-1] in eos_ids:
+            ids = ids[:-1]
+        out.append(tokenizer.decode(ids))
+    return out
+
+
+def completion_ids(tokens: np.ndarray, lengths: np.ndarray, rows: int | None = None) -> list[list[int]]:
+    """Host completions' token ids up to their length (the closing EOS included, as TRL passes
+    completion_ids to reward functions)."""
+    return [[int(t) for t in tokens[i, : lengths[i]]] for i in range(len(tokens) if rows is None else rows)]
+
+
+def spec_of(tree):
+    """Shapes, dtypes and mesh layouts of a pytree of arrays, for ahead-of-time compilation: a
+    program compiled for these is the one a call with the arrays themselves finds in the cache."""
+
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(
+            np.shape(x), x.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else None
+        )
+
+    return jax.tree.map(one, tree)
+
+
+def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int, mesh=None):
+    """Callables that compile prefill and decode for this prompt shape (run them in threads):
+    XLA compiles with the GIL released, so on a cold start they overlap each other and the
+    learner's compilation instead of running one after another."""
+    p_spec, t_spec, v_spec, k_spec = spec_of((params, prompt_tokens, prompt_valid, key))
+    kw = dict(opts=opts, num_samples=num_samples, mesh=mesh)
+    cache, state = jax.eval_shape(
+        lambda p, t, v, k: prefill(graphdef, p, t, v, k, **kw), p_spec, t_spec, v_spec, k_spec
+    )
+    compile_decode = lambda cache, state: decode.lower(
+        graphdef, p_spec, cache, state, k_spec, opts=opts, prompt_len=int(prompt_tokens.shape[1])
+    ).compile()
+    if mesh is None:
+        return [
+            lambda: prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile(),
+            lambda: compile_decode(cache, state),
+        ]
+
+    def both():  # on a mesh, decode takes prefill's outputs in the layouts prefill's program gives them
+        out = prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile().output_shardings
+        laid = lambda spec, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), spec, sh)
+        compile_decode(laid(cache, out[0]), laid(state, out[1]))
+
+    return [both]
