@@ -12,6 +12,7 @@ from grpo_core.config.run import DEFAULT
 from grpo_core.config.train import TrainConfig
 from grpo_core.data.synthetic import CharTokenizer, ReverseTask, char_match, exact_match
 from grpo_core.errors import ConfigError
+from grpo_core.nn import lora
 from grpo_core.nn.model import CausalLM, create_model
 from grpo_core.rewards.functions import Reward
 
@@ -54,8 +55,6 @@ def build_synthetic(cfg: dict[str, Any]) -> SyntheticRun:
     n_eval = int(cfg.get("eval_rows", 128))
     model = create_model(mc, seed)
     if lora_cfg:
-        from grpo_core.nn import lora
-
         lora.apply(model, lora.LoraConfig.from_value(lora_cfg), seed)
     return SyntheticRun(
         model=model,

@@ -19,6 +19,8 @@ import types
 import typing
 from typing import Any, ClassVar
 
+import yaml
+
 from grpo_core.errors import ConfigError
 
 MISSING = dataclasses.MISSING
@@ -228,8 +230,6 @@ def section(cls=None, *, path: str = ""):
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy."""
-    import yaml
-
     out = copy.deepcopy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")

@@ -26,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import resource
+import sys
 from typing import Any
 
 from grpo_core.config.chunks import CHUNK_BUFFERS, num_chunks
 from grpo_core.config.model import DType, ModelConfig, num_adapter_params
 from grpo_core.config.train import RematPolicy, TrainConfig
+from grpo_core.errors import ConfigError
 
 GiB = 2**30
 _BYTES = {DType.FLOAT32: 4, DType.BFLOAT16: 2}
@@ -354,8 +357,6 @@ def plan_on(
     """`plan` for the devices `device_facts` (or the readiness report) describes: on CPU the run
     counts once against the host (its devices share the memory), elsewhere per device as
     train.mesh splits it. `lora`: a grpo_core.nn.lora.LoraConfig (only the adapters train)."""
-    from grpo_core.errors import ConfigError
-
     trainable = None
     if lora is not None:
         trainable = num_adapter_params(model, lora)
@@ -395,15 +396,11 @@ def peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_bytes() -> dict[str, int]:
     """This process's peak resident set, and on accelerators the first device's peak use."""
-    import sys
-
     out = {"peak_rss_bytes": peak_rss_bytes()}
     jax = sys.modules.get("jax")
     if jax is not None:
@@ -462,7 +459,7 @@ def rss_bytes() -> int:
 def device_facts(jax_module=None) -> dict[str, Any]:
     """backend, bytes per device (CPU: the host's, shared by every CPU device), and the runtime
     term (CPU: this process's RSS before the run's arrays exist)."""
-    import jax
+    import jax  # only the worker and readiness processes call this: the plan itself is JAX-free
 
     devices = jax.devices()
     backend = devices[0].platform

@@ -10,9 +10,12 @@ when a hub source needs it: it is slow to import).
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import logging
+import math
+import os
 import posixpath
 from typing import Any
 
@@ -39,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def _read_file(url: str) -> list[dict[str, Any]]:
-    import pandas as pd
+    import pandas as pd  # heavy (~0.5 s): only a file source needs it
 
     try:
         fs, path = filesystem(url)  # a file rewritten since this process last looked is read whole
@@ -81,7 +84,7 @@ def _read_file(url: str) -> list[dict[str, Any]]:
 
 def _read_hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     """A Hugging Face dataset id (or a local dataset folder) through `datasets`."""
-    import datasets
+    import datasets  # slow to import (see the module docstring): only a Hub source needs it
 
     where = f"dataset {cfg.source!r}" + (f" subset {cfg.subset!r}" if cfg.subset else "")
     try:
@@ -107,8 +110,6 @@ def _read_hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 
 
 def _is_saved_dataset(source: str) -> bool:
-    import os
-
     return os.path.isdir(source) and any(
         os.path.exists(os.path.join(source, n)) for n in ("dataset_info.json", "state.json", "dataset_dict.json")
     )
@@ -118,9 +119,6 @@ def _is_saved_dataset(source: str) -> bool:
 
 
 def _jsonable(v: Any) -> Any:
-    import datetime
-    import math
-
     if isinstance(v, np.generic):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
@@ -288,8 +286,6 @@ def _load_rows(cfg: DataConfig) -> tuple[list[dict], list[dict] | None, str]:
         return _read_file(cfg.source), _read_file(cfg.eval_source), cfg.source
     if cfg.is_file:
         return _read_file(cfg.source), None, cfg.source
-    import os
-
     if "://" in cfg.source or os.path.isfile(cfg.source):
         raise DataError(
             f"data.source {cfg.source}: unsupported file type; use .jsonl, .json, .parquet or .csv "

@@ -66,7 +66,7 @@ class CharTokenizer:
     def save_pretrained(self, folder: str) -> None:
         """The same tokenizer as Hugging Face files (a WordLevel model over single characters),
         so an exported model loads with AutoTokenizer and encodes text to the same ids."""
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy: only an export needs them
         from transformers import PreTrainedTokenizerFast
 
         tk = Tokenizer(models.WordLevel(dict(self.stoi), unk_token=None))

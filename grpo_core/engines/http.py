@@ -353,7 +353,7 @@ class HttpEngine:
     def _decodings(self) -> dict[str, list[int]]:
         """Each token id's text as the server's tokenizer decodes it alone (special tokens kept)."""
         if self._texts is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # heavy: only an engine with a server tokenizer needs it
 
             tok = AutoTokenizer.from_pretrained(self.folder)
             texts: dict[str, list[int]] = {}

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_core.config.model import hf_config
 from grpo_core.engines import (
     Completions,
     RolloutError,
@@ -207,8 +209,6 @@ def sglang_jax_args(
 
 def write_model_folder(model_config, dtype: str) -> str:
     """A folder holding only config.json: enough for sglang-jax to build the model with dummy weights."""
-    from grpo_core.config.model import hf_config
-
     folder = tempfile.mkdtemp(prefix="grpo-sglang-model-")
     cfg = dict(hf_config(model_config), torch_dtype=dtype, dtype=dtype)
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -222,10 +222,8 @@ class SglangEngine:
     def __init__(self, cfg, model_config, opts, batch_size: int, seed: int = 0):
 
         try:
-            from sgl_jax.srt.entrypoints.engine import Engine
+            from sgl_jax.srt.entrypoints.engine import Engine  # optional: only .venv-sglang has it
         except ImportError as exc:
-            import sys
-
             raise RolloutError(
                 f"train.rollout.engine=sglang needs sglang-jax, which {sys.executable} cannot import "
                 f"({exc}): start the training worker with the .venv-sglang interpreter (make "

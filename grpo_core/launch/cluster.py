@@ -30,6 +30,8 @@ import logging
 import os
 from typing import Any, Mapping
 
+import numpy as np
+
 from grpo_core.errors import DistributedError
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ def initialize(cluster: Cluster | None) -> None:
     (without them a CPU program spanning processes has no way to communicate)."""
     if cluster is None:
         return
-    import jax
+    import jax  # launch/ is JAX-free: only worker processes call this
 
     platforms = (os.environ.get("JAX_PLATFORMS") or str(jax.config.jax_platforms or "")).lower()
     if platforms.split(",")[0] == "cpu" and "jax_cpu_collectives_implementation" in jax.config.values:
@@ -128,7 +130,7 @@ def initialize(cluster: Cluster | None) -> None:
 
 
 def process_index() -> int:
-    import jax
+    import jax  # launch/ is JAX-free: only worker processes call this
 
     return jax.process_index()
 
@@ -146,12 +148,11 @@ def digest(value: Any) -> str:
 def disagreements(values: Mapping[str, str]) -> dict[str, list[int]]:
     """For each named value, the processes whose value differs from process 0's ({} when all
     agree); one collective. Every process must call it with the same names."""
-    import jax
-    import numpy as np
+    import jax  # launch/ is JAX-free: only worker processes call this
 
     if jax.process_count() == 1:
         return {}
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # JAX, as above
 
     names = sorted(values)
     mine = np.stack([np.frombuffer(hashlib.sha256(str(values[n]).encode()).digest(), np.uint8) for n in names])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import dataclasses
 import json
 import math
@@ -34,6 +35,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from typing import Any, Sequence
 
@@ -194,8 +196,6 @@ def _die_with_parent():
     """A preexec_fn that makes the worker get SIGKILL when the Ray task that started it dies
     (Linux; None elsewhere). libc is loaded here, in the parent: the child only calls prctl."""
     try:
-        import ctypes
-
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         return None
@@ -205,8 +205,6 @@ def _die_with_parent():
 def _host_task(index: int, count: int, coordinator: str, module_args: list[str], env: dict[str, str], lines=None):
     """One host's share (a Ray task): run the worker as process `index` of `count`; process 0's
     stdout lines go to `lines` (a ray.util.queue.Queue). Returns (exit code, stderr tail)."""
-    import threading
-
     full = {
         **os.environ,
         **env,
@@ -235,7 +233,7 @@ def _host_task(index: int, count: int, coordinator: str, module_args: list[str],
 
 
 def _node_ip() -> str:
-    import ray
+    import ray  # optional (the ray extra): only the ray launcher needs it
 
     return ray.util.get_node_ip_address()
 
@@ -297,7 +295,7 @@ def ray_main(argv: Sequence[str]) -> int:
     init_kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if args.address == "local":
         init_kw.update(_own_local_instance(args.hosts, resources))
-    import ray
+    import ray  # optional (the ray extra)
 
     ray.init(address=args.address, **init_kw)
     try:  # however _drive ends (an error too): no task left running; address local: the instance stopped
@@ -307,7 +305,7 @@ def ray_main(argv: Sequence[str]) -> int:
 
 
 def _drive(args: argparse.Namespace, module_args: list[str], env: dict[str, str], resources: dict[str, Any]) -> int:
-    import ray
+    import ray  # optional (the ray extra)
     from ray.util.placement_group import placement_group
     from ray.util.queue import Empty, Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -194,7 +194,7 @@ def is_correct(answer: str | None, ground_truth: Any) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _parse(s: str) -> tuple:
     """math-verify's parse of one answer, timeouts off (this runs in worker threads)."""
-    import math_verify
+    import math_verify  # heavy (sympy, latex2sympy): only a run with the math rewards loads it
 
     return tuple(math_verify.parse(f"${s}$", parsing_timeout=None))
 
@@ -203,7 +203,7 @@ def _verify(gold: str, answer: str) -> bool:
     g, a = _parse(gold), _parse(answer)
     if not g or not a or not (_tame(g) and _tame(a)):
         return False
-    import math_verify
+    import math_verify  # heavy, as in _parse
 
     return bool(math_verify.verify(list(g), list(a), timeout_seconds=None))
 
@@ -213,7 +213,7 @@ def _tame(parsed: Sequence[Any]) -> bool:
     power with more than _MAX_DIGITS digits, a symbolic power above _MAX_SYMBOLIC_POWER, or a
     factorial/binomial/gamma of more than _MAX_DIGITS. Nodes are checked innermost first, so
     evaluating an exponent to check it is itself cheap."""
-    import sympy
+    import sympy  # heavy, as math_verify
 
     combinatorial = (
         sympy.factorial,

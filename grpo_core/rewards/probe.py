@@ -21,6 +21,7 @@ import numpy as np
 
 from grpo_core.config.run import RunConfig
 from grpo_core.data.formats import REFERENCE_COLUMNS
+from grpo_core.data.prepare import load_prepared
 from grpo_core.errors import ConfigError, DataError, RewardFunctionError, RewardTimeout
 from grpo_core.rewards.functions import (
     PASSED_TO_REWARDS,
@@ -30,6 +31,7 @@ from grpo_core.rewards.functions import (
     reward_inputs,
     score,
 )
+from grpo_core.rewards.registry import config_rewards
 
 SAMPLE_ROWS = 32  # rows each reward is tried on, spread over the split
 # Where a row's reference answer may be, in order: the math formats' ground_truth, then the
@@ -236,9 +238,6 @@ def check_coverage(
 def check_prepared(cfg: RunConfig, root, skip_missing: bool = False) -> list[Coverage]:
     """check_coverage on the run's prepared data (data/{hash}/ of `root`, a RunRoot) with the
     config's rewards (those not found here skipped when `skip_missing`: see make_rewards)."""
-    from grpo_core.data.prepare import load_prepared
-    from grpo_core.rewards.registry import config_rewards
-
     stage = f"data/{cfg.data_hash}"
     manifest = root.done_info(stage) if root.is_done(stage) else {}
     train_rows, eval_rows = load_prepared(root, cfg.data_hash)

@@ -3,18 +3,19 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from grpo_core.config.run import RewardSpec, RunConfig
+from grpo_core.data.synthetic import char_match, exact_match
 from grpo_core.errors import ConfigError
-from grpo_core.rewards.functions import Reward, RewardFn, load_reward
+from grpo_core.rewards import math_answer as math_rewards
+from grpo_core.rewards.functions import Reward, RewardFn, load_reward, soft_overlong
 
 
 def builtin_rewards() -> dict[str, RewardFn]:
     """Reward functions usable by name in a config: the synthetic task's, and the math ones
     (math_answer, think_format, integer_answer) that read data.format's ground_truth column."""
-    from grpo_core.data.synthetic import char_match, exact_match
-    from grpo_core.rewards import math_answer as math_rewards
-    from grpo_core.rewards.functions import soft_overlong
-
     return {
         "char_match": char_match,
         "exact_match": exact_match,
@@ -60,9 +61,6 @@ def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_mis
 def _with_params(fn: RewardFn, params: dict, where: str, name: str) -> RewardFn:
     """fn with `params` bound as keywords, checked against its signature now (ConfigError naming
     `where`): a keyword it does not take, or a required one left out."""
-    import functools
-    import inspect
-
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):

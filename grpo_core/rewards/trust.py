@@ -34,7 +34,9 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+from grpo_core.config.run import RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.rewards.registry import builtin_rewards
 
 ENV_PATHS = "GRPO_REWARD_PATHS"
 ENV_MODULES = "GRPO_REWARD_MODULES"
@@ -103,8 +105,6 @@ class TrustPolicy:
 
     def reward_refusal(self, spec: str, cwd: str | None = None) -> str | None:
         """Why `spec` (a reward's `function`) may not run for a deployment, or None if it may."""
-        from grpo_core.rewards.registry import builtin_rewards
-
         if spec in builtin_rewards():
             return None
         if ":" not in spec:
@@ -146,8 +146,6 @@ class TrustPolicy:
                         "A config from the API or the UI may name the built-in rewards and the reward files "
                         "and modules the operator allowed; " + HOW_TO_ALLOW.format(paths=ENV_PATHS, modules=ENV_MODULES)
                     )
-        from grpo_core.config.run import RunConfig
-
         default = RunConfig.from_dict({})
         for field in PROGRAM_FIELDS:
             if field not in self.fields and _get(cfg, field) != _get(default, field):

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from grpo_core.config.memory import is_out_of_memory
 from grpo_core.errors import LastingStorageError, StorageError
@@ -337,8 +338,6 @@ class Checkpointer:
                     f"as {target}: {_first_line(exc)}"
                 ) from exc
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"grpo-set-aside-{step}")
         self._mngr.reload()  # forget the step: a later save of the same number starts afresh
         return target
@@ -382,7 +381,6 @@ def _failed_processes(failed: bool) -> list[int]:
     the only one; otherwise every process's answer, so they all take the same branch."""
     if jax.process_count() == 1:
         return [0] if failed else []
-    from jax.experimental import multihost_utils
 
     every = np.asarray(multihost_utils.process_allgather(np.asarray([int(failed)], np.int32)))
     return [int(i) for i in np.flatnonzero(every.reshape(-1))]

@@ -46,7 +46,7 @@ def make_mesh(shape: MeshShape, devices: Sequence | None = None, field: str = "t
     devices = list(jax.devices() if devices is None else devices)
     sizes = shape.sizes(len(devices), field)
     try:
-        from jax.sharding import AxisType
+        from jax.sharding import AxisType  # newer JAX only (below: the fallback)
 
         kw: dict[str, Any] = {"axis_types": (AxisType.Auto,) * len(MESH_AXES)}
     except ImportError:  # older jax: every axis is Auto

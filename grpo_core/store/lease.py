@@ -164,7 +164,7 @@ class _LocalBackend:
         os.makedirs(self.folder, exist_ok=True)
         fd = os.open(self.folder, os.O_RDONLY)
         try:
-            import fcntl
+            import fcntl  # POSIX only: the lease module itself imports anywhere
 
             fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: threads of one process exclude each other too
             yield

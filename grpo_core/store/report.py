@@ -7,6 +7,7 @@ import io
 import math
 from typing import Any
 
+from grpo_core.config.run import StartPoint
 from grpo_core.store.root import RunRoot
 
 SUMMARY_KEYS = (
@@ -143,8 +144,6 @@ def started_from(root: RunRoot) -> dict[str, Any] | None:
     )
     if not version:
         return None
-    from grpo_core.store.startpoint import StartPoint
-
     start = StartPoint.parse(version)
     return None if start is None else start.describe()
 
@@ -154,7 +153,7 @@ def plot_curve(root: RunRoot) -> bytes | None:
     metrics, evals = root.read_metrics(), eval_results(root)
     if not metrics and not evals:
         return None
-    import matplotlib
+    import matplotlib  # heavy (~1 s): only the summary's curve needs it
 
     matplotlib.use("Agg")  # no display: render to bytes
     import matplotlib.pyplot as plt

@@ -19,6 +19,7 @@ import os
 import posixpath
 import re
 import socket
+import time
 import urllib.parse
 import uuid
 from typing import Any
@@ -326,8 +327,6 @@ def remove_stale_temp(root: RunRoot, older_than_s: float = 600.0) -> list[str]:
     own a newer one); the paths deleted. Object stores have none: an upload appears whole or not."""
     if not root.is_local or not os.path.isdir(root.path):
         return []
-    import time
-
     removed, now = [], time.time()
     for folder, _, files in os.walk(root.path):
         for name in files:

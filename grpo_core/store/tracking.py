@@ -45,6 +45,7 @@ class _TensorBoard:
     its own file, rewritten whole at each flush (an object store has no append)."""
 
     def __init__(self, root: RunRoot, state: dict[str, Any], name: str, project: str):
+        # the trackers are optional extras (tensorboard, wandb, mlflow): imported only when named
         from tensorboard.compat.proto import event_pb2  # noqa: F401 - fails here when not installed
 
         self.root = root
@@ -78,7 +79,7 @@ class _TensorBoard:
 
 class _WandB:
     def __init__(self, root: RunRoot, state: dict[str, Any], name: str, project: str):
-        import wandb
+        import wandb  # optional, as tensorboard
 
         state.setdefault("id", uuid.uuid4().hex[:12])  # a W&B run id: the same run on every resume
         self.run = wandb.init(
@@ -102,7 +103,7 @@ class _WandB:
 
 class _MLflow:
     def __init__(self, root: RunRoot, state: dict[str, Any], name: str, project: str):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # optional, as tensorboard
 
         self.client = MlflowClient()  # MLFLOW_TRACKING_URI, else ./mlruns
         if "run_id" not in state:
