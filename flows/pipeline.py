@@ -23,6 +23,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 
+from flows.logs import attach as _attach_log_filter
 from flows.params import RunParams
 from grpo_core.config.run import RunConfig
 from grpo_core.data.resolve import with_versions
@@ -44,6 +45,8 @@ from tasks.stages import (
     retryable,
     train_epoch,
 )
+
+_attach_log_filter()  # Prefect's "Finished in state Running()" after a cancel reads "Finished: cancelled"
 
 
 @task(name="summarize", cache_policy=NO_CACHE)

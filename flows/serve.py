@@ -18,6 +18,7 @@ run into GRPO_PROJECT_DIR, or fails the run with a message saying what to set.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -129,6 +130,12 @@ def serve(
 
     token = owner_token()
     deployments = build_deployments(parameters, cron, interval, version=token)
+    from flows.logs import quiet_logging_config
+
+    # the flow-run processes this runner starts log through Prefect's config plus flows.logs' filter
+    logging_config = quiet_logging_config()
+    if logging_config:
+        os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = logging_config
     if threading.current_thread() is threading.main_thread():
         # until Prefect's runner installs its own handler (after registering the deployments), a
         # SIGTERM would end this process without the pausing below
@@ -153,6 +160,9 @@ def serve(
             _pause_owned(deployments, token)
         except Exception as exc:  # noqa: BLE001 - the server is gone: nothing to pause there
             print(f"grpo serve: could not pause its deployments on the way out: {exc}", file=sys.stderr)
+        if logging_config:
+            with contextlib.suppress(OSError):
+                os.remove(logging_config)
 
 
 _STOPPING: list[int] = []

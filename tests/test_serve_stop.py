@@ -77,8 +77,34 @@ def test_sigterm_to_serve_stops_its_run_as_a_cancel_does(server, tmp_path):  # n
         with served_client(url, serve) as client:
             run = run_deployment("grpo-pipeline/pipeline", parameters={"config": tiny(root, "next")}, timeout=0)
             assert _wait(client, run.id, timeout=240).state.is_completed()
+            cancelled_cleanly(client, root)
     finally:
         _stop(serve)
+
+
+def cancelled_cleanly(client, root) -> None:
+    """issue 30, item 6: a run cancelled as the UI's Cancel does: its log said "Downloading flow
+    code from storage at '.'" (nothing is downloaded) and ended "Finished in state Running()"."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    run = run_deployment("grpo-pipeline/pipeline", parameters={"config": long_run(root, "cancelled")}, timeout=0)
+    wait_training(client, run.id, root / "cancelled")
+    client.set_flow_run_state(run.id, Cancelling(), force=True)  # the UI's Cancel
+    state = _wait(client, run.id, timeout=120).state
+    assert state.is_cancelled(), state
+    deadline, messages = time.monotonic() + 30, []
+    while not any(m.startswith("Finished") for m in messages) and time.monotonic() < deadline:
+        time.sleep(1)  # the run's last lines reach the API in the next batch
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        messages = [log.message for log in logs]
+    assert "Flow run was cancelled." in messages, messages[-10:]
+    assert not [m for m in messages if "Finished in state Running()" in m or "storage at '.'" in m], messages
+    assert "Finished: cancelled (the runner sets the flow run Cancelled)" in messages, messages[-10:]
+    assert any(m.startswith("Running the flow's code in /") for m in messages), messages[:5]
+    summary = RunRoot(str(root / "cancelled")).read_json("summary.json")
+    assert summary["status"] == "interrupted" and "cancelled" in summary["error"], summary
 
 
 def test_the_next_serve_marks_the_runs_a_killed_serve_left(server, tmp_path):  # noqa: F811
