@@ -3,7 +3,9 @@
 UI's log and the console read the same):
 
 - "Downloading flow code from storage at '.'": a served deployment's code is the folder the flow
-  run starts in; nothing is downloaded. It becomes "Running the flow's code in /path".
+  run starts in; nothing is downloaded (logged when a run starts, and again by the runner after a
+  cancel, when it loads the flow to look for cancellation hooks). It becomes "Loading the flow's
+  code from /path".
 - "Finished in state Running()": what the engine says last when a cancel stopped the flow run (the
   runner, not the engine, then sets it Cancelled). It becomes "Finished: cancelled".
 
@@ -29,9 +31,9 @@ class EngineLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.msg
         if msg == "Downloading flow code from storage at %r" and record.args == (".",):
-            record.msg, record.args = "Running the flow's code in %s", (os.getcwd(),)
+            record.msg, record.args = "Loading the flow's code from %s", (os.getcwd(),)
         elif isinstance(msg, str) and msg.startswith("Downloading flow code from storage at '.'"):
-            record.msg, record.args = f"Running the flow's code in {os.getcwd()}", ()
+            record.msg, record.args = f"Loading the flow's code from {os.getcwd()}", ()
         elif msg == "Finished in state Running()":
             record.msg, record.args = "Finished: cancelled (the runner sets the flow run Cancelled)", ()
         return True

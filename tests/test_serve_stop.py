@@ -102,7 +102,7 @@ def cancelled_cleanly(client, root) -> None:
     assert "Flow run was cancelled." in messages, messages[-10:]
     assert not [m for m in messages if "Finished in state Running()" in m or "storage at '.'" in m], messages
     assert "Finished: cancelled (the runner sets the flow run Cancelled)" in messages, messages[-10:]
-    assert any(m.startswith("Running the flow's code in /") for m in messages), messages[:5]
+    assert any(m.startswith("Loading the flow's code from /") for m in messages), messages[:5]
     summary = RunRoot(str(root / "cancelled")).read_json("summary.json")
     assert summary["status"] == "interrupted" and "cancelled" in summary["error"], summary
 
