@@ -285,7 +285,7 @@ class OptimizerConfig(Section):
 
 
 class RolloutEngineKind(enum.Enum):
-    JAX = "jax"  # the built-in sampler (grpo_core.rl.sampler): any backend, multi-host
+    JAX = "jax"  # the built-in sampler (grpo_core.generate.sampler): any backend, multi-host
     SGLANG = "sglang"  # sglang-jax in the worker's process: single host, TPU v4+ (or CPU for tests)
     HTTP = "http"  # an OpenAI-compatible server (sglang-jax, SGLang, vLLM)
 

@@ -8,8 +8,7 @@ import jax
 import numpy as np
 
 from grpo_core.config.train import SamplingConfig
-from grpo_core.rewards import functions as rw
-from grpo_core.rl.sampler import (
+from grpo_core.generate.sampler import (
     SamplerOptions,
     completion_ids,
     completion_texts,
@@ -18,6 +17,7 @@ from grpo_core.rl.sampler import (
     step_key,
     stop_ids,
 )
+from grpo_core.rewards import functions as rw
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -31,10 +31,10 @@ from grpo_core.config.train import (
     RematPolicy,
     TrainConfig,
 )
+from grpo_core.generate.sampler import spec_of
 from grpo_core.nn.model import CausalLM
 from grpo_core.rl import algo
 from grpo_core.rl.logprobs import DEFAULT_CHUNK_MIB, token_logprobs
-from grpo_core.rl.sampler import spec_of
 from grpo_core.rl.types import Batch, TrainState
 
 

@@ -27,13 +27,7 @@ from grpo_core.config.model import DType
 from grpo_core.config.train import ISCorrection, RewardAggregation, TrainConfig
 from grpo_core.engines import make_engine
 from grpo_core.errors import NonFiniteError
-from grpo_core.nn import lora
-from grpo_core.nn.model import CausalLM
-from grpo_core.rewards import functions as rw
-from grpo_core.rl import algo
-from grpo_core.rl.checkpoint import Checkpointer, SetAside
-from grpo_core.rl.learner import Learner, LossParams
-from grpo_core.rl.sampler import (
+from grpo_core.generate.sampler import (
     SamplerOptions,
     completion_ids,
     completion_texts,
@@ -42,6 +36,12 @@ from grpo_core.rl.sampler import (
     step_key,
     stop_ids,
 )
+from grpo_core.nn import lora
+from grpo_core.nn.model import CausalLM
+from grpo_core.rewards import functions as rw
+from grpo_core.rl import algo
+from grpo_core.rl.checkpoint import Checkpointer, SetAside
+from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.types import Batch, Completions, TrainState
 from grpo_core.runtime.mesh import Placement
 
