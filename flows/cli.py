@@ -259,7 +259,7 @@ def _print_programs(aot: dict) -> None:
             f"  {p['program']:<13} {gib(p.get('argument_bytes')):>6} {gib(p.get('output_bytes')):>6} "
             f"{gib(p.get('temp_bytes')):>6} {gib(p.get('xla_peak_bytes')):>8} {gib(p['resident_bytes']):>9} "
             f"{gib(p.get('peak_bytes')):>6}{'' if p['fits'] else ' !'} {p.get('flops', 0) / 1e9:>9.1f} "
-            f"{p['compile_s']:>9.1f}"
+            + (f"{'cached':>9}" if p.get("cached") else f"{p['compile_s']:>9.1f}")
         )
 
 

@@ -113,9 +113,9 @@ def test_grpo_check_target_json_then_cached(tmp_path):
         "eval.batch_size=8",
     ]
 
-    def check():
+    def check(*more):
         t = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([*cmd, *more], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
         return json.loads(proc.stdout), time.perf_counter() - t
 
@@ -132,6 +132,14 @@ def test_grpo_check_target_json_then_cached(tmp_path):
     again, _ = check()
     assert again["target"]["cached"] and again["target"]["seconds"] < 5
     assert again["memory"]["peak_bytes"] == mem["peak_bytes"]
+    # a change that touches only evaluation compiles only evaluation: the rest is read back per program
+    smaller, _ = check("--set", "eval.batch_size=4")
+    fresh = {p["program"] for p in smaller["target"]["programs"] if not p["cached"]}
+    assert not smaller["target"]["cached"] and fresh == {"eval_prefill", "eval_decode"}, fresh
+    same = {p["program"]: p for p in target["programs"]}
+    for p in smaller["target"]["programs"]:
+        if p["cached"]:
+            assert p["compile_s"] == 0.0 and p["xla_peak_bytes"] == same[p["program"]]["xla_peak_bytes"]
 
 
 def test_without_libtpu_the_check_says_what_to_install(tmp_path):
@@ -180,3 +188,37 @@ def test_the_plans_choice_for_qwen_05b_on_v5e_compiles_and_fits(aot):
     assert update["peak_bytes"] <= aot.HEADROOM * 16 * GiB
     assert report["update_candidates"][-1]["fits"]  # stopped at the first that fits
     assert all(not c["fits"] for c in report["update_candidates"][:-1])
+
+
+def test_auto_memory_choices_on_the_local_backend_are_made_by_its_compiler(monkeypatch):
+    """Where the device's memory is known (an accelerator's bytes_limit, or GRPO_DEVICE_MEMORY_BYTES:
+    here a fake budget on the CPU backend) remat and grad_accum_steps at auto are chosen by XLA's
+    memory_analysis() of each candidate update compiled for the local devices, not by the formula:
+    a budget just under the cheapest candidate's figure makes the compiler pass it over for one
+    that fits (accumulation 2 needs less than 1: 8.50 vs 8.70 MB here)."""
+    from grpo_core.config import memory
+    from grpo_core.rl import aot, compiler_plan
+
+    tiny, train = get_preset("tiny"), _train(new_tokens=8, remat="full")  # grad_accum_steps: auto (1, 2, 4)
+    monkeypatch.delenv(compiler_plan.BUDGET_ENV, raising=False)
+    assert compiler_plan.device_budget() is None  # CPU, no setting: the formula chooses alone
+    monkeypatch.setenv(compiler_plan.BUDGET_ENV, "lots")
+    with pytest.raises(ConfigError, match="GRPO_DEVICE_MEMORY_BYTES must be a positive number of bytes, got 'lots'"):
+        compiler_plan.device_budget()
+    cache = aot.ProgramCache()
+    monkeypatch.setenv(compiler_plan.BUDGET_ENV, str(2**40))
+    roomy = compiler_plan.choose(tiny, train, 16, cache=cache)
+    first = roomy["candidates"][0]
+    assert roomy["source"] == "xla" and roomy["backend"] == "cpu" and roomy["fits"]
+    assert len(roomy["candidates"]) == 1 and first["fits"] and first["xla_peak_bytes"] > 0
+    budget = int((first["peak_bytes"] - 1) / aot.HEADROOM)  # one byte short for the cheapest
+    tight = compiler_plan.choose(tiny, train, 16, budget=budget, cache=cache)
+    assert tight["candidates"][0] == dict(first, fits=False, compile_s=0.0, cached=True)  # read back, not recompiled
+    assert tight["fits"] and tight["peak_bytes"] <= tight["usable_bytes"] == int(aot.HEADROOM * budget)
+    assert (first["remat"], first["grad_accum_steps"]) == ("full", 1) and tight["grad_accum_steps"] > 1
+    assert all(not c["fits"] and c["peak_bytes"] > tight["usable_bytes"] for c in tight["candidates"][:-1])
+    resolved = compiler_plan.resolve(train, tight)
+    assert resolved.memory_resolved and resolved.grpo.grad_accum_steps == tight["grad_accum_steps"]
+    assert compiler_plan.choose(tiny, resolved, 16, budget=budget) is None  # nothing left to choose
+    # the formula, counting the whole process on CPU, says nothing fits such a budget: the choice is XLA's
+    assert not memory.plan(tiny, train, 16, budget, backend="cpu").fits

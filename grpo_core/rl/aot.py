@@ -25,10 +25,17 @@ weights while the update runs): `resident_bytes` adds them, and `peak_bytes` is 
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import math
+import os
 import re
+import tempfile
+import threading
 import time
 from typing import Any, Callable
 
@@ -56,6 +63,8 @@ log = logging.getLogger(__name__)
 # exact for the program, the rest is the runtime's own reservations (v5e: 15.75 of 16 GiB) and
 # fragmentation between programs.
 HEADROOM = 0.95
+# update candidates the formula says need more than this share of the usable HBM are not compiled
+FORMULA_SKIP = 1.15
 _HOST_BOUNDS = (2, 2, 1)  # the compiler's default chips per host
 INSTALL = "pip install -c constraints.txt '.[tpu-aot]'  (libtpu==0.0.42.*, the libtpu jax 0.10.2 pairs with)"
 
@@ -116,27 +125,50 @@ def _oom_bytes(text: str) -> tuple[int, int] | None:
     return None
 
 
-def analyse(name: str, compile_: Callable[[], Any], resident: int, hbm: int) -> dict[str, Any]:
-    """Compile one program; XLA's memory figures and FLOPs per chip, or its refusal."""
-    t = time.perf_counter()
-    out: dict[str, Any] = {"program": name, "resident_bytes": resident}
-    try:
-        compiled = compile_()
-    except Exception as exc:  # noqa: BLE001 - XLA's refusal is the answer; anything else is re-raised
-        found = _oom_bytes(str(exc))
-        if found is None and "RESOURCE_EXHAUSTED" not in str(exc):
-            raise
-        used = found[0] if found else None
-        out.update(
-            compiled=False,
-            xla_capacity_bytes=found[1] if found else None,
-            compile_s=round(time.perf_counter() - t, 2),
-            xla_peak_bytes=used,
-            peak_bytes=None if used is None else used + resident,
-            fits=False,
-            error=str(exc).strip().splitlines()[0][:400],
-        )
-        return out
+class ProgramCache:
+    """XLA's figures per program, keyed by the program itself: its lowered module's text (shapes,
+    shardings, donations, the computation), the target and the compiler's versions (`salt`).
+    A check whose config changes only evaluation finds the update's figures here and compiles only
+    evaluation; two programs that lower to the same module in one check (evaluation's generate and
+    the rollout's at equal shapes) compile once. `folder`: where the figures are kept across
+    processes (None: this process only)."""
+
+    def __init__(self, folder: str | None = None, salt: str = ""):
+        self.folder, self.salt = folder, salt
+        self._mem: dict[str, dict[str, Any]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def key(self, text: str) -> str:
+        return hashlib.sha256(f"{self.salt}\n{text}".encode()).hexdigest()[:32]
+
+    def lock(self, key: str) -> threading.Lock:
+        """Held while `key` compiles: a second thread with the same program waits for its figures."""
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        if key in self._mem or self.folder is None:
+            return self._mem.get(key)
+        try:
+            with open(os.path.join(self.folder, f"{key}.json")) as f:
+                self._mem[key] = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return None
+        return self._mem[key]
+
+    def put(self, key: str, figures: dict[str, Any]) -> None:
+        self._mem[key] = figures
+        if self.folder is None:
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False) as f:  # whole or absent
+            json.dump(figures, f)
+        os.replace(f.name, os.path.join(self.folder, f"{key}.json"))
+
+
+def _figures(compiled) -> dict[str, Any]:
+    """XLA's memory figures and FLOPs per chip of a compiled program."""
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -150,21 +182,96 @@ def analyse(name: str, compile_: Callable[[], Any], resident: int, hbm: int) -> 
     # heap-simulated peak_memory_in_bytes can be lower than that block (9.24 vs 10.06 GiB for
     # qwen2.5-0.5b's update on v5e): the larger is what the chip must hold
     peak = max(int(getattr(ma, "peak_memory_in_bytes", 0) or 0), int(args + outs - alias + temp))
-    out.update(
+    return dict(
         compiled=True,
-        compile_s=round(time.perf_counter() - t, 2),
         argument_bytes=int(args),
         output_bytes=int(outs),
         alias_bytes=int(alias),
         temp_bytes=int(temp),
         code_bytes=int(ma.generated_code_size_in_bytes),
         xla_peak_bytes=peak,
-        peak_bytes=peak + resident,
-        fits=peak + resident <= HEADROOM * hbm,
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
     )
+
+
+def _refusal(exc: Exception) -> dict[str, Any]:
+    """XLA's refusal of a program that does not fit, as figures; anything else is re-raised."""
+    found = _oom_bytes(str(exc))
+    if found is None and "RESOURCE_EXHAUSTED" not in str(exc):
+        raise exc
+    return dict(
+        compiled=False,
+        xla_capacity_bytes=found[1] if found else None,
+        xla_peak_bytes=found[0] if found else None,
+        error=str(exc).strip().splitlines()[0][:400],
+    )
+
+
+def analyse(
+    name: str,
+    compile_: Callable[[], Any],
+    resident: int,
+    hbm: int,
+    cache: ProgramCache | None = None,
+) -> dict[str, Any]:
+    """Compile one program; XLA's memory figures and FLOPs per chip, or its refusal. `compile_`
+    returns the program lowered (jax.stages.Lowered) or compiled; lowered, its figures may come
+    from `cache` (`compile_s` 0, `cached` true). A `compile_.cache_key()` attribute, when set,
+    names the program instead of its lowered text, without lowering it (decode, whose input
+    layouts are prefill's compiled outputs)."""
+    t = time.perf_counter()
+    keyer = getattr(compile_, "cache_key", None)
+    key = cache.key(keyer()) if cache is not None and keyer is not None else None
+    staged = lowered = None
+    if key is None or cache.get(key) is None:
+        staged = compile_()
+        lowered = staged if hasattr(staged, "compile") else None
+        if key is None and cache is not None and lowered is not None:
+            key = cache.key(lowered.as_text())
+    lower_s = time.perf_counter() - t
+    with cache.lock(key) if key is not None else contextlib.nullcontext():
+        figures = cache.get(key) if key is not None else None
+        cached = figures is not None
+        if figures is None:
+            if staged is None:  # named by cache_key, not lowered yet, and no longer cached: lower it now
+                staged = compile_()
+                lowered = staged if hasattr(staged, "compile") else None
+            t1 = time.perf_counter()
+            try:
+                figures = _figures(lowered.compile() if lowered is not None else staged)
+            except Exception as exc:  # noqa: BLE001 - XLA's refusal is the answer; anything else is re-raised
+                figures = _refusal(exc)
+            figures["xla_compile_s"] = round(time.perf_counter() - t1, 2)
+            if key is not None:
+                cache.put(key, figures)
+    used = figures["xla_peak_bytes"]
+    out: dict[str, Any] = {"program": name, "resident_bytes": resident, **figures}
+    out.update(
+        cached=cached,
+        lower_s=round(lower_s, 2),
+        compile_s=0.0 if cached else round(time.perf_counter() - t, 2),
+        peak_bytes=None if used is None else used + resident,
+        fits=figures["compiled"] and used + resident <= HEADROOM * hbm,
+    )
     return out
+
+
+class _CompileOnce:
+    """A lowered program whose compile() runs once, whoever asks first (analyse, for its figures,
+    or decode, for prefill's output layouts)."""
+
+    def __init__(self, lowered):
+        self.lowered, self._compiled, self._lock = lowered, None, threading.Lock()
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self):
+        with self._lock:
+            if self._compiled is None:
+                self._compiled = self.lowered.compile()
+            return self._compiled
 
 
 @dataclasses.dataclass
@@ -288,7 +395,7 @@ class RunPrograms:
         lr, state = self.learner(remat, accum)
         g = self.train.grpo
         batch = self._batch(g.prompts_per_step // g.minibatches_per_rollout)
-        return (lambda: lr.update.lower(state, batch, self.frozen).compile()), ("reference", "rollout_copy")
+        return (lambda: lr.update.lower(state, batch, self.frozen)), ("reference", "rollout_copy")
 
     def programs(self) -> dict[str, tuple[Callable[[], Any], tuple[str, ...]]]:
         """Every program but the update (which depends on remat and accumulation)."""
@@ -299,14 +406,14 @@ class RunPrograms:
             ref_mesh = None if pl.reference is pl.train else pl.reference
             batch = self._batch(g.prompts_per_step, ref_mesh)
             out["reference"] = (
-                lambda: lr._score.lower(self.ref_params, batch).compile(),
+                lambda: lr._score.lower(self.ref_params, batch),
                 ("params", "optimizer", "rollout_copy") + (("frozen",) if self.ref_copy is not None else ()),
             )
         if self.rescore:
             policy = self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
             rows = self._batch(g.prompts_per_step)
             out["old_logprobs"] = (
-                lambda: lr.score_policy.lower(policy, rows).compile(),
+                lambda: lr.score_policy.lower(policy, rows),
                 ("optimizer", "reference", "rollout_copy"),
             )
         opts = sampler.SamplerOptions.from_config(self.train.sampling, (0,), 0)
@@ -326,8 +433,10 @@ class RunPrograms:
         return out
 
     def _generate(self, params, prompts: int, samples: int, opts, mesh, batch_mesh=None, single=None):
-        """Compilers of prefill and decode, decode taking prefill's outputs in the layouts its
-        program gives them (as grpo_core.rl.sampler.compile_jobs does)."""
+        """Lowerings of prefill and decode, decode taking prefill's outputs in the layouts its
+        compiled program gives them (as grpo_core.rl.sampler.compile_jobs does). Decode is named in
+        a ProgramCache by prefill's module and its own options: those fix its lowering, so a
+        cached decode needs no prefill compiled."""
         tp = self.shapes.prompt_len
         if single is not None:
             lay = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=single)
@@ -340,23 +449,28 @@ class RunPrograms:
         ptok, pval = lay((prompts, tp), jnp.int32), lay((prompts, tp), jnp.bool_)
         key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=key_sharding)
         kw = dict(opts=opts, num_samples=samples, mesh=mesh)
-        graph, done = self.full_graphdef, {}
+        graph, done, lock = self.full_graphdef, {}, threading.Lock()
 
-        def compile_prefill():
-            if "prefill" not in done:
-                done["prefill"] = sampler.prefill.lower(graph, params, ptok, pval, key, **kw).compile()
+        def lower_prefill():
+            with lock:
+                if "prefill" not in done:
+                    done["prefill"] = _CompileOnce(sampler.prefill.lower(graph, params, ptok, pval, key, **kw))
             return done["prefill"]
 
-        def compile_decode():
+        def lower_decode():
             cache, state = jax.eval_shape(
                 lambda p, t, v, k: sampler.prefill(graph, p, t, v, k, **kw), params, ptok, pval, key
             )
-            shardings = compile_prefill().output_shardings
+            shardings = lower_prefill().compile().output_shardings  # analyse's compile of prefill, if it ran
             return sampler.decode.lower(
                 graph, params, _laid(cache, shardings[0]), _laid(state, shardings[1]), key, opts=opts, prompt_len=tp
-            ).compile()
+            )
 
-        return compile_prefill, compile_decode
+        def decode_key() -> str:
+            return f"decode {opts!r} {tp}\n{lower_prefill().as_text()}"
+
+        lower_decode.cache_key = decode_key  # type: ignore[attr-defined]
+        return lower_prefill, lower_decode
 
 
 # -- the check: every program for the target, remat and accumulation chosen with the compiler ------
@@ -372,17 +486,23 @@ def check(
     separate_reference: bool = False,
     max_extra: int = 4,
     only: tuple[str, ...] | None = None,
+    cache: ProgramCache | None = None,
+    threads: int = 2,
 ) -> dict[str, Any]:
     """Compile the run's programs for `target`; the report (see grpo_core.stages.aot). train.remat
     and train.grpo.grad_accum_steps at auto are chosen here: candidates cheapest first, the first
     whose update XLA fits. A fixed choice that does not fit is kept (and reported as not fitting),
     with up to `max_extra` other candidates compiled to name one that would. `only`: the programs
-    besides the update to compile (default: all of them)."""
+    besides the update to compile (default: all of them). `cache`: XLA's figures per program
+    (default: this call's only, which still compiles a program met twice once). `threads`:
+    programs compiled at once (XLA releases the GIL while it compiles); the update's candidates
+    run one after another in one of them."""
     t0 = time.perf_counter()
     devices = topology_devices(target)
     t_topo = time.perf_counter() - t0
     run = RunPrograms(model, train, max_prompt_tokens, devices, evaluation, lora, separate_reference)
     hbm, resident = target.hbm_bytes, run.resident()
+    cache = cache or ProgramCache()
     trainable = None if lora is None else lora_mod.num_adapter_params(model, lora)
     layout = memory.Layout(*train.mesh.sizes(len(devices)))
 
@@ -401,40 +521,28 @@ def check(
 
     def try_update(remat, accum) -> dict[str, Any]:
         compile_, extra = run.update(remat, accum)
-        r = analyse("update", compile_, sum(resident[k] for k in extra), hbm)
+        r = analyse("update", compile_, sum(resident[k] for k in extra), hbm, cache)
         r.update(remat=remat.value, grad_accum_steps=accum, formula_bytes=formula(remat, accum))
         return r
 
     auto = train.remat is RematPolicy.AUTO or train.grpo.grad_accum_steps == "auto"
     cands = memory.candidates(train, backend="tpu")
-    # the formula orders nothing here, but rules out what it says needs 1.5x the chip (it errs low)
-    hopeless = lambda c: formula(*c) > 1.5 * HEADROOM * hbm
+    # The formula chooses nothing here; it only skips what it says needs FORMULA_SKIP x the usable
+    # HBM (it is within 0.96-1.04 of XLA on TPU, and XLA refuses those anyway), so the first
+    # candidate compiled is usually the one that fits
+    hopeless = lambda c: formula(*c) > FORMULA_SKIP * HEADROOM * hbm
     tried, fix = [], None
-    for c in [c for c in cands if not hopeless(c)] or cands[-1:]:
-        tried.append(try_update(*c))
-        if tried[-1]["fits"]:
-            break
-    update = tried[-1] if tried[-1]["fits"] else min(tried, key=lambda r: r["peak_bytes"] or math.inf)
-    if not update["fits"]:  # name a setting that fits: other remat/accumulation candidates
-        g = train.grpo
-        wider = train.replace(
-            remat=RematPolicy.AUTO,
-            grpo=g.replace(grad_accum_steps="auto", minibatches_per_rollout=g.minibatches_per_rollout),
-        )
-        seen = {(r["remat"], r["grad_accum_steps"]) for r in tried}
-        others = [c for c in memory.candidates(wider, backend="tpu") if (c[0].value, c[1]) not in seen]
-        others = [c for c in others if not hopeless(c)][:max_extra]
-        for c in others:
-            r = try_update(*c)
-            tried.append(r)
-            if r["fits"]:
-                fix = f"set train.remat={c[0].value} and train.grpo.grad_accum_steps={c[1]}"
-                break
-    results = [update]
-    for name, (compile_, extra) in run.programs().items():
-        if only is not None and name not in only:
-            continue
-        results.append(analyse(name, compile_, sum(resident[k] for k in extra), hbm))
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="aot")
+    others = {
+        name: pool.submit(analyse, name, compile_, sum(resident[k] for k in extra), hbm, cache)
+        for name, (compile_, extra) in run.programs().items()
+        if only is None or name in only
+    }
+    try:
+        update, fix = _choose_update(train, cands, hopeless, try_update, tried, max_extra)
+        results = [update] + [f.result() for f in others.values()]
+    finally:
+        pool.shutdown(cancel_futures=True)
     worst = max(results, key=lambda r: r["peak_bytes"] or math.inf)
     g = train.grpo
     updates = g.num_iterations * g.minibatches_per_rollout
@@ -464,6 +572,7 @@ def check(
                     "peak_bytes",
                     "formula_bytes",
                     "compile_s",
+                    "cached",
                 )
             }
             for r in tried
@@ -481,9 +590,36 @@ def check(
         "flops_per_step": per_step,
         "fix": None if fits else _fix(results, fix, train, evaluation or EvalShape()),
         "topology_s": round(t_topo, 2),
+        "threads": threads,
+        "programs_cached": sum(bool(r["cached"]) for r in tried) + sum(bool(r["cached"]) for r in results[1:]),
         "compile_s": round(sum(r["compile_s"] for r in tried) + sum(r["compile_s"] for r in results[1:]), 2),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _choose_update(train: TrainConfig, cands, hopeless, try_update, tried: list, max_extra: int):
+    """The update's report (candidates cheapest first, the first XLA fits; else the one that needs
+    least) and, when none fits, a setting that would (up to `max_extra` others compiled). Appends
+    every candidate compiled to `tried`."""
+    fix = None
+    for c in [c for c in cands if not hopeless(c)] or cands[-1:]:
+        tried.append(try_update(*c))
+        if tried[-1]["fits"]:
+            return tried[-1], fix
+    update = min(tried, key=lambda r: r["peak_bytes"] or math.inf)
+    g = train.grpo
+    wider = train.replace(
+        remat=RematPolicy.AUTO,
+        grpo=g.replace(grad_accum_steps="auto", minibatches_per_rollout=g.minibatches_per_rollout),
+    )
+    seen = {(r["remat"], r["grad_accum_steps"]) for r in tried}
+    others = [c for c in memory.candidates(wider, backend="tpu") if (c[0].value, c[1]) not in seen]
+    for c in [c for c in others if not hopeless(c)][:max_extra]:
+        tried.append(try_update(*c))
+        if tried[-1]["fits"]:
+            fix = f"set train.remat={c[0].value} and train.grpo.grad_accum_steps={c[1]}"
+            break
+    return update, fix
 
 
 def _fix(results, update_fix: str | None, train: TrainConfig, evaluation: EvalShape) -> str:

@@ -12,8 +12,10 @@ optionally `num_slices`, `eval` ({batch_size, num_samples, temperature}), `lora`
 section), `separate_reference` and `programs` (the names to compile; default all). Reports are
 cached on disk by (the request, the jax / jaxlib / libtpu / flax / optax versions): a second
 check of the same programs reads the report back in well under a second, before JAX is
-imported. The folder is GRPO_AOT_CACHE_DIR, else ~/.cache/grpo-pipeline/aot (XDG_CACHE_HOME);
-GRPO_AOT_CACHE=0 turns it off.
+imported. Each program's figures are cached too (under programs/, by its lowered module): a
+config that changes only evaluation compiles only evaluation. The folder is GRPO_AOT_CACHE_DIR,
+else ~/.cache/grpo-pipeline/aot (XDG_CACHE_HOME); GRPO_AOT_CACHE=0 turns both off.
+GRPO_AOT_THREADS: programs compiled at once (default 2, at most the host's cores).
 
 This process never opens a TPU, not even on a TPU VM whose chips a training worker holds: it
 runs JAX on the CPU and loads libtpu's compiler without its lockfile (ALLOW_MULTIPLE_LIBTPU_LOAD).
@@ -72,7 +74,7 @@ def programs_key(req: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-REPORT_FORMAT = 2  # bumped when what a report holds or how it counts changes: older reports are not read
+REPORT_FORMAT = 3  # bumped when what a report holds or how it counts changes: older reports are not read
 
 
 def cache_key(req: dict[str, Any]) -> str:
@@ -109,6 +111,17 @@ def _write_cache(key: str, report: dict[str, Any]) -> None:
     with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:  # whole or absent
         json.dump(report, f)
     os.replace(f.name, os.path.join(folder, f"{key}.json"))
+
+
+def program_cache(**identity: Any):
+    """grpo_core.rl.aot.ProgramCache under the cache folder's programs/, its keys salted with
+    `identity` (the target, or the local backend and its devices), the compiler's versions and
+    the report's format."""
+    from grpo_core.rl.aot import ProgramCache
+
+    folder = cache_dir()
+    salt = json.dumps({"format": REPORT_FORMAT, **identity, **versions()}, sort_keys=True, default=str)
+    return ProgramCache(None if folder is None else os.path.join(folder, "programs"), salt)
 
 
 def _compiler_env() -> None:
@@ -167,7 +180,11 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     from grpo_core.rl import aot
 
     only = None if req.get("programs") is None else tuple(p for p in req["programs"] if p != "update")
-    report = aot.check(model, train, mpt, target, aot.EvalShape(*ev), lora, separate, only=only)
+    programs = program_cache(target=target.to_dict())
+    threads = int(os.environ.get("GRPO_AOT_THREADS") or min(2, os.cpu_count() or 1))
+    report = aot.check(
+        model, train, mpt, target, aot.EvalShape(*ev), lora, separate, only=only, cache=programs, threads=threads
+    )
     report.update(versions=versions(), cache_key=key, programs_key=programs_key(req))
     _write_cache(key, report)
     return dict(report, cached=False)

@@ -155,6 +155,7 @@ def train(parts, until_step: int) -> int:
     if chosen is not None:  # the readiness stage's compiler chose remat and accumulation for these very chips
         remat, accum = chosen
         train_cfg = train_cfg.replace(remat=remat, grpo=train_cfg.grpo.replace(grad_accum_steps=accum))
+    train_cfg = _local_choice(parts, train_cfg)
     plan = memory.plan_on(
         parts.model_config(),
         train_cfg,
@@ -237,6 +238,33 @@ def _compiler_choice(parts):
     if not aot["memory"]["fits"]:
         return None
     return RematPolicy(aot["remat"]), int(aot["grad_accum_steps"])
+
+
+def _local_choice(parts, train_cfg):
+    """`train_cfg` with what it leaves at auto (remat, accumulation) chosen by this backend's own
+    compiler (grpo_core.rl.compiler_plan: XLA's memory_analysis of each candidate update against
+    the device's memory) on an accelerator or with GRPO_DEVICE_MEMORY_BYTES set; else as given
+    (the memory plan's formula chooses)."""
+    import jax
+
+    from grpo_core.rl import compiler_plan
+    from grpo_core.stages.aot import program_cache
+
+    cfg = parts.cfg
+    if train_cfg.memory_resolved or compiler_plan.device_budget() is None:
+        return train_cfg
+    devices = jax.devices()
+    cache = program_cache(backend=devices[0].platform, device_kind=devices[0].device_kind, devices=len(devices))
+    choice = compiler_plan.choose(
+        parts.model_config(),
+        train_cfg,
+        cfg.data.max_prompt_tokens,
+        cfg.model.lora,
+        separate_reference=cfg.separate_reference,
+        cache=cache,
+    )
+    _emit("memory_xla", **choice)
+    return compiler_plan.resolve(train_cfg, choice)
 
 
 def no_signal(flat: int, step: int, pipeline, rewards: list[str]) -> None:
