@@ -50,9 +50,9 @@ from grpo_core.config.model import DType, ModelConfig
 from grpo_core.config.target import MEGACORE, Target
 from grpo_core.config.train import ISCorrection, RematPolicy, TrainConfig
 from grpo_core.errors import ConfigError
+from grpo_core.generate import sampler
 from grpo_core.nn import lora as lora_mod
 from grpo_core.nn.model import create_model
-from grpo_core.rl import sampler
 from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.types import Batch, TrainState
 from grpo_core.runtime.mesh import Placement
