@@ -317,6 +317,22 @@ def stale_temp_files(c: Case) -> tuple[bool, str]:
     return rc == 0 and not left, f"re-run exit {rc} in {secs:.0f} s; temporary files left: {left or 'none'}"
 
 
+def init_from_deleted(c: Case) -> tuple[bool, str]:
+    """The run model.init_from names is deleted in the middle of a continual run, then the run is
+    run again: it evaluates and resumes from its own copy (start/)."""
+    import shutil
+
+    rc0, _, _ = c.run(*SHORT, "--set", "run_name=src")
+    p = c.start("--set", "train.num_steps=60", "--set", "model.init_from=src")
+    read_until(p, "checkpoint ")
+    shutil.rmtree(c.root / "src")
+    out, _ = p.communicate(timeout=900)
+    rc2, again, secs = c.run("--set", "train.num_steps=60", "--set", "model.init_from=src")
+    ok = rc0 == p.returncode == rc2 == 0 and "own copy" in again and c.summary().get("status") == "completed"
+    said = why(again, "own copy")
+    return ok, f"exit {p.returncode} after the source went; re-run exit {rc2} in {secs:.0f} s ({said})"
+
+
 CASES = {
     "ctrl-c": ("exit 130 in seconds, status interrupted", lambda c: signal_case(c, signal.SIGINT)),
     "sigterm": ("exit 143 in seconds, status interrupted", lambda c: signal_case(c, signal.SIGTERM)),
@@ -337,6 +353,7 @@ CASES = {
     "cut config.json": ("fails once naming config.json", cut_config_json),
     "locked checkpoints": ("fails in seconds: cannot write checkpoint", immutable_checkpoints),
     "stale temp files": ("a re-run removes them", stale_temp_files),
+    "init_from deleted": ("the run goes on from its copy of the start", init_from_deleted),
 }
 
 

@@ -6,6 +6,7 @@ run_name template is filled in once per flow run and read back by its retries.""
 
 import datetime
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -213,6 +214,25 @@ def test_the_start_is_the_source_policy_and_the_reference_as_configured(tmp_path
         "kind": "checkpoint",
         "uri": f"{src.run_url}/checkpoints/2",
     }
+    # its first training copied the start into the run (start/, the marker naming the version), so
+    # deleting the source loses nothing: the start and the re-resolved config are the same, and it resumes
+    assert at2.root.done_info("start")["version"] == cfg2.start_point.version
+    assert worker.train(nxt, 2) == 0  # an export's files are copied as they are
+    assert {"_SUCCESS", "config.json", "model.safetensors"} <= set(nxt.root.list("start"))
+    _, never = continual("never", "src")
+    shutil.rmtree(src.run_url)
+    assert _close(nxt.create_policy(), trained[4])
+    again = with_versions(_cfg(tmp_path, "from-ckpt", init_from="src@2", reference="base", **lora))
+    assert again.train_hash == cfg2.train_hash and again.start_point == cfg2.start_point
+    resumed = open_run(again, at2.root)
+    policy = resumed.create_policy()
+    assert _close(merge(policy) if source_lora else policy, trained[2])
+    assert worker.train(resumed, 4) == 0 and len(at2.root.read_metrics()) == 4
+    # a run that never trained holds no copy: refused naming the field, as is re-resolving its config
+    with pytest.raises(ConfigError, match=r"model\.init_from 'src': the policy this run starts from .* is gone"):
+        never.create_policy()
+    with pytest.raises(ConfigError, match=r"is not a run .*no run of this config .* holds a copy"):
+        with_versions(_cfg(tmp_path, "never", init_from="src"))
 
 
 def _close(a, b) -> bool:

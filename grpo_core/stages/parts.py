@@ -4,6 +4,9 @@ prepared prompts read back from the run root. Stage code (training, evaluation) 
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
+import time
 from typing import Any
 
 from grpo_core.config.run import RunConfig
@@ -13,6 +16,7 @@ from grpo_core.rewards.functions import Reward
 from grpo_core.rewards.registry import make_rewards
 from grpo_core.store.root import RunRoot
 from grpo_core.store.sources import model_config
+from grpo_core.store.startpoint import COPY, copy_of, source_gone
 
 
 @dataclasses.dataclass
@@ -72,7 +76,17 @@ class RunParts:
         return graphdef, params
 
     def _policy_of(self, start, placement=None):
-        """The plain model (LoRA merged) of another run's export or checkpoint (model.init_from)."""
+        """The plain model (LoRA merged) of another run's export or checkpoint (model.init_from):
+        from the run's own copy (start/) once it holds one."""
+        own = copy_of(self.root, start)
+        if own is not None:
+            return self._load_hf(own, None, placement)
+        if source_gone(start):
+            raise ConfigError(
+                f"model.init_from {self.cfg.model.init_from!r}: the policy this run starts from ({start.uri}) is "
+                f"gone, and the run at {self.root.url} holds no copy of it (a run copies it at its first training "
+                "step): restore that run, or start from another"
+            )
         if start.kind == "export":
             return self._load_hf(start.uri, None, placement)
         from flax import nnx
@@ -97,6 +111,32 @@ class RunParts:
 
             model = merge(model)
         return model
+
+    def keep_start(self) -> dict[str, Any] | None:
+        """Copy the policy model.init_from resolved to into this run's start/ (outputs first, the
+        marker naming the version last), so the run does not depend on the other run's files
+        again; its info, or None where there is nothing to copy (no init_from, a copy already)."""
+        start = self.cfg.start_point
+        if start is None or copy_of(self.root, start) is not None:
+            return None
+        t = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="grpo-start-") as tmp:
+            if start.kind == "export":  # the files as they are: config.json, model.safetensors, ...
+                source = RunRoot(start.run_url)
+                rel = f"export/{start.step}"
+                for name in source.list(rel):
+                    if name != RunRoot.MARKER and not name.startswith("."):
+                        source.get_file(f"{rel}/{name}", os.path.join(tmp, name))
+            else:
+                from grpo_core.nn.hf import save_hf_model
+
+                save_hf_model(self._policy_of(start), tmp)  # the source's checkpoint, LoRA merged
+            files = sorted(os.listdir(tmp))
+            for name in files:
+                self.root.put_file(os.path.join(tmp, name), f"{COPY}/{name}")
+        info = {"version": start.version, "files": files, "seconds": round(time.perf_counter() - t, 3)}
+        self.root.mark_done(COPY, info)  # last: the copy is complete
+        return dict(info, uri=self.root.uri(COPY))
 
     def _load_hf(self, source: str, revision: str | None, placement=None):
         from grpo_core.nn.hf import load_hf_model

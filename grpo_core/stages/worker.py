@@ -166,6 +166,10 @@ def train(parts, until_step: int) -> int:
     )
     _emit("memory", describe=plan.describe(), **plan.report())
     placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
+    if _PRIMARY:  # the run's own copy of model.init_from's policy: it outlives the other run's files
+        kept = parts.keep_start()
+        if kept is not None:
+            _emit("start_copied", **kept)
     trainer = GRPOTrainer(
         parts.create_policy(placement),
         train_cfg,

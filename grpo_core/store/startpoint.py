@@ -15,6 +15,11 @@ the date, as run_name templates write them, sort in time.
 The resolved point is a version like the sources' (grpo_core.store.versions): recorded in
 config.json as versions["model.init_from"] = "<run url>@<step>:<checkpoint|export>:<train hash>",
 part of the training hash, read back by the worker that builds the starting policy. JAX-free.
+
+A run keeps its own copy of that policy: its first training writes it to `start/` (a plain
+Hugging Face folder, LoRA merged; the marker last records the version). Evaluation, resumes and
+re-runs read the copy, so the run outlives the deletion of the run it started from: a re-run
+whose source is gone takes the version a run of the same config pinned and copied.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import fnmatch
 import os
 import posixpath
 import re
-from typing import Callable
+from typing import Any, Callable
 
 from grpo_core.config.run import KINDS, NO_MATCH, RunConfig, StartPoint, is_template  # noqa: F401 - KINDS, StartPoint: re-exported
 from grpo_core.errors import ConfigError
@@ -33,6 +38,11 @@ from grpo_core.store.root import RunRoot
 from grpo_core.store.sources import model_config
 
 _STEP = re.compile(r"^(?P<run>.+?)@(?P<step>\d+)$")
+COPY = "start"  # a run's own copy of the policy it started from: start/{config.json, model.safetensors}
+
+
+class StartSourceMissingError(ConfigError):
+    """model.init_from names a run (or folder) that is not there (any more)."""
 
 
 def _is_name(ref: str) -> bool:
@@ -55,7 +65,7 @@ def policies(root: RunRoot) -> dict[int, str]:
 def _source_config(run_url: str, field: str):
     root = RunRoot(run_url)
     if not root.exists("config.json"):
-        raise ConfigError(f"{field}: {run_url} is not a run (no config.json there)")
+        raise StartSourceMissingError(f"{field}: {run_url} is not a run (no config.json there)")
     return RunConfig.from_dict(root.read_json("config.json"))
 
 
@@ -117,8 +127,8 @@ def resolve(cfg, warn: Callable[[str], None] | None = None) -> StartPoint | None
                 f"model.init_from {cfg.model.init_from!r}: the run at {url} has no finalised checkpoint or export yet"
             )
         step = max(found)
-    elif step not in found:
-        raise ConfigError(
+    elif step not in found:  # gone (a checkpoint rotated out, an export deleted) or never there
+        raise StartSourceMissingError(
             f"model.init_from {cfg.model.init_from!r}: the run at {url} has no checkpoint or export of step {step}; "
             f"it has steps {sorted(found) or 'none'}"
         )
@@ -145,3 +155,50 @@ def _check_compatible(cfg, source, url: str) -> None:
             f"{field}: the run at {url} trained another model ({'; '.join(differ)}); set model as that run "
             f"did (its config.json: {posixpath.join(url, 'config.json')})"
         )
+
+
+def copy_of(root: RunRoot, start: StartPoint) -> str | None:
+    """The URI of the run's own complete copy of `start` (its marker names that very version), else None."""
+    if not root.is_done(COPY):
+        return None
+    return root.uri(COPY) if root.done_info(COPY).get("version") == start.version else None
+
+
+def source_gone(start: StartPoint) -> bool:
+    """Whether the policy `start` names is no longer where it was pinned."""
+    source = RunRoot(start.run_url)
+    if start.kind == "export":
+        return not source.is_done(f"export/{start.step}")
+    return not (source.exists("config.json") and start.step in checkpoint_steps(source))
+
+
+def pinned_copy(cfg, versions: dict[str, str]) -> str | None:
+    """With the run model.init_from names gone: the start version a run of this very config (the
+    run_name's run, else a run under storage.root named by its hash whose config.json matches this
+    one in every field but the start) pinned and holds a copy of; None where there is none."""
+
+    def comparable(c) -> dict[str, Any]:
+        d = c.to_dict()
+        d["versions"] = {k: v for k, v in (d.get("versions") or {}).items() if k != "model.init_from"}
+        if cfg.train.num_steps == "auto":  # resolved from the data's rows after the versions
+            d["train"].pop("num_steps", None)
+        return d
+
+    mine = comparable(dataclasses.replace(cfg, versions=tuple(sorted(versions.items()))))
+    if cfg.run_name and not is_template(cfg.run_name):
+        urls = [cfg.run_url]
+    else:
+        top = RunRoot(cfg.storage_url)
+        urls = [_run_url(cfg, n) for n in top.list("") if not n.startswith(("_", "."))]
+    for url in urls:
+        root = RunRoot(url)
+        try:
+            if not (root.is_done(COPY) and root.exists("config.json")):
+                continue
+            other = RunConfig.from_dict(root.read_json("config.json"))
+            version = dict(other.versions).get("model.init_from")
+        except (ConfigError, ValueError, OSError):
+            continue  # not a run of this project's, or damaged: not this config's
+        if version and root.done_info(COPY).get("version") == version and comparable(other) == mine:
+            return version
+    return None

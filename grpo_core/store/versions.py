@@ -119,8 +119,20 @@ def source_versions(cfg, warn: Callable[[str], None] | None = None) -> dict[str,
             )
         out[field] = v
     if cfg.model.init_from is not None:  # the run and step it names, pinned for this run
-        from grpo_core.store.startpoint import NO_MATCH, resolve
+        from grpo_core.store.startpoint import NO_MATCH, StartSourceMissingError, pinned_copy, resolve
 
-        start = resolve(cfg, warn)
+        try:
+            start = resolve(cfg, warn)
+        except StartSourceMissingError as gone:  # a run of this config that copied it goes on from its copy
+            pinned = pinned_copy(cfg, out)
+            if pinned is None:
+                raise StartSourceMissingError(
+                    f"{gone}; no run of this config under {cfg.storage_url} holds a copy of a policy it started "
+                    "from (a run copies its start to start/ at its first training step)"
+                ) from None
+            if warn is not None:
+                warn(f"{gone}: this run goes on from its own copy of the policy it started from ({pinned})")
+            out["model.init_from"] = pinned
+            return out
         out["model.init_from"] = start.version if start is not None else f"{NO_MATCH} {cfg.model.init_from!r}"
     return out
