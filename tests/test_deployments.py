@@ -3,6 +3,7 @@ serve` serving the deployments, a run started through the API with parameters, i
 parameters rejected before a run exists, a schedule that fires, and a failed run retried the
 way the UI's Retry button does it (the same flow run scheduled again) resuming where it stopped."""
 
+import collections
 import contextlib
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -140,9 +142,13 @@ def served(server, tmp_path_factory):
 @contextlib.contextmanager
 def served_client(url: str, proc: subprocess.Popen):
     """A Prefect client of the server at `url`, once `grpo serve` (`proc`) has registered its
-    deployments there."""
+    deployments there. Its stderr (its flow runs' logs too) is read all along: a full pipe would
+    block it mid-run, runs left Late."""
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    if proc.stderr is not None:
+        threading.Thread(target=tail.extend, args=(proc.stderr,), daemon=True).start()
     with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
         from prefect.client.orchestration import get_client
 
@@ -153,7 +159,7 @@ def served_client(url: str, proc: subprocess.Popen):
                     client.read_deployment_by_name("grpo-pipeline/pipeline")
                     break
                 except Exception:  # noqa: BLE001 - not registered yet
-                    assert proc.poll() is None, proc.stderr.read()[-3000:]
+                    assert proc.poll() is None, "".join(tail)[-3000:]
                     assert time.monotonic() < deadline, "grpo serve did not register its deployments"
                     time.sleep(1)
             yield client
