@@ -30,17 +30,3 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
-
-
-@pytest.fixture(scope="session")
-def deployment_server(tmp_path_factory):
-    """A real `prefect server start` on 127.0.0.1 with basic auth (tests.test_deployments.
-    start_server), shared by the modules that deploy, serve and submit runs: one start (10-35 s
-    here) instead of one per module. Each module's `grpo serve` pauses what it served on the way
-    out and the next one registers its deployments again."""
-    from tests.test_deployments import _stop, start_server
-
-    home = tmp_path_factory.mktemp("prefect-home")
-    proc, url = start_server(home)
-    yield url, home
-    _stop(proc)

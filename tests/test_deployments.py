@@ -58,10 +58,13 @@ def tiny(root, name, **pipeline) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(deployment_server):
-    """(url, PREFECT_HOME) of the session's `prefect server start` (tests.prefect_server): every
-    module that imports this fixture shares the one server."""
-    return deployment_server
+def server(tmp_path_factory):
+    # One per module: shared by the session, test_serve_ownership's work pool made test_work_pool's
+    # `prefect work-pool create` fail, and a serve stopped early left a deployment another made.
+    home = tmp_path_factory.mktemp("prefect-home")
+    proc, url = start_server(home)
+    yield url, home
+    _stop(proc)
 
 
 def start_server(home, **env: str) -> tuple[subprocess.Popen, str]:
