@@ -350,9 +350,27 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
         pw.send_keys(AUTH, Keys.ENTER)
         wait.until(lambda b: "/login" not in b.current_url)
         browser.get(f"{base}/deployments/deployment/{dep.id}/run")
-        steps = field("Num Steps", "input")
-        height = browser.execute_script("return document.documentElement.scrollHeight")
-        print(f"form: {height} px tall, Num Steps at {steps.location['y']} px")  # what a user scrolls
+        steps, epochs = field("Num Steps", "input"), field("Epochs", "input")
+        ys = {"Epochs": epochs.location["y"], "Num Steps": steps.location["y"]}
+        end = field("Root", "textarea").location["y"]  # storage.root: the form's last section
+        print(f"form: {ys} px of {end} px (storage.root)")  # what a user scrolls
+        # issue 30, item 3: epochs and steps lead (epochs was at 75 %), no null/object choice
+        assert ys["Epochs"] < 0.3 * end and ys["Num Steps"] < 0.5 * end, (end, ys)
+        # the only null choices left are the three-way switches (true, false, empty: the recipe's)
+        schema = RunParams.model_json_schema()
+        three_way = [
+            name
+            for d in schema["$defs"].values()
+            for name, p in d["properties"].items()
+            if {k.get("type") for k in p.get("anyOf", ())} == {"boolean", "null"}
+        ]
+        assert browser.find_element(By.TAG_NAME, "body").text.count('Property is type "None"') == len(three_way)
+        run_name = wait.until(
+            ec.presence_of_element_located((By.XPATH, "//*[normalize-space(text())='Run Name']/following::input[1]"))
+        )
+        run_name.send_keys(Keys.CONTROL, "a")
+        run_name.send_keys(Keys.DELETE)
+        run_name.send_keys("ui: first try")  # issue 30, item 5: kept, not replaced by the folder's name
         fill("Root", "textarea", root)
         fill("Num Steps", "input", 2)
         fill("Epochs", "input", 1)
@@ -366,7 +384,7 @@ def test_ui_form_starts_a_run(served, server, tmp_path):
         browser.get(f"{base}/runs/flow-run/{run_id}")
         run = _wait(client, run_id)
         assert run.state.is_completed(), run.state.message
-        assert run.parameters["config"]["storage"]["root"] == str(root)
+        assert run.parameters["config"]["storage"]["root"] == str(root) and run.name == "ui: first try"
         browser.refresh()
         WebDriverWait(browser, 120).until(lambda b: "Completed" in b.find_element(By.TAG_NAME, "body").text)
         browser.save_screenshot(str(tmp_path / "ui-run-completed.png"))
