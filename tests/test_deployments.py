@@ -130,7 +130,16 @@ def served(server, tmp_path_factory):
     }
     sets = [f"{k}={json.dumps(v)}" for k, v in _flatten(tiny(root, "nightly")).items()]
     proc = subprocess.Popen(
-        [f"{BIN}/grpo", "serve", "--interval", "30", *sum((["--set", s] for s in sets), [])],
+        # the UI test's run writes in a temporary folder of its own: a root the operator allows
+        [
+            f"{BIN}/grpo",
+            "serve",
+            "--interval",
+            "30",
+            "--allow-root",
+            str(tmp_path_factory.getbasetemp()),
+            *sum((["--set", s] for s in sets), []),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
