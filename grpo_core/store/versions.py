@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from grpo_core.store.root import check_reachable, filesystem
 from grpo_core.store.sources import is_url, looks_local
+from grpo_core.store.startpoint import NO_MATCH, StartSourceMissingError, pinned_copy, resolve
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -119,8 +120,6 @@ def source_versions(cfg, warn: Callable[[str], None] | None = None) -> dict[str,
             )
         out[field] = v
     if cfg.model.init_from is not None:  # the run and step it names, pinned for this run
-        from grpo_core.store.startpoint import NO_MATCH, StartSourceMissingError, pinned_copy, resolve
-
         try:
             start = resolve(cfg, warn)
         except StartSourceMissingError as gone:  # a run of this config that copied it goes on from its copy
