@@ -117,6 +117,15 @@ class Shapes:
         return cls(g.prompts_per_step, g.batch_size, tp, s.max_new_tokens, g.minibatches_per_rollout)
 
 
+def update_bytes(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, **choices):
+    """The estimate's total for each (remat, grad_accum_steps) candidate with the other `choices`
+    (trainable, layout, backend, separate_reference) fixed: how the compiler's checks order the
+    candidates and rule out the hopeless ones (grpo_core.rl.aot, grpo_core.rl.compiler_plan)."""
+    return lambda remat, accum: (
+        estimate(model, train, max_prompt_tokens, remat=remat, grad_accum_steps=accum, **choices).total
+    )
+
+
 def estimate(
     model: ModelConfig,
     train: TrainConfig,

@@ -508,18 +508,15 @@ def check(
     trainable = None if lora is None else lora_mod.num_adapter_params(model, lora)
     layout = memory.Layout(*train.mesh.sizes(len(devices)))
 
-    def formula(remat, accum) -> int:
-        return memory.estimate(
-            model,
-            train,
-            max_prompt_tokens,
-            remat=remat,
-            grad_accum_steps=accum,
-            trainable=trainable,
-            layout=layout,
-            backend="tpu",
-            separate_reference=separate_reference,
-        ).total
+    formula = memory.update_bytes(
+        model,
+        train,
+        max_prompt_tokens,
+        trainable=trainable,
+        layout=layout,
+        backend="tpu",
+        separate_reference=separate_reference,
+    )
 
     def try_update(remat, accum) -> dict[str, Any]:
         compile_, extra = run.update(remat, accum)

@@ -84,18 +84,15 @@ def choose(
     trainable = None if lora is None else memory.num_adapter_params(model, lora)
     usable = aot.HEADROOM * budget
 
-    def formula(remat: RematPolicy, accum: int) -> int:
-        return memory.estimate(
-            model,
-            train,
-            max_prompt_tokens,
-            remat=remat,
-            grad_accum_steps=accum,
-            trainable=trainable,
-            layout=layout,
-            backend=backend,
-            separate_reference=separate_reference,
-        ).total
+    formula = memory.update_bytes(
+        model,
+        train,
+        max_prompt_tokens,
+        trainable=trainable,
+        layout=layout,
+        backend=backend,
+        separate_reference=separate_reference,
+    )
 
     cands = memory.candidates(train, backend=backend)
     tried = []
