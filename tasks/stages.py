@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
+from grpo_core.config.launch import LauncherKind
 from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import DataError
 from grpo_core.errors import ConfigError, RewardFunctionError, storage_cause_lasts
@@ -99,8 +101,6 @@ def load_run(run_url: str) -> RunConfig:
 def _workers_elsewhere(cfg: RunConfig) -> bool:
     """Whether the workers run on other hosts (ray, tpu-vm), where a reward file or module may
     exist that this machine lacks: then only the rewards found here are checked here."""
-    from grpo_core.launch.launchers import LauncherKind
-
     return cfg.pipeline.launcher.kind in (LauncherKind.RAY, LauncherKind.TPU_VM)
 
 
@@ -222,7 +222,6 @@ def aot_report(cfg: RunConfig, vocab_size: int, timeout_s: float) -> dict[str, A
     one never imports JAX): XLA's report, or {"error": ...} saying why there is none. The process
     opens no TPU, so it may run beside a training worker on a TPU VM."""
     import subprocess
-    import sys
 
     from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
 
@@ -362,8 +361,6 @@ def _data_check(cfg: RunConfig, tokenizer) -> dict[str, Any]:
 def worker_python(cfg: RunConfig) -> str:
     """The interpreter of training workers (and of their readiness checks): pipeline.worker_python,
     else the sglang-jax environment when train.rollout.engine is sglang, else this one."""
-    import sys
-
     from grpo_core.config.train import RolloutEngineKind
     from grpo_core.launch.processes import sglang_python
 
@@ -388,7 +385,6 @@ def _device_checks(request_path: str, timeout_s: float, python: str | None = Non
     opened it). With a multi-host launcher, on every host as training will run, the request
     passed inline (other hosts cannot read this machine's files); process 0 reports."""
     import subprocess
-    import sys
 
     if launcher is not None and launcher.distributed:
         with open(request_path) as f:
@@ -494,10 +490,6 @@ def _follow_ups(cfg: RunConfig, root: RunRoot, eval_steps: list[int], export: bo
     local process of this interpreter: evaluation and export run alone in this interpreter (a
     multi-host set, or sglang-jax's environment, trains elsewhere). Their tasks still run, read
     what the worker wrote and start a process only for what is missing (a failed follow-up)."""
-    import sys
-
-    from grpo_core.launch.launchers import LauncherKind
-
     if cfg.pipeline.launcher.kind is not LauncherKind.LOCAL or worker_python(cfg) != sys.executable:
         return []
     steps = [s for s in eval_steps if _evaluated(cfg, root, s) is None]
@@ -545,8 +537,15 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
     every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
     trackers = _trackers(cfg, root, log)
     shown = {"step": resumed_at, "t": time.monotonic()}
-    state: dict[str, Any] = {"last": None, "steps_s": 0.0, "first_step_s": None, "unscored": 0, "done": None}
-    state["eval_s"] = 0.0  # seconds of the evaluations this worker ran after training
+    # eval_s: seconds of the evaluations this worker ran after training
+    state: dict[str, Any] = {
+        "last": None,
+        "steps_s": 0.0,
+        "first_step_s": None,
+        "unscored": 0,
+        "done": None,
+        "eval_s": 0.0,
+    }
 
     def on_event(e: dict[str, Any]) -> None:
         kind = e["event"]
