@@ -128,3 +128,25 @@ def test_shared_prefix_forward_equals_full_rows(extra):
     full_valid = jnp.concatenate([jnp.repeat(pvalid, g, 0), jnp.ones((2 * g, tc), bool)], axis=1)
     want = m(full_tokens, full_valid)[:, 4:]  # positions Tp-1 .. Tp+Tc-1
     np.testing.assert_allclose(m.logits(h), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_targets", [None, ".*(v_proj|up_proj).*"])
+def test_fused_projections_change_nothing(monkeypatch, lora_targets):
+    """k/v and gate/up as one matmul each (the sampler's forward) give the logits of separate
+    projections, with attention biases (Qwen2), and with adapters on one of each pair (those
+    pairs stay apart)."""
+    from grpo_core.config.model import LoraConfig
+    from grpo_core.nn import lora
+    from grpo_core.nn.model import fuse_projections
+
+    model = create_model(ModelConfig(**TINY, attention_bias=True), 1)
+    if lora_targets:
+        lora.apply(model, LoraConfig(rank=2, target_modules=lora_targets), seed=2)
+        for lin in (model.model.layers.self_attn.v_proj, model.model.layers.mlp.up_proj):
+            lin.lora_b = nnx.LoRAParam(jnp.full(lin.lora_b[...].shape, 0.05, jnp.float32))  # a nonzero update
+    tokens = jax.random.randint(jax.random.key(0), (3, 9), 0, TINY["vocab_size"])
+    fused = model(tokens)
+    assert set(fuse_projections(model.model.layers)) == (set() if lora_targets else {"kv", "kv_bias", "gate_up"})
+    monkeypatch.setenv("GRPO_FUSED_PROJECTIONS", "0")
+    assert fuse_projections(model.model.layers) == {}
+    np.testing.assert_allclose(fused, model(tokens), atol=2e-5, rtol=1e-5)

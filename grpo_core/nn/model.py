@@ -14,7 +14,9 @@ G = H // K query heads per kv head, D head_dim, E hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +24,11 @@ from flax import nnx
 
 from grpo_core.config.model import DType, ModelConfig
 from grpo_core.config.train import RematPolicy
+from grpo_core.errors import ConfigError
 from grpo_core.runtime.mesh import KV_CACHE_AXES, constrain
 
 # A KV cache: (k, v), each (L, B, S, K, D) for L layers.
 KVCache = tuple[jax.Array, jax.Array]
-
-_NEG_INF = -1e30  # finite: a fully masked row (left padding) must not produce NaN
 
 
 def _dtype(d: DType):
@@ -119,12 +120,17 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd) if cfg.qk_norm else None
         self.num_heads, self.num_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
 
-    def _qkv(self, xf, shapes, positions, inv_freq):
+    def _qkv(self, xf, shapes, positions, inv_freq, fused=None):
         """Project flat tokens (sum of b*t, E) once, then split them into the (b, t) blocks given.
 
         2-D operands: XLA:CPU's backward dots run ~2x faster than with (B, T, E) inputs.
+        `fused`: this layer's k and v projections as one weight (see `fuse_projections`).
         """
-        q, k, v = self.q_proj(xf), self.k_proj(xf), self.v_proj(xf)
+        q = self.q_proj(xf)
+        if fused is None or "kv" not in fused:
+            k, v = self.k_proj(xf), self.v_proj(xf)
+        else:
+            k, v = _fused_matmul(xf, fused["kv"], fused.get("kv_bias"), self.k_proj.dtype)
         out, start = [], 0
         for (b, t), pos in zip(shapes, positions):
             sl = slice(start, start + b * t)
@@ -138,15 +144,11 @@ class Attention(nnx.Module):
         return out
 
     def _attend(self, q, k, v, mask):
-        """q: (B, T, H, D), k/v: (B, S, K, D), mask: (B, T, S) -> (B*T, H*D)."""
+        """q: (B, T, H, D), k/v: (B, S, K, D), mask: (B, T, S) -> (B*T, H*D). See `attend`."""
         b, t = q.shape[:2]
-        q = q.reshape(b, t, self.num_kv, self.num_heads // self.num_kv, self.head_dim)  # (B, T, K, G, D)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype)).astype(jnp.float32)
-        scores = jnp.where(mask[:, None, None, :, :], scores / math.sqrt(self.head_dim), _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b * t, self.num_heads * self.head_dim)
+        return attend(q, k, v, mask).reshape(b * t, self.num_heads * self.head_dim)
 
-    def __call__(self, x, positions, inv_freq, mask, cache=None, cache_index=None, layer=None):
+    def __call__(self, x, positions, inv_freq, mask, cache=None, cache_index=None, layer=None, fused=None):
         """x: (B, T, E); mask: (B, T, S) True where a query may attend a key.
 
         Without a cache, keys are this call's own tokens (S == T). With the stacked cache
@@ -154,7 +156,7 @@ class Attention(nnx.Module):
         first and attention runs over all S slots; the mask hides the slots not filled yet.
         """
         b, t, e = x.shape
-        [(q, k, v)] = self._qkv(x.reshape(b * t, e), [(b, t)], [positions], inv_freq)
+        [(q, k, v)] = self._qkv(x.reshape(b * t, e), [(b, t)], [positions], inv_freq, fused)
         if cache is not None:
             ck, cv = cache
             at = (layer, 0, cache_index, 0, 0)
@@ -165,14 +167,15 @@ class Attention(nnx.Module):
         out = self._attend(q, k, v, mask)
         return self.o_proj(out.astype(x.dtype)).reshape(b, t, e), cache
 
-    def grouped(self, xf, prefix: "GroupedInputs", inv_freq):
+    def grouped(self, xf, prefix: "GroupedInputs", inv_freq, fused=None):
         """Shared-prefix attention over flat tokens [P*Tp prompt tokens | B*Tc completion tokens].
 
         Prompt tokens attend causally among themselves; each completion token attends to its
         group's prompt (keys repeated G times, so gradients sum over the group) and causally to
         its own earlier completion tokens.
         """
-        (qp, kp, vp), (qc, kc, vc) = self._qkv(xf, prefix.shapes, [prefix.pos_p, prefix.pos_c], inv_freq)
+        pos = [prefix.pos_p, prefix.pos_c]
+        (qp, kp, vp), (qc, kc, vc) = self._qkv(xf, prefix.shapes, pos, inv_freq, fused)
         g = prefix.group_size
         kc = jnp.concatenate([jnp.repeat(kp, g, axis=0), kc], axis=1)  # (B, Tp+Tc, K, D)
         vc = jnp.concatenate([jnp.repeat(vp, g, axis=0), vc], axis=1)
@@ -186,10 +189,14 @@ class MLP(nnx.Module):
         self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, cfg, rngs)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, cfg, rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, fused=None):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (B*T, E): see Attention on 2-D operands
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)).reshape(shape)  # SwiGLU
+        if fused is None or "gate_up" not in fused:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = _fused_matmul(x, fused["gate_up"], None, self.gate_proj.dtype)
+        return self.down_proj(jax.nn.silu(gate) * up).reshape(shape)  # SwiGLU
 
 
 class DecoderLayer(nnx.Module):
@@ -200,16 +207,18 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, mask, cache=None, cache_index=None, layer=None):
-        h, new_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, mask, cache, cache_index, layer)
+    def __call__(self, x, positions, inv_freq, mask, cache=None, cache_index=None, layer=None, fused=None):
+        h, new_cache = self.self_attn(
+            self.input_layernorm(x), positions, inv_freq, mask, cache, cache_index, layer, fused
+        )
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), fused)
         return x, new_cache
 
-    def grouped(self, xf, prefix: "GroupedInputs", inv_freq):
+    def grouped(self, xf, prefix: "GroupedInputs", inv_freq, fused=None):
         """xf: flat (P*Tp + B*Tc, E) tokens; see Attention.grouped."""
-        xf = xf + self.self_attn.grouped(self.input_layernorm(xf), prefix, inv_freq)
-        return xf + self.mlp(self.post_attention_layernorm(xf))
+        xf = xf + self.self_attn.grouped(self.input_layernorm(xf), prefix, inv_freq, fused)
+        return xf + self.mlp(self.post_attention_layernorm(xf), fused)
 
 
 class Decoder(nnx.Module):
@@ -239,19 +248,24 @@ class CausalLM(nnx.Module):
         self.model = Decoder(cfg, rngs)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, cfg, rngs)
 
-    def hidden_states(self, tokens, positions, mask, cache: KVCache | None = None, cache_index=None):
-        """tokens, positions: (B, T); mask: (B, T, S). Returns ((B, T, E), new cache)."""
+    def hidden_states(self, tokens, positions, mask, cache: KVCache | None = None, cache_index=None, unroll=False):
+        """tokens, positions: (B, T); mask: (B, T, S). Returns ((B, T, E), new cache). `unroll`:
+        the layers as one straight program instead of a loop over them (a GPU decode step: no
+        per-layer loop iteration to launch; more to compile)."""
         inv_freq = rope_inv_freq(self.config)
         x = self.model.embed_tokens(tokens)
+        fused = fuse_projections(self.model.layers)
         graphdef, stacked = nnx.split(self.model.layers)
 
         def body(carry, xs):
             x, cache = carry
-            state, i = xs
-            x, cache = nnx.merge(graphdef, state)(x, positions, inv_freq, mask, cache, cache_index, i)
+            state, i, f = xs
+            x, cache = nnx.merge(graphdef, state)(x, positions, inv_freq, mask, cache, cache_index, i, f)
             return (x, cache), None
 
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(self.config.num_hidden_layers)))
+        layers = self.config.num_hidden_layers
+        xs = (stacked, jnp.arange(layers), fused)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), xs, unroll=layers if unroll else 1)
         return self.model.norm(x), cache
 
     def hidden_states_grouped(
@@ -300,6 +314,37 @@ class CausalLM(nnx.Module):
         return self.logits(h)
 
 
+def fuse_projections(layers: "DecoderLayer") -> dict[str, jax.Array]:
+    """The stacked layers' k and v projections as one weight (L, E, 2, K*D) (and their biases
+    (L, 2, K*D)), and gate and up as one (L, E, 2, I): one matmul each instead of two, built once
+    per call outside the layer loop (in a decode loop XLA hoists it out: the weights do not
+    change there). For the sampler's small per-token matmuls, where launches cost more than
+    FLOPs; the learner keeps them apart (its matmuls are large, and the copy and its gradient
+    would add to its peak). Stacked on a new axis, not concatenated, so a projection split over
+    the mesh's tensor axis stays split the same way. Projections with LoRA adapters stay apart.
+    GRPO_FUSED_PROJECTIONS=0 turns it off."""
+    if os.environ.get("GRPO_FUSED_PROJECTIONS", "1").strip() == "0":
+        return {}
+    a, m = layers.self_attn, layers.mlp
+    out: dict[str, jax.Array] = {}
+    if a.k_proj.lora_a is None and a.v_proj.lora_a is None:
+        out["kv"] = jnp.stack([a.k_proj.kernel[...], a.v_proj.kernel[...]], axis=2)
+        if a.k_proj.bias is not None:
+            out["kv_bias"] = jnp.stack([a.k_proj.bias[...], a.v_proj.bias[...]], axis=1)
+    if m.gate_proj.lora_a is None and m.up_proj.lora_a is None:
+        out["gate_up"] = jnp.stack([m.gate_proj.kernel[...], m.up_proj.kernel[...]], axis=2)
+    return out
+
+
+def _fused_matmul(x, w, bias, dtype) -> tuple[jax.Array, jax.Array]:
+    """x (N, E) @ w (E, 2, O) (+ bias (2, O)) in `dtype`, as nnx.Linear computes each -> two (N, O)."""
+    e, _, o = w.shape
+    y = (x.astype(dtype) @ w.astype(dtype).reshape(e, 2 * o)).reshape(x.shape[0], 2, o)
+    if bias is not None:
+        y = y + bias.astype(dtype)
+    return y[:, 0], y[:, 1]
+
+
 def _remat(layer, policy: RematPolicy):
     """The scanned layer body under a rematerialisation policy: NONE keeps every intermediate for
     the backward pass; DOTS keeps the outputs of the weight matmuls (the 2-D projections, not the
@@ -313,6 +358,61 @@ def _remat(layer, policy: RematPolicy):
         else jax.checkpoint_policies.nothing_saveable
     )
     return jax.checkpoint(layer, policy=saveable, prevent_cse=False)
+
+
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+_fallen_back: set[str] = set()
+
+
+def attention_impl(t: int, dtype) -> str:
+    """Which `jax.nn.dot_product_attention` implementation runs a T-query attention in `dtype`:
+    GRPO_ATTENTION (auto, xla, cudnn; default auto). auto: cuDNN's fused flash attention on a GPU
+    for bf16/f16 blocks of several queries (prefill, the learner), XLA's otherwise (one decode
+    query, f32, CPU, TPU)."""
+    want = os.environ.get("GRPO_ATTENTION", "auto").strip().lower() or "auto"
+    if want not in ATTENTION_IMPLS:
+        raise ConfigError(f"GRPO_ATTENTION={want!r}: use one of {', '.join(ATTENTION_IMPLS)}")
+    if want != "auto":
+        return want
+    low = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if t > 1 and low and jax.default_backend() == "gpu" else "xla"
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled dot-product attention: q (B, T, H, D), k/v (B, S, K, D) with H a multiple of K (GQA:
+    K/V are never repeated), mask (B, T, S) True where a query may attend a key -> (B, T, H, D) in
+    q's dtype. Scores and softmax in f32 on every implementation. Through
+    `jax.nn.dot_product_attention` (see `attention_impl`): where cuDNN cannot take the shape or
+    dtype, XLA's runs instead, and the log says so once."""
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    impl = attention_impl(q.shape[1], q.dtype)
+    if impl == "cudnn":
+        try:
+            return _cudnn_attend(q, k, v, mask)
+        except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
+            if os.environ.get("GRPO_ATTENTION", "").strip().lower() == "cudnn":
+                raise
+            why = str(e).splitlines()[0][:200]
+            if why not in _fallen_back:
+                _fallen_back.add(why)
+                logging.getLogger(__name__).warning("cuDNN attention unavailable here (%s): XLA's runs", why)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+
+
+def _cudnn_attend(q, k, v, mask):
+    """cuDNN's flash attention, whose backward takes a mask only for even query and key lengths:
+    odd ones get one more query (attending key 0; its output dropped, so it adds no gradient) or
+    one more key (attended by no query)."""
+    t, s = q.shape[1], k.shape[1]
+    pt, ps = t % 2, s % 2
+    if pt or ps:
+        q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
+        k, v = (jnp.pad(x, ((0, 0), (0, ps), (0, 0), (0, 0))) for x in (k, v))
+        mask = jnp.pad(mask, ((0, 0), (0, pt), (0, ps)))
+        if pt:
+            mask = mask.at[:, t, 0].set(True)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
+    return out[:, :t]
 
 
 def causal_inputs(valid: jax.Array) -> tuple[jax.Array, jax.Array]:
