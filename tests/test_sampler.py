@@ -126,3 +126,86 @@ def test_sampling_frequencies_follow_the_distribution():
     freq = np.bincount(np.asarray(hot(jax.random.split(jax.random.key(1), 20000))), minlength=4) / 20000
     want = np.sqrt([0.5, 0.25, 0.125, 0.125]) / np.sqrt([0.5, 0.25, 0.125, 0.125]).sum()
     np.testing.assert_allclose(freq, want, atol=0.015)
+
+
+@pytest.mark.parametrize("chunk", [3, 16])
+@pytest.mark.parametrize("stop", [False, True])
+def test_decode_chunks_draw_what_one_token_at_a_time_draws(model, chunk, stop):
+    """A chunked loop (one all-done test per `chunk` tokens, steps past the end wasted) gives the
+    very tokens, log-probs, lengths and truncation flags of the one-token loop, with EOS or not,
+    whether or not the chunk divides the completion length."""
+    tok, val = pad_prompts(PROMPTS, (8,), 0)
+    base = opts(temperature=0.0)
+    eos = (int(generate(model, None, tok, val, jax.random.key(0), base).tokens[0, 2]),) if stop else ()
+    one = opts(temperature=0.9, eos_ids=eos, pad_id=39)
+    want = generate(model, None, tok, val, jax.random.key(4), one, num_samples=2)
+    got = generate(
+        model, None, tok, val, jax.random.key(4), opts(**{**vars(one), "decode_chunk": chunk}), num_samples=2
+    )
+    for field in ("tokens", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+    if stop:
+        assert not bool(np.all(want.truncated))
+
+
+def test_decode_updates_the_cache_in_place(model):
+    """The compiled decode loop aliases the donated KV cache to its output and keeps no second
+    copy of it (its scratch space holds one layer's keys and values being read, less than the
+    cache): XLA's buffer assignment says so."""
+    from grpo_core.rl import sampler
+
+    tok, val = pad_prompts(PROMPTS, (8,), 0)
+    graphdef, params = nnx.split(model)
+    o = opts(max_new_tokens=64, decode_chunk=4)
+    cache, state = sampler.prefill(graphdef, params, tok, val, jax.random.key(0), opts=o, num_samples=8)
+    cache_bytes = sum(c.nbytes for c in cache)
+    compiled = sampler.decode.lower(graphdef, params, cache, state, jax.random.key(0), opts=o, prompt_len=8).compile()
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes >= cache_bytes
+    assert mem.temp_size_in_bytes < cache_bytes, (mem.temp_size_in_bytes, cache_bytes)
+
+
+def test_backend_defaults_and_chunk_setting(monkeypatch):
+    from grpo_core.rl.sampler import backend_defaults
+
+    monkeypatch.delenv("GRPO_DECODE_CHUNK", raising=False)
+    monkeypatch.delenv("GRPO_DECODE_UNROLL", raising=False)
+    assert backend_defaults("cpu") == {"decode_chunk": 1, "one_pass": False, "unroll_layers": False}
+    assert backend_defaults("tpu") == {"decode_chunk": 1, "one_pass": True, "unroll_layers": False}
+    assert backend_defaults("gpu")["unroll_layers"]
+    monkeypatch.setenv("GRPO_DECODE_CHUNK", "4")
+    assert backend_defaults("gpu")["decode_chunk"] == 4
+    monkeypatch.setenv("GRPO_DECODE_CHUNK", "0")
+    with pytest.raises(ConfigError, match="GRPO_DECODE_CHUNK='0'"):
+        backend_defaults("gpu")
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_threshold_keeps_the_sorted_nucleus(top_p):
+    """The bisection's floor keeps exactly the words a sort-and-cumsum nucleus keeps, at a real
+    vocabulary's width, peaked rows and flat ones."""
+    from grpo_core.generate.sampler import _nucleus_floor
+
+    logits = jax.random.normal(jax.random.key(7), (6, 4096)) * jnp.array([0.1, 1, 3, 6, 10, 20])[:, None]
+    logp = jax.nn.log_softmax(logits, -1)
+    keep = np.asarray(logp >= _nucleus_floor(logp, top_p))
+    probs = np.exp(np.asarray(logp, np.float64))
+    for r in range(len(probs)):
+        order = np.argsort(-probs[r])
+        before = np.cumsum(probs[r][order]) - probs[r][order]
+        want = np.zeros(probs.shape[1], bool)
+        want[order[before < top_p]] = True
+        assert abs(int(keep[r].sum()) - int(want.sum())) <= 1, (r, keep[r].sum(), want.sum())  # f32 vs f64 sums
+        assert (keep[r] & want).sum() >= want.sum() - 1
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_whole_vocabulary_draws_follow_the_distribution(one_pass):
+    """Both draws (one uniform per row against the CDF; Gumbel-max), plain and under top-p."""
+    logits = jnp.log(jnp.array([[0.5, 0.25, 0.125, 0.125, 1e-9]]))
+    draw = lambda o: jax.jit(jax.vmap(lambda key: sample_logits(logits, key, o)[0][0]))
+    ids = np.asarray(draw(opts(one_pass=one_pass))(jax.random.split(jax.random.key(0), 20000)))
+    np.testing.assert_allclose(np.bincount(ids, minlength=5) / len(ids), [0.5, 0.25, 0.125, 0.125, 0.0], atol=0.015)
+    ids = np.asarray(draw(opts(one_pass=one_pass, top_p=0.7))(jax.random.split(jax.random.key(1), 20000)))
+    np.testing.assert_allclose(np.bincount(ids, minlength=5) / len(ids), [2 / 3, 1 / 3, 0, 0, 0], atol=0.015)

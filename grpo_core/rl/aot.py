@@ -418,7 +418,8 @@ class RunPrograms:
                 lambda: lr.score_policy.lower(policy, rows),
                 ("optimizer", "reference", "rollout_copy"),
             )
-        opts = sampler.SamplerOptions.from_config(self.train.sampling, (0,), 0)
+        target = sampler.backend_defaults(self.devices[0].platform)  # the target chip's, not this host's
+        opts = sampler.SamplerOptions.from_config(self.train.sampling, (0,), 0, **target)
         prefill, decode = self._generate(
             self._rollout_params(), g.prompts_per_step, g.num_generations, opts, pl.rollout, batch_mesh=pl.rollout
         )
