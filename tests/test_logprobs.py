@@ -168,6 +168,17 @@ def test_every_remat_policy_gives_the_same_update():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, atol=1e-6), base_p, p)
 
 
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for x in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(x, "jaxpr", None)
+                if sub is not None:
+                    yield from _eqns(getattr(sub, "jaxpr", sub))
+
+
 def _avals(jaxpr):
     """Every value of a jaxpr and of the jaxprs inside it (scan bodies, custom VJPs, remat)."""
     for eqn in jaxpr.eqns:
@@ -199,3 +210,28 @@ def test_no_rows_by_tokens_by_vocab_tensor_in_the_update():
     assert any(width in s for s in big)  # the chunks exist: the check sees the head's values
     # and nothing near B x N x V: the largest values are the head's weight and gradient (V x E, E = 128)
     assert max(int(np.prod(s)) for s in big) < tokens * vocab / 4, big
+
+
+def test_bf16_gradients_accumulate_in_f32():
+    """Under accumulation the micro-batches' gradients of bf16 parameters are summed in f32 (the
+    scan's carry) and rounded to bf16 once; the state keeps its dtypes (no recompile next step)."""
+    model = create_model(get_preset("tiny", vocab_size=384, dtype="bfloat16", param_dtype="bfloat16"), 0)
+    graphdef, params = nnx.split(model)
+    _, _, data = learner_inputs()
+    hp = LossParams.from_config(
+        GRPOConfig(beta=0.04, grad_accum_steps=4, prompts_per_step=4, num_generations=4),
+        data.targets.shape[1],
+        0.9,
+        RematPolicy.NONE,
+        64,
+    )
+    learner = Learner(graphdef, OptimizerConfig(learning_rate=1e-3), hp, 10)
+    state = learner.init_state(params)
+    jaxpr = jax.make_jaxpr(learner.update)(state, data)
+    scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
+    embed = params["model"]["embed_tokens"]["embedding"][...].shape
+    carries = [v.aval for e in scans for v in e.outvars if getattr(v.aval, "shape", None) == embed]
+    assert carries and all(a.dtype == jnp.float32 for a in carries), carries
+    new, _ = learner.update(state, data)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new)):
+        assert a.dtype == b.dtype

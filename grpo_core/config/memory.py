@@ -167,14 +167,17 @@ def estimate(
         "runtime": runtime_bytes,
         "programs": CPU_PROGRAMS_BYTES if backend == "cpu" else 0,
         "gradients": per(trained * tb),
-        "grad_accumulator": per(trained * tb) if grad_accum_steps > 1 else 0,  # the sum beside each micro-batch's
+        # the sum beside each micro-batch's, in f32 whatever the parameters' dtype (rl.learner.update)
+        "grad_accumulator": per(trained * max(tb, 4)) if grad_accum_steps > 1 else 0,
         "optimizer_update": per(trained * tb),
         # split over at most the micro-batch's prompts: XLA:TPU keeps a group's rows together (v5e:2x4's
         # 8 chips hold no less than v5e:2x2's 4 with 4 prompts a micro-batch), and scaled per backend
         "activations": int(
             math.ceil(
                 _ACT_SCALE.get(backend, 1.0)
-                * _activations(m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens, _act_bytes(backend, cb))
+                * _activations(
+                    m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens, _act_bytes(backend, cb), flash(backend, m)
+                )
                 / min(r, micro_p)
             )
         ),
@@ -191,10 +194,17 @@ def estimate(
             * cb
         ),
         "sampler_logits": rows(4 * sh.rows * m.vocab_size * 4),  # logits, log-softmax, exp, cumsum of one decode step
+        # the sampler's stacked k/v and gate/up weights (grpo_core.nn.model.fuse_projections; not
+        # under LoRA, whose adapted projections stay apart)
+        "fused_projections": 0
+        if lora
+        else per(
+            m.num_hidden_layers * m.hidden_size * 2 * (m.num_key_value_heads * m.head_dim + m.intermediate_size) * pb
+        ),
     }
     t = terms
     phases = {
-        "rollout": t["kv_cache"] + t["sampler_logits"] + t["cpu_upcast"],
+        "rollout": t["kv_cache"] + t["sampler_logits"] + t["fused_projections"] + t["cpu_upcast"],
         "backward": t["gradients"] + t["grad_accumulator"] + t["activations"] + t["logprob_chunks"] + t["cpu_upcast"],
         "optimizer": t["gradients"] + t["optimizer_update"],
     }
@@ -202,11 +212,21 @@ def estimate(
     return Estimate(remat, grad_accum_steps, train.logits_chunk_mib, terms, phases, resident)
 
 
-def _activations(m: ModelConfig, remat: RematPolicy, p: int, b: int, tp: int, n: int, act_bytes: int) -> int:
+def flash(backend: str, m: ModelConfig) -> bool:
+    """Whether the learner's attention is a fused kernel that never holds the scores (cuDNN's on a
+    GPU for a bfloat16 model, unless GRPO_ATTENTION=xla: grpo_core.nn.model.attention_impl)."""
+    impl = os.environ.get("GRPO_ATTENTION", "auto").strip().lower() or "auto"
+    return backend == "gpu" and m.dtype is DType.BFLOAT16 and impl != "xla"
+
+
+def _activations(
+    m: ModelConfig, remat: RematPolicy, p: int, b: int, tp: int, n: int, act_bytes: int, flash: bool = False
+) -> int:
     """What the decoder layers keep for the backward pass of one micro-batch (p prompts, b rows),
     plus the working set of the one layer whose backward runs. Prompt tokens run once per group (model.GroupedInputs):
-    p*tp + b*n tokens; attention scores are b*n*(tp+n) + p*tp*tp per head. `act_bytes`: bytes of
-    an activation element (XLA:CPU keeps bfloat16 work in f32)."""
+    p*tp + b*n tokens; attention scores are b*n*(tp+n) + p*tp*tp per head, or under a fused
+    (`flash`) kernel one log-sum-exp per query. `act_bytes`: bytes of an activation element
+    (XLA:CPU keeps bfloat16 work in f32)."""
     e, q, kv, i, L = (  # noqa: N806  (L: layers, as in the formula)
         m.hidden_size,
         m.num_attention_heads * m.head_dim,
@@ -215,9 +235,9 @@ def _activations(m: ModelConfig, remat: RematPolicy, p: int, b: int, tp: int, n:
         m.num_hidden_layers,
     )
     tokens = p * tp + b * n
-    scores = m.num_attention_heads * (b * n * (tp + n) + p * tp * tp)
+    scores = m.num_attention_heads * ((b * n + p * tp) if flash else (b * n * (tp + n) + p * tp * tp))
     k = _PER_TOKEN
-    # attention scores and their softmax are f32 on every backend (model.Attention._attend): their
+    # attention scores and their softmax are f32 on every backend (model.attend): their
     # bytes do not scale with the compute dtype
     every = tokens * (k["e"] * e + k["qkv"] * (q + kv) + k["i"] * i) * act_bytes + scores * k["score"]
     kept = {

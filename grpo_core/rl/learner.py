@@ -182,6 +182,11 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
     return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
+def accumulator_dtype(dtype):
+    """Gradients summed over micro-batches in at least f32: 16-bit sums lose the small terms."""
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4 else dtype
+
+
 def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedule, hp: LossParams):
     """One optimizer update over `batch`, split into hp.grad_accum_steps micro-batches of whole
     groups (prompt arrays split P/A ways, completion arrays B/A ways: rows stay with their prompt).
@@ -195,14 +200,18 @@ def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedu
         grads, loss, sums = carry
         mb_batch, mb_weights = mb
         (mb_loss, s), g = grad_fn(state["params"], graphdef, mb_batch, mb_weights, hp, frozen)
-        return (jax.tree.map(jnp.add, grads, g), loss + mb_loss, jax.tree.map(jnp.add, sums, s)), None
+        grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), grads, g)
+        return (grads, loss + mb_loss, jax.tree.map(jnp.add, sums, s)), None
 
     zero_sums = algo.TokenSums(**{k: jnp.float32(0) for k in algo.TokenSums._fields})
-    init = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.float32(0), zero_sums)
     if a == 1:  # no loop: lets XLA fuse the whole step
+        init = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.float32(0), zero_sums)
         (grads, loss, sums), _ = accumulate(init, jax.tree.map(lambda x: x[0], micro))
-    else:
+    else:  # the sum over micro-batches in f32 (bf16 parameters' gradients round once, at the end)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accumulator_dtype(p.dtype)), state["params"])
+        init = (zeros, jnp.float32(0), zero_sums)
         (grads, loss, sums), _ = jax.lax.scan(accumulate, init, micro)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = algo.token_means(sums, batch.mask)._asdict()
