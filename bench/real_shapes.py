@@ -2,7 +2,7 @@
 preflight's estimate, the memory floor and s/step, under each rematerialisation policy.
 
     python -m bench.real_shapes [--workload a|b|gpu-0.5b|...|all] [--remat auto|none|dots|full|all]
-                                [--steps N] [--json out.json]
+                                [--steps N] [--json out.json] [--profile [--profile-dir DIR]]
 
 Workloads (random weights, random 8-10 character prompts, completions forced to N tokens, β 0.04,
 train.grpo.grad_accum_steps: auto, log-probs in chunks of the default size):
@@ -21,6 +21,8 @@ accelerator, the device's peak bytes in use; the floor (params + gradients + opt
 reference + KV cache, the bytes no policy can avoid); estimate / peak; the first step (compilation
 included) and the median of the timed steps, with the rollout / reference / update split; rollout
 tokens/s; on an accelerator, the update's model FLOP/s as a share of its bf16 peak (MFU).
+--profile: one more step under XLA's profiler, and a table of the ops that took the most device
+time (bench.profile). GRPO_ATTENTION and GRPO_DECODE_CHUNK (see the README) apply as in a run.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ BF16_PEAK = {
 PROMPT_TOKENS = 10  # RandomPrompts draws 8-10 characters
 
 
-def run(name: str, remat: str, steps: int) -> dict:
-    """One workload under one remat setting, in this process."""
+def run(name: str, remat: str, steps: int, profile: bool = False, profile_dir: str | None = None) -> dict:
+    """One workload under one remat setting, in this process. `profile`: one more step after the
+    timed ones, under XLA's profiler (bench.profile), its top ops in the result."""
     import jax
 
     from bench.grpo_step import RandomPrompts, frac_a, model_flops
@@ -118,6 +121,13 @@ def run(name: str, remat: str, steps: int) -> dict:
     tr.train_step()
     first = time.perf_counter() - t
     per = [tr.train_step() for _ in range(steps)]
+    prof = None
+    if profile:
+        from bench import profile as xprof
+
+        with xprof.capture(profile_dir) as cap:
+            tr.train_step()
+        prof = cap.summary()
     med = lambda k: statistics.median(m[k] for m in per)
     e = plan.estimate
     floor = sum(e.terms[k] for k in ("params", "gradients", "optimizer", "reference", "kv_cache"))
@@ -144,7 +154,11 @@ def run(name: str, remat: str, steps: int) -> dict:
         "reference_s": med("time/reference"),
         "update_s": med("time/update"),
         "rollout_tokens_per_s": med("rollout_tokens_per_s"),
+        "attention": os.environ.get("GRPO_ATTENTION", "auto"),
+        "decode_chunk": tr.opts.decode_chunk,
     }
+    if prof is not None:
+        out["profile"] = prof
     peak = memory.peak_bytes()
     if "peak_device_bytes" in peak:
         out["peak_device_bytes"] = peak["peak_device_bytes"]
@@ -219,10 +233,14 @@ def main(argv=None) -> int:
     ap.add_argument("--remat", choices=[*REMATS, "all"], default="auto", help="all: auto, then each policy")
     ap.add_argument("--steps", type=int, help="timed steps after the first (default: per workload)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--profile", action="store_true", help="one more step under XLA's profiler: print its top ops by device time"
+    )
+    ap.add_argument("--profile-dir", help="with --profile: keep the trace (.xplane.pb) here, for XProf/TensorBoard")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run(args.workload, args.remat, args.steps)))
+        print(json.dumps(run(args.workload, args.remat, args.steps, args.profile, args.profile_dir)))
         return 0
     names = [args.workload] if args.workload != "all" else ["a", "b"] + (["gpu-0.5b"] if _accelerator() else [])
     remats = REMATS if args.remat == "all" else (args.remat,)
@@ -242,7 +260,9 @@ def main(argv=None) -> int:
                     remat,
                     "--steps",
                     str(steps),
-                ],
+                ]
+                + (["--profile"] if args.profile else [])
+                + (["--profile-dir", os.path.join(args.profile_dir, f"{name}-{remat}")] if args.profile_dir else []),
                 capture_output=True,
                 text=True,
                 cwd=root,
@@ -255,6 +275,11 @@ def main(argv=None) -> int:
             print(_table(rows[-1:]).splitlines()[2], flush=True)  # progress: this row
     print()
     print(_table(rows))
+    for r in rows:
+        if "profile" in r:
+            from bench import profile as xprof
+
+            print(f"\n{r['workload']} remat={r['remat']}, one step:\n" + xprof.table(r["profile"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

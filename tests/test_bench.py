@@ -86,3 +86,29 @@ def test_start_policy_benchmark(tmp_path, capsys):
     out = json.load(open(tmp_path / "out.json"))
     assert [r["mode"] for r in out["rows"]] == ["whole", "params", "export"]
     assert all(r["seconds"] > 0 for r in out["rows"]) and out["built"]["params_m"] > 0.1
+
+
+def test_profile_summary_names_the_programs_and_ops_that_took_the_time(tmp_path):
+    """bench.profile reads XLA's own trace: the program that ran inside the capture is there, its
+    ops' times add up, and a kept trace stays where asked."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench import profile
+
+    @jax.jit
+    def heavy(x):
+        return jnp.tanh(x @ x).sum()
+
+    x = jnp.ones((256, 256))
+    heavy(x).block_until_ready()
+    with profile.capture(str(tmp_path / "trace")) as cap:
+        for _ in range(3):
+            heavy(x).block_until_ready()
+    s = cap.summary(top=5)
+    assert s["ops"] and all(r["ms"] >= 0 and 0 <= r["share"] <= 1 for r in s["ops"])
+    assert any("heavy" in p["program"] for p in s["programs"]), s["programs"]
+    assert sum(r["share"] for r in s["ops"]) <= 1.0 + 1e-9
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+    table = profile.table(s)
+    assert "XLA profile" in table and "heavy" in table
