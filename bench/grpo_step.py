@@ -1,6 +1,6 @@
 """Benchmark: one GRPO step of the engine on two Qwen3-shaped f32 workloads, and LoRA.
 
-    python -m bench.grpo_step [--workload small|tiny|small-lora|all] [--steps N] [--json out.json]
+    python -m bench.grpo_step [--workload small|tiny|small-lora|all] [--steps N] [--json out.json] [--profile]
 
 Both workloads: tied embeddings, vocab 384, 8 prompts of 8-10 tokens, 8 completions each forced
 to 32 tokens (EOS ignored), temperature 1, beta = 0.04 (reference model on), num_iterations 1,
@@ -105,7 +105,7 @@ def frac_a(prompts, completions, **_):
     return [c.count("a") / max(len(c), 1) for c in completions]
 
 
-def run_workload(name: str, steps: int) -> dict:
+def run_workload(name: str, steps: int, profile: bool = False) -> dict:
     import jax
 
     from grpo_core.config.memory import peak_rss_bytes
@@ -145,6 +145,13 @@ def run_workload(name: str, steps: int) -> dict:
         m = tr.train_step()
         m["cpu_s"] = time.process_time() - c
         per_step.append(m)
+    prof = None
+    if profile:  # one more step, after the timed ones
+        from bench import profile as xprof
+
+        with xprof.capture() as cap:
+            tr.train_step()
+        prof = cap.summary()
     med = lambda k: statistics.median(m[k] for m in per_step)
     lens = [len(r["prompt"]) for s in range(1, steps + 1) for r in prompts.sample(s, 0, PROMPTS)]
     flops = model_flops(mcfg, lens[:PROMPTS])  # every step has 8 prompts of 8-10 tokens: use one step's
@@ -168,6 +175,7 @@ def run_workload(name: str, steps: int) -> dict:
         "steps": [
             {k: m[k] for k in ("time/step", "cpu_s", "time/rollout", "time/reference", "time/update")} for m in per_step
         ],
+        **({"profile": prof} if prof is not None else {}),
     }
 
 
@@ -244,17 +252,21 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
     ap.add_argument("--steps", type=int, help="timed steps after the first (default: 5 small, 20 tiny)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--profile", action="store_true", help="one more step under XLA's profiler: print its top ops by device time"
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:  # one workload in this process; print its JSON
-        print(json.dumps(run_workload(args.workload, args.steps)))
+        print(json.dumps(run_workload(args.workload, args.steps, args.profile)))
         return 0
     peak = matmul_peak_gflops()
     rows = []
     for name in WORKLOADS if args.workload == "all" else [args.workload]:
         steps = args.steps or WORKLOADS[name]["steps"]
         proc = subprocess.run(
-            [sys.executable, "-m", "bench.grpo_step", "--child", "--workload", name, "--steps", str(steps)],
+            [sys.executable, "-m", "bench.grpo_step", "--child", "--workload", name, "--steps", str(steps)]
+            + (["--profile"] if args.profile else []),
             capture_output=True,
             text=True,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -264,6 +276,11 @@ def main(argv=None) -> int:
             return proc.returncode
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     print(_table(peak, rows))
+    for r in rows:
+        if "profile" in r:
+            from bench import profile as xprof
+
+            print(f"\n{r['workload']}, one step:\n" + xprof.table(r["profile"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"matmul_peak_gflops": peak, "workloads": rows}, f, indent=1)
