@@ -145,6 +145,7 @@ def test_fused_projections_change_nothing(monkeypatch, lora_targets):
         for lin in (model.model.layers.self_attn.v_proj, model.model.layers.mlp.up_proj):
             lin.lora_b = nnx.LoRAParam(jnp.full(lin.lora_b[...].shape, 0.05, jnp.float32))  # a nonzero update
     tokens = jax.random.randint(jax.random.key(0), (3, 9), 0, TINY["vocab_size"])
+    monkeypatch.setenv("GRPO_FUSED_PROJECTIONS", "1")  # the default only on a GPU
     fused = model(tokens)
     assert set(fuse_projections(model.model.layers)) == (set() if lora_targets else {"kv", "kv_bias", "gate_up"})
     monkeypatch.setenv("GRPO_FUSED_PROJECTIONS", "0")

@@ -194,10 +194,10 @@ def estimate(
             * cb
         ),
         "sampler_logits": rows(4 * sh.rows * m.vocab_size * 4),  # logits, log-softmax, exp, cumsum of one decode step
-        # the sampler's stacked k/v and gate/up weights (grpo_core.nn.model.fuse_projections; not
-        # under LoRA, whose adapted projections stay apart)
+        # the sampler's stacked k/v and gate/up weights (grpo_core.nn.model.fuse_projections: on a
+        # GPU, not under LoRA, whose adapted projections stay apart)
         "fused_projections": 0
-        if lora
+        if lora or backend != "gpu"
         else per(
             m.num_hidden_layers * m.hidden_size * 2 * (m.num_key_value_heads * m.head_dim + m.intermediate_size) * pb
         ),
