@@ -30,6 +30,7 @@ import resource
 import sys
 from typing import Any
 
+from grpo_core.config import switches
 from grpo_core.config.chunks import CHUNK_BUFFERS, num_chunks
 from grpo_core.config.model import DType, ModelConfig, num_adapter_params
 from grpo_core.config.train import RematPolicy, TrainConfig
@@ -215,8 +216,7 @@ def estimate(
 def flash(backend: str, m: ModelConfig) -> bool:
     """Whether the learner's attention is a fused kernel that never holds the scores (cuDNN's on a
     GPU for a bfloat16 model, unless GRPO_ATTENTION=xla: grpo_core.nn.model.attention_impl)."""
-    impl = os.environ.get("GRPO_ATTENTION", "auto").strip().lower() or "auto"
-    return backend == "gpu" and m.dtype is DType.BFLOAT16 and impl != "xla"
+    return backend == "gpu" and m.dtype is DType.BFLOAT16 and switches.attention() != "xla"
 
 
 def _activations(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import NamedTuple, Sequence
 
 import jax
@@ -25,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from grpo_core.config import switches
 from grpo_core.config.train import SamplingConfig
 from grpo_core.errors import ConfigError
 from grpo_core.generate.types import Completions
@@ -41,7 +41,7 @@ class SamplerOptions:
     top_p: float
     eos_ids: tuple[int, ...]
     pad_id: int
-    decode_chunk: int = 1  # tokens drawn between two all-rows-done tests (decode_chunk_for)
+    decode_chunk: int = 1  # tokens drawn between two all-rows-done tests (backend_defaults)
     one_pass: bool = False  # draw with Gumbel-max over the whole vocabulary (backend_defaults)
     unroll_layers: bool = False  # a decode step's layers as straight code, not a loop (backend_defaults)
 
@@ -67,28 +67,16 @@ def backend_defaults(platform: str) -> dict:
     random numbers per token cost 3x a cumulative sum at a real vocabulary, one uniform per row
     against the cumulative probabilities. On a GPU, a decode step's layers run as straight code
     (GRPO_DECODE_UNROLL=0|1 overrides): a loop over them launches each layer's kernels apart."""
-    unroll = os.environ.get("GRPO_DECODE_UNROLL", "").strip()
-    if unroll not in ("", "0", "1"):
-        raise ConfigError(f"GRPO_DECODE_UNROLL={unroll!r}: 0 or 1")
+    unroll = switches.on_off("GRPO_DECODE_UNROLL")
     return {
-        "decode_chunk": decode_chunk_for(platform),
+        # tokens per "every row done?" test (GRPO_DECODE_CHUNK; 1 on every platform): a chunk is a
+        # fixed-count inner loop with no exit test inside, wasting at most chunk - 1 steps once
+        # every row is done. On an H200 (gpu-0.5b) 1 and 16 decoded at the same speed, XLA:GPU
+        # running the loop from command buffers; a TPU runs its loops on the chip.
+        "decode_chunk": switches.decode_chunk(),
         "one_pass": platform != "cpu",
-        "unroll_layers": unroll == "1" if unroll else platform == "gpu",
+        "unroll_layers": platform == "gpu" if unroll is None else unroll,
     }
-
-
-def decode_chunk_for(platform: str) -> int:
-    """Tokens per chunk of the decode loop (GRPO_DECODE_CHUNK; default 1 on every platform): the
-    loop tests "every row done?" once per chunk, a chunk being a fixed-count inner loop with no
-    exit test inside, and wastes at most chunk - 1 steps once every row is done. Measured on an
-    H200 (gpu-0.5b, 8 x 8 x 512): 1 and 16 decode at the same speed, as XLA:GPU runs the loop from
-    command buffers; a TPU runs its loops on the chip. So 1, the setting that wastes nothing."""
-    env = os.environ.get("GRPO_DECODE_CHUNK", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ConfigError(f"GRPO_DECODE_CHUNK={env!r}: a whole number of tokens, 1 or more")
-        return int(env)
-    return 1
 
 
 class DecodeState(NamedTuple):
@@ -288,7 +276,7 @@ def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOpt
 
     if chunk == 1:
         body = functools.partial(step, guard=False)
-    else:  # a fixed-count inner loop: no host test between its steps (decode_chunk_for)
+    else:  # a fixed-count inner loop: no host test between its steps (backend_defaults)
         body = lambda carry: jax.lax.fori_loop(0, chunk, lambda _, c: step(c, guard=True), carry)
 
     # The cache is returned (and dropped by the caller) so the donated input buffer can alias

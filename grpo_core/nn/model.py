@@ -16,15 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_core.config import switches
 from grpo_core.config.model import DType, ModelConfig
 from grpo_core.config.train import RematPolicy
-from grpo_core.errors import ConfigError
 from grpo_core.runtime.mesh import KV_CACHE_AXES, constrain
 
 # A KV cache: (k, v), each (L, B, S, K, D) for L layers.
@@ -167,15 +166,14 @@ class Attention(nnx.Module):
         out = self._attend(q, k, v, mask)
         return self.o_proj(out.astype(x.dtype)).reshape(b, t, e), cache
 
-    def grouped(self, xf, prefix: "GroupedInputs", inv_freq, fused=None):
+    def grouped(self, xf, prefix: "GroupedInputs", inv_freq):
         """Shared-prefix attention over flat tokens [P*Tp prompt tokens | B*Tc completion tokens].
 
         Prompt tokens attend causally among themselves; each completion token attends to its
         group's prompt (keys repeated G times, so gradients sum over the group) and causally to
         its own earlier completion tokens.
         """
-        pos = [prefix.pos_p, prefix.pos_c]
-        (qp, kp, vp), (qc, kc, vc) = self._qkv(xf, prefix.shapes, pos, inv_freq, fused)
+        (qp, kp, vp), (qc, kc, vc) = self._qkv(xf, prefix.shapes, [prefix.pos_p, prefix.pos_c], inv_freq)
         g = prefix.group_size
         kc = jnp.concatenate([jnp.repeat(kp, g, axis=0), kc], axis=1)  # (B, Tp+Tc, K, D)
         vc = jnp.concatenate([jnp.repeat(vp, g, axis=0), vc], axis=1)
@@ -215,10 +213,10 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x), fused)
         return x, new_cache
 
-    def grouped(self, xf, prefix: "GroupedInputs", inv_freq, fused=None):
+    def grouped(self, xf, prefix: "GroupedInputs", inv_freq):
         """xf: flat (P*Tp + B*Tc, E) tokens; see Attention.grouped."""
-        xf = xf + self.self_attn.grouped(self.input_layernorm(xf), prefix, inv_freq, fused)
-        return xf + self.mlp(self.post_attention_layernorm(xf), fused)
+        xf = xf + self.self_attn.grouped(self.input_layernorm(xf), prefix, inv_freq)
+        return xf + self.mlp(self.post_attention_layernorm(xf))
 
 
 class Decoder(nnx.Module):
@@ -324,10 +322,8 @@ def fuse_projections(layers: "DecoderLayer") -> dict[str, jax.Array]:
     the mesh's tensor axis stays split the same way. Projections with LoRA adapters stay apart.
     On a GPU only by default (GRPO_FUSED_PROJECTIONS=0|1 overrides): on CPU the copy raised the
     `small` benchmark's peak RSS by 4 % for no speed, and a TPU's HBM is the tighter budget."""
-    want = os.environ.get("GRPO_FUSED_PROJECTIONS", "").strip()
-    if want not in ("", "0", "1"):
-        raise ConfigError(f"GRPO_FUSED_PROJECTIONS={want!r}: 0 or 1")
-    if want == "0" or (not want and jax.default_backend() != "gpu"):
+    want = switches.on_off("GRPO_FUSED_PROJECTIONS")
+    if not (jax.default_backend() == "gpu" if want is None else want):
         return {}
     a, m = layers.self_attn, layers.mlp
     out: dict[str, jax.Array] = {}
@@ -364,7 +360,6 @@ def _remat(layer, policy: RematPolicy):
     return jax.checkpoint(layer, policy=saveable, prevent_cse=False)
 
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 _fallen_back: set[str] = set()
 
 
@@ -373,9 +368,7 @@ def attention_impl(t: int, dtype) -> str:
     GRPO_ATTENTION (auto, xla, cudnn; default auto). auto: cuDNN's fused flash attention on a GPU
     for bf16/f16 blocks of several queries (prefill, the learner), XLA's otherwise (one decode
     query, f32, CPU, TPU)."""
-    want = os.environ.get("GRPO_ATTENTION", "auto").strip().lower() or "auto"
-    if want not in ATTENTION_IMPLS:
-        raise ConfigError(f"GRPO_ATTENTION={want!r}: use one of {', '.join(ATTENTION_IMPLS)}")
+    want = switches.attention()
     if want != "auto":
         return want
     low = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -394,7 +387,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
         try:
             return _cudnn_attend(q, k, v, mask)
         except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
-            if os.environ.get("GRPO_ATTENTION", "").strip().lower() == "cudnn":
+            if switches.attention() == "cudnn":
                 raise
             why = str(e).splitlines()[0][:200]
             if why not in _fallen_back:
