@@ -16,6 +16,7 @@ import typing
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer, model_validator
+from pydantic.fields import FieldInfo
 
 from grpo_core.config.fields import bounds_of, doc_of, enum_type, section_type
 from grpo_core.config.model import LoraConfig, ModelSection, ReferencePolicy
@@ -53,6 +54,22 @@ def _positions(schema: dict[str, Any], cls: type) -> None:
     first, the advanced subsections last."""
     for i, prop in enumerate(schema.get("properties", {}).values()):
         prop["position"] = i
+
+
+def _positions_without(names: tuple[str, ...]):
+    """_positions for a section whose fields `names` the form shows at its top (_TOP): each leaves
+    the section's form but not its schema. It moves to `patternProperties`, which the server
+    still checks an API call or a deployment's YAML against and which neither UI renders."""
+
+    def extra(schema: dict[str, Any], cls: type) -> None:
+        props = schema.get("properties", {})
+        for name in names:
+            prop = props.pop(name)  # null: the default, as the top field reads it
+            kinds = [{k: v for k, v in prop.items() if k not in ("description", "title")}, {"type": "null"}]
+            schema.setdefault("patternProperties", {})[f"^{name}$"] = {"anyOf": kinds}
+        _positions(schema, cls)
+
+    return extra
 
 
 class _Form(BaseModel):
@@ -138,9 +155,12 @@ def _annotation(hint: Any, enum_cls: type[enum.Enum] | None, bounds: dict[str, A
 _FIRST = {
     "model": ("path", "preset"),
     "data": ("source", "format", "eval_source"),
-    "train": ("num_steps",),
-    "pipeline": ("epochs",),
 }
+# The fields the form leads with, above every section, though the config keeps each in its
+# section (field: section): a parameter's shape cannot change (API calls, deployments' YAML and
+# `--set` write config.train.num_steps), so the section still takes the field, and RunParams
+# moves it up (RunParams._lift) and back (RunParams.to_config).
+_TOP = {"num_steps": "train", "epochs": "pipeline"}
 # Section titles as the form shows them.
 _TITLES = {
     "storage": "Storage",
@@ -244,7 +264,11 @@ def _model_for(
         else:
             fields[fname] = (Optional[ann], _empty(description=description, **bounds))
     cls_name = name or "".join(p.capitalize() for p in path.replace("_", ".").split(".")) + "Params"
-    base = type(cls_name, (_Form,), {"model_config": ConfigDict(extra="forbid", title=_TITLES.get(path, path))})
+    config = ConfigDict(extra="forbid", title=_TITLES.get(path, path))
+    top = tuple(f for f, section in _TOP.items() if section == path)
+    if top:
+        config["json_schema_extra"] = _positions_without(top)
+    base = type(cls_name, (_Form,), {"model_config": config})
     return create_model(cls_name, __base__=base, **fields)
 
 
@@ -313,16 +337,29 @@ def _given(m: BaseModel) -> dict[str, Any]:
     return out
 
 
+def _top(section: type[BaseModel], name: str) -> Any:
+    """The form's top field for `name` of `section`: its type, bounds and description, naming
+    where a config file keeps it."""
+    f, path = section.model_fields[name], f"{_TOP[name]}.{name}"
+    return FieldInfo.merge_field_infos(f, description=f"{f.description} In a config file, the API or --set: {path}.")
+
+
+_Steps = TrainParams.model_fields["num_steps"].annotation
+_Epochs = PipelineParams.model_fields["epochs"].annotation
+
+
 class RunParams(_Form):
     """A GRPO run: where it lives, the model, the data, the rewards, training, the pipeline's
     stages and evaluation. A field left empty takes the default for this config, as on the
     command line (the embedded default is the tiny preset on the synthetic task)."""
 
     model_config = ConfigDict(extra="forbid", title="GRPO run")
-    # What a run needs first: the data, the model, the rewards, epochs and steps (each the first
-    # field of its section, Pipeline's short section before Training's long one, whose advanced
-    # subsections come last), where the run lands at the end. Prefect's form follows this order
-    # (each field's `position`); a parameter's shape cannot change (config.train.num_steps, ...).
+    # What a run needs first: how long (steps and epochs, which a config keeps in Training and
+    # Pipeline, see _TOP), the data, the model, the rewards; then the long sections, each with
+    # its own fields before its advanced subsections, and where the run lands at the end.
+    # Prefect's form follows this order (each field's `position`).
+    num_steps: _Steps = _top(TrainParams, "num_steps")
+    epochs: _Epochs = _top(PipelineParams, "epochs")
     data: DataParams = Field(
         title=_TITLES["data"], default_factory=DataParams, description="The prompts: source, format, split, length"
     )
@@ -331,15 +368,15 @@ class RunParams(_Form):
         description=RUN_DOCS["rewards"] + f". {_EMPTY} (char_match on the built-in synthetic task)",
         min_length=1,
     )
-    pipeline: PipelineParams = Field(
-        title=_TITLES["pipeline"],
-        default_factory=PipelineParams,
-        description="Epochs first; then checkpoints, retries and time limits of the stages",
-    )
     train: TrainParams = Field(
         title=_TITLES["train"],
         default_factory=TrainParams,
-        description="Steps first; then the objective, sampling, optimizer, rollout engine and mesh (advanced)",
+        description="The objective, sampling, optimizer, rollout engine and mesh (advanced)",
+    )
+    pipeline: PipelineParams = Field(
+        title=_TITLES["pipeline"],
+        default_factory=PipelineParams,
+        description="Checkpoints, retries and time limits of the stages",
     )
     eval: EvalParams = Field(
         title=_TITLES["eval"], default_factory=EvalParams, description="Evaluation on the eval split after each epoch"
@@ -349,7 +386,34 @@ class RunParams(_Form):
     )
     run_name: Optional[str] = _empty(title="Run folder", description=RUN_DOCS["run_name"])
 
+    @model_validator(mode="before")
+    @classmethod
+    def _lift(cls, value: Any) -> Any:
+        """train.num_steps and pipeline.epochs where a config, an API call or a deployment's YAML
+        writes them become the top fields. A top field given (not empty) wins: a deployment whose
+        parameters spell the section's keeps that value out of sight in the form, which submits
+        it beside the top field the user typed."""
+        if not isinstance(value, dict):
+            return value
+        out = dict(value)
+        for name, section in _TOP.items():
+            inner = out.get(section)
+            if isinstance(inner, dict) and name in inner:
+                inner = dict(inner)
+                given = inner.pop(name)
+                if out.get(name) is None:
+                    out[name] = given
+                if inner:
+                    out[section] = inner
+                else:
+                    del out[section]
+        return out
+
     def to_config(self) -> RunConfig:
         # The fields that were given and not left empty: RunConfig applies the defaults that
         # depend on them, as for a YAML file or --set overrides.
-        return RunConfig.from_dict(_given(self))
+        given = _given(self)
+        for name, section in _TOP.items():
+            if name in given:
+                given[section] = {**given.get(section, {}), name: given.pop(name)}
+        return RunConfig.from_dict(given)

@@ -58,7 +58,8 @@ def test_untouched_form_fields_mean_the_default_for_this_config(prompts, tmp_pat
     cases = [
         ({"data.source": prompts}, [f"data.source={prompts}"]),
         ({"rewards": [{"function": "math_answer", "weight": 1.0}]}, ['rewards=[{"function": "math_answer"}]']),
-        ({"train.num_steps": 7, "pipeline.epochs": 1}, ["train.num_steps=7", "pipeline.epochs=1"]),
+        ({"num_steps": 7, "epochs": 1}, ["train.num_steps=7", "pipeline.epochs=1"]),  # the form's top fields
+        ({"train.num_steps": 7, "pipeline.epochs": 1}, ["train.num_steps=7", "pipeline.epochs=1"]),  # the API's
         ({"model.preset": "small"}, ["model.preset=small"]),
     ]
     for changes, sets in cases:
@@ -101,17 +102,19 @@ def test_the_form_leads_with_the_fields_users_change():
     defs = schema["$defs"]
     shown = _as_the_form_shows(schema)
     # issue 30, item 3: what a run needs first (before: storage and run folder first, the
-    # advanced Training subsections before pipeline.epochs, which sat at 75 % of the form)
-    assert [f for f in shown if "." not in f or f.endswith((".source", ".path", ".epochs", ".num_steps"))][:6] == [
+    # advanced Training subsections before pipeline.epochs, which sat at 75 % of the form; then
+    # epochs and steps the first fields of their sections, at 20 % and 42 %)
+    assert shown[:3] == ["num_steps", "epochs", "data.source"]
+    assert [f for f in shown if "." not in f or f.endswith((".source", ".path"))][:6] == [
+        "num_steps",
+        "epochs",
         "data.source",
         "model.path",
         "rewards",
-        "pipeline.epochs",
-        "train.num_steps",
         "run_name",
     ]
-    assert shown.index("pipeline.epochs") < 0.25 * len(shown) and shown.index("train.num_steps") < 0.45 * len(shown)
-    assert shown.index("train.num_steps") < min(i for i, f in enumerate(shown) if f.startswith("train.grpo."))
+    assert shown.index("rewards") < 0.3 * len(shown) and shown.index("rewards") < shown.index("train.num_epochs")
+    assert "train.num_steps" not in shown and "pipeline.epochs" not in shown  # one field each in the form
     assert list(defs["ModelParams"]["properties"])[:2] == ["path", "preset"]
     # every section's fields carry their place: the UI puts a field without one first
     for name, d in [("RunParams", schema), *defs.items()]:
@@ -121,6 +124,42 @@ def test_the_form_leads_with_the_fields_users_change():
     titles = [d["title"] for d in defs.values()]
     assert not [t for t in titles if t.endswith("Params")], titles
     assert "Training (advanced): optimizer" in titles
+
+
+def test_steps_and_epochs_keep_their_place_in_a_config():
+    """The form shows train.num_steps and pipeline.epochs at its top; every way a config spells
+    them still works (API calls, deployments' YAML, --set, grpo run's config sent whole): the
+    server's schema check accepts it and the run is the same config, the same hash."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    from flows.pipeline import grpo_pipeline
+
+    cli = load_config(None, ["train.num_steps=7", "pipeline.epochs=1", "train.grpo.prompts_per_step=4"])
+    spellings = [
+        {"train": {"num_steps": 7, "grpo": {"prompts_per_step": 4}}, "pipeline": {"epochs": 1}},  # API, YAML
+        {"num_steps": 7, "epochs": 1, "train": {"grpo": {"prompts_per_step": 4}}},  # the form
+        {"epochs": None, "train": {"num_steps": 7, "grpo": {"prompts_per_step": 4}}, "pipeline": {"epochs": 1}},
+        cli.to_dict(),  # grpo run
+    ]
+    # what the server checks a deployment's parameters against (enforce_parameter_schema)
+    schema = parameter_schema(grpo_pipeline.fn).model_dump_for_openapi()
+    for config in spellings[:3]:  # grpo run's config runs the flow in its own process: pydantic checks it
+        assert validate({"config": config}, schema, raise_on_error=False) == [], config
+    for config in spellings:
+        form = RunParams.model_validate(config)
+        assert form.to_config().to_dict() == cli.to_dict() and form.to_config().name == cli.name, config
+        # written out (grpo serve's deployment parameters): at the top, where the form shows them
+        dumped = form.model_dump(exclude_unset=True)
+        assert dumped["num_steps"] == 7 and dumped["epochs"] == 1 and "num_steps" not in dumped["train"], dumped
+        assert RunParams.model_validate(dumped).to_config().name == cli.name
+    for bad in ({"train": {"num_steps": 0}}, {"pipeline": {"epochs": 0}}, {"epochs": 0}, {"train": {"nope": 1}}):
+        assert validate({"config": bad}, schema, raise_on_error=False), bad  # refused before a run exists
+    # a deployment whose parameters say train.num_steps: the form keeps that value out of sight
+    # and submits it beside the top field; what the user typed there wins
+    typed = RunParams.model_validate({"num_steps": 3, "train": {"num_steps": 7}}).to_config()
+    assert typed.train.num_steps == 3
+    assert RunParams.model_validate({"train": {"num_steps": None}}).to_config().name == RunParams().to_config().name
 
 
 def test_every_field_is_described_with_its_bounds_and_default():
@@ -135,10 +174,11 @@ def test_every_field_is_described_with_its_bounds_and_default():
                 if "Allowed:" not in prop.get("description", ""):
                     unbounded.append(f"{dname}.{name}")
     assert not missing and not unbounded, (missing, unbounded)
-    steps = schema["$defs"]["TrainParams"]["properties"]["num_steps"]["description"]
+    steps = schema["properties"]["num_steps"]["description"]
     assert (
         "≥ 1" in steps and 'Empty: the default for this config ("auto"; on the built-in synthetic task: 600)' in steps
     )
+    assert steps.endswith("In a config file, the API or --set: train.num_steps.")
     prompt = schema["$defs"]["DataParams"]["properties"]["max_prompt_tokens"]["description"]
     assert "(512; on the built-in synthetic task: 16)" in prompt
 
