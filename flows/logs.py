@@ -1,6 +1,6 @@
-"""Two lines of Prefect's own flow-run log that say something untrue about this project's runs
-(issue 30, item 6), rewritten where they are logged (the `prefect.flow_runs` logger, so the
-UI's log and the console read the same):
+"""Lines of Prefect's own log that say something untrue about this project's runs (issue 30,
+item 6), rewritten where they are logged (the `prefect.flow_runs` and `prefect.task_runs`
+loggers, so the UI's log and the console read the same), and who stopped a run:
 
 - "Downloading flow code from storage at '.'": a served deployment's code is the folder the flow
   run starts in; nothing is downloaded (logged when a run starts, and again by the runner after a
@@ -8,6 +8,12 @@ UI's log and the console read the same):
   code from /path".
 - "Finished in state Running()": what the engine says last when a cancel stopped the flow run (the
   runner, not the engine, then sets it Cancelled). It becomes "Finished: cancelled".
+- "Crash detected! Execution was aborted by a termination signal." and "Finished in state
+  Crashed('Execution was aborted by a termination signal.')", both at ERROR: what the task that
+  was running says when a cancel (or `grpo serve` stopped, or another SIGTERM) stopped the flow
+  run. Its worker stopped at a step boundary with a checkpoint; nothing failed. They become
+  "Stopped: <who stopped it>" and "Finished: interrupted", at INFO after a cancel and at WARNING
+  after another SIGTERM (stop_level).
 
 The filter is attached when flows.pipeline is imported (every flow-run process: grpo run, grpo
 serve, a work-pool worker); the first line comes before that import, so `grpo serve` gives its
@@ -21,12 +27,53 @@ import os
 import tempfile
 from typing import Any
 
-LOGGER = "prefect.flow_runs"
+LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 FILTER = "grpo_engine_lines"
+_TERMINATED = "Execution was aborted by a termination signal."  # Prefect's message for TerminationSignal
+
+
+def stop_file(flow_run_id: str) -> str:
+    """Where `grpo serve` leaves who stopped a flow run it runs (read by stop_reason)."""
+    return os.path.join(tempfile.gettempdir(), f"grpo-stop-{flow_run_id}.txt")
+
+
+def _cancelled() -> bool:
+    """Whether the SIGTERM this flow-run process got is a cancel (the UI's Cancel, the API's
+    Cancelling state): Prefect's runner says so to the process before it signals it."""
+    try:
+        from prefect._internal.control_listener import get_intent  # Prefect's internals: may move
+
+        return get_intent() == "cancel"
+    except Exception:  # noqa: BLE001 - an older or newer Prefect: the other clues
+        return False
+
+
+def stop_reason() -> str:
+    """Who sent the SIGTERM that stopped this flow run: a cancel in the UI or API, `grpo serve`
+    stopped (it leaves its reason in stop_file), or another SIGTERM."""
+    if _cancelled():
+        return "the flow run was cancelled (the UI's Cancel or the API)"
+    from prefect.runtime import flow_run  # the run's id, where a flow runs
+
+    try:
+        with open(stop_file(flow_run.id)) as f:
+            return f.read().strip() or "grpo serve was stopped"
+    except OSError:
+        return "the process running the flow was sent SIGTERM (a scheduler, a shutdown, or kill)"
+
+
+def stop_level() -> int:
+    """How loud a run stopped by SIGTERM says so: INFO after a cancel (what the user asked for),
+    WARNING after another SIGTERM (a shutdown, a scheduler: nobody here asked)."""
+    return logging.INFO if _cancelled() else logging.WARNING
+
+
+def _level(record: logging.LogRecord, level: int) -> None:
+    record.levelno, record.levelname = level, logging.getLevelName(level)
 
 
 class EngineLines(logging.Filter):
-    """Rewrites the two lines above; every other record passes unchanged."""
+    """Rewrites the lines above; every other record passes unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.msg
@@ -36,14 +83,21 @@ class EngineLines(logging.Filter):
             record.msg, record.args = f"Loading the flow's code from {os.getcwd()}", ()
         elif msg == "Finished in state Running()":
             record.msg, record.args = "Finished: cancelled (the runner sets the flow run Cancelled)", ()
+        elif msg == f"Crash detected! {_TERMINATED}":
+            record.msg, record.args = "Stopped: %s", (stop_reason(),)
+            _level(record, stop_level())
+        elif msg == f"Finished in state Crashed({_TERMINATED!r})":
+            record.msg, record.args = "Finished: interrupted (Prefect marks the task run Crashed)", ()
+            _level(record, stop_level())
         return True
 
 
 def attach() -> None:
-    """The filter on Prefect's flow-run logger in this process (once)."""
-    logger = logging.getLogger(LOGGER)
-    if not any(isinstance(f, EngineLines) for f in logger.filters):
-        logger.addFilter(EngineLines())
+    """The filter on Prefect's flow-run and task-run loggers in this process (once)."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, EngineLines) for f in logger.filters):
+            logger.addFilter(EngineLines())
 
 
 def quiet_logging_config() -> str | None:
@@ -58,12 +112,13 @@ def quiet_logging_config() -> str | None:
     source = own if own.exists() else DEFAULT_LOGGING_SETTINGS_PATH
     try:
         config: dict[str, Any] = yaml.safe_load(source.read_text())
-        logger = config.setdefault("loggers", {}).setdefault(LOGGER, {})
+        loggers = [config.setdefault("loggers", {}).setdefault(name, {}) for name in LOGGERS]
     except (OSError, yaml.YAMLError, AttributeError):
         return None
     config.setdefault("filters", {})[FILTER] = {"()": f"{__name__}.EngineLines"}
-    if FILTER not in logger.setdefault("filters", []):
-        logger["filters"].append(FILTER)
+    for logger in loggers:
+        if FILTER not in logger.setdefault("filters", []):
+            logger["filters"].append(FILTER)
     fd, path = tempfile.mkstemp(prefix=f"grpo-logging-{os.getpid()}-", suffix=".yml")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)

@@ -24,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 
 from flows.logs import attach as _attach_log_filter
+from flows.logs import stop_level, stop_reason
 from flows.params import RunParams
 from grpo_core.config.run import RunConfig
 from grpo_core.data.resolve import with_versions
@@ -46,7 +47,7 @@ from tasks.stages import (
     train_epoch,
 )
 
-_attach_log_filter()  # Prefect's "Finished in state Running()" after a cancel reads "Finished: cancelled"
+_attach_log_filter()  # after a cancel, Prefect's own lines say so (flows.logs), not "Crashed" at ERROR
 
 
 @task(name="summarize", cache_policy=NO_CACHE)
@@ -161,28 +162,6 @@ def _error_text(exc: BaseException) -> str:
     if not isinstance(exc, TerminationSignal):
         return f"{type(exc).__name__}: {exc}"
     return f"stopped by SIGTERM: {stop_reason()}"
-
-
-def stop_reason() -> str:
-    import os
-    import tempfile
-
-    from prefect.runtime import flow_run
-
-    try:
-        from prefect._internal.control_listener import get_intent
-
-        intent = get_intent()
-    except Exception:  # noqa: BLE001 - an older or newer Prefect: the other clues
-        intent = None
-    if intent == "cancel":
-        return "the flow run was cancelled (the UI's Cancel or the API)"
-    path = os.path.join(tempfile.gettempdir(), f"grpo-stop-{flow_run.id}.txt")
-    try:
-        with open(path) as f:
-            return f.read().strip() or "grpo serve was stopped"
-    except OSError:
-        return "the process running the flow was sent SIGTERM (a scheduler, a shutdown, or kill)"
 
 
 def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
@@ -318,9 +297,9 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     from its last checkpoint), evaluate each epoch's checkpoint, and write summary.json.
 
     Args:
-        config: The run: storage root, model, data, rewards, steps and epochs first, then the
-            advanced sections. A field left empty takes the default for this config, as on the
-            command line; the same config resumes its own run.
+        config: The run: steps and epochs first, then the data, model and rewards, then the
+            advanced sections, the storage root last. A field left empty takes the default for
+            this config, as on the command line; the same config resumes its own run.
     """
     log = get_run_logger()
     cfg = _allowed(lambda: _config(config), log)  # before anything runs or is written
@@ -404,7 +383,10 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
                 summarize(run_url, status, {"error": _error_text(exc)}, invocation())
             except Exception as summary_exc:  # noqa: BLE001 - a damaged or unwritable run root: the cause above counts
                 log.warning("no summary of this attempt: %s: %s", type(summary_exc).__name__, summary_exc)
-        log.error("run %s: %s", status, "".join(traceback.format_exception_only(exc)).strip())
+        if isinstance(exc, TerminationSignal):  # a cancel (INFO) or another SIGTERM (WARNING), not an error
+            log.log(stop_level(), "run interrupted: %s", _error_text(exc))
+        else:
+            log.error("run %s: %s", status, "".join(traceback.format_exception_only(exc)).strip())
         if not can_retry(exc):
             _no_flow_retry(log)
         raise

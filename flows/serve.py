@@ -243,16 +243,12 @@ def stop_flow_runs(message: str, grace_s: float = 60.0) -> list[str]:
     return list(runs)
 
 
-def _stop_reason_path(run_id: str) -> str:
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), f"grpo-stop-{run_id}.txt")
-
-
 def _write_stop_reason(run_id: str, message: str) -> None:
-    """Who stopped the run, for its summary.json (flows.pipeline.stop_reason reads it)."""
+    """Who stopped the run, for its summary.json and its log (flows.logs.stop_reason reads it)."""
+    from flows.logs import stop_file
+
     try:
-        with open(_stop_reason_path(run_id), "w") as f:
+        with open(stop_file(run_id), "w") as f:
             f.write(message)
     except OSError:
         pass
