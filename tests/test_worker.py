@@ -38,13 +38,14 @@ def make_run(root: str, name: str, **extra) -> str:
     return cfg.run_url
 
 
-def worker(root, until=None, steps=None):
+def worker(root, until=None, steps=None, env=None):
     args = ["train", "--until-step", str(until)] if steps is None else ["eval", "--steps", steps]
     return subprocess.Popen(
         [sys.executable, "-m", "grpo_core.stages.worker", *args, "--root", root],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -148,3 +149,43 @@ def test_reward_error_exit_code(tmp_path):
     assert (
         err["kind"] == "reward" and "'boom' raised ZeroDivisionError" in err["message"] and "on row" in err["message"]
     )
+
+
+def test_the_training_worker_trains_with_the_update_its_compiler_fits(tmp_path):
+    """train.remat and grad_accum_steps at auto, the device's memory known (GRPO_DEVICE_MEMORY_BYTES
+    sets a budget on the CPU backend, as an accelerator's bytes_limit does): the worker compiles
+    the candidate updates for its devices, cheapest first, and trains with the first whose XLA peak
+    fits. With room to spare that is the cheapest (dots, no accumulation); with a budget one byte
+    short of its figure the worker passes it over, reading its figures back from the cache that
+    the first worker filled, and trains with the next that fits. The memory plan it reports, and
+    trains with, is the compiler's choice."""
+    from grpo_core.rl.aot import HEADROOM
+
+    def run(name, budget):
+        proc = worker(
+            make_run(str(tmp_path), name),
+            1,
+            env={"GRPO_DEVICE_MEMORY_BYTES": str(budget), "GRPO_AOT_CACHE_DIR": str(tmp_path / "aot-cache")},
+        )
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        ev = [json.loads(line) for line in out.splitlines()]
+        assert [e["event"] for e in ev[:3]] == ["memory_xla", "memory", "start"] and ev[-1]["event"] == "done"
+        choice, plan = ev[0], ev[1]
+        assert choice["source"] == "xla" and choice["backend"] == "cpu" and choice["budget_bytes"] == budget
+        assert f"train.remat={choice['remat']}" in plan["describe"]
+        assert f"train.grpo.grad_accum_steps={choice['grad_accum_steps']}" in plan["describe"]
+        return choice
+
+    roomy = run("roomy", 2**40)
+    first = roomy["candidates"][0]
+    assert (roomy["remat"], roomy["grad_accum_steps"]) == ("dots", 1) and len(roomy["candidates"]) == 1
+    assert first["fits"] and not first["cached"] and first["xla_peak_bytes"] > 0
+
+    tight = run("tight", int((first["peak_bytes"] - 1) / HEADROOM))
+    passed_over = tight["candidates"][0]
+    assert (passed_over["remat"], passed_over["grad_accum_steps"]) == ("dots", 1)
+    assert passed_over["cached"] and not passed_over["fits"] and passed_over["peak_bytes"] == first["peak_bytes"]
+    assert tight["fits"] and tight["peak_bytes"] <= tight["usable_bytes"]
+    assert (tight["remat"], tight["grad_accum_steps"]) != ("dots", 1)
+    assert all(not c["fits"] for c in tight["candidates"][:-1]) and tight["candidates"][-1]["fits"]
