@@ -1,15 +1,30 @@
-"""One real Prefect API server for the whole test session (it takes 10-35 s to start here).
+"""The test session's real Prefect API servers, each started once (10-40 s each on this machine).
+
+- `prefect_server`: the in-process flows' server (Prefect's own test harness).
+- `server`: a `prefect server start` on 127.0.0.1 with basic auth, as an operator runs it, for the
+  deployment modules (`grpo serve`, `prefect deploy`, workers). One process serves the whole
+  session; each module gets it emptied of what the modules before it left (flow runs,
+  deployments and their concurrency slots, work pools), and empties it again when it ends.
 
 Prefect reads its settings at import, so the environment is set when this plugin is imported
 (tests/conftest.py names it): a throwaway PREFECT_HOME, no telemetry, a generous start-up
-timeout. The server runs in a subprocess on 127.0.0.1 with a temporary SQLite database and is
+timeout. Each server runs in a subprocess on 127.0.0.1 with a temporary SQLite database and is
 stopped by its own handle when the session ends.
 """
 
 import atexit
+import contextlib
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from base64 import b64encode
 
 import pytest
 
@@ -23,6 +38,9 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # dictConfig, which closes every existing handler, pytest's capture streams included.
 import prefect.main  # noqa: E402,F401
 
+AUTH = "grpo:test-secret"
+BIN = os.path.dirname(sys.executable)
+
 
 @pytest.fixture(scope="session")
 def prefect_server():
@@ -30,3 +48,129 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, auth: str | None) -> int:
+    req = urllib.request.Request(url)
+    if auth:
+        req.add_header("Authorization", "Basic " + b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError):  # not listening (yet)
+        return 0
+
+
+def start_server(home, **env: str) -> tuple[subprocess.Popen, str]:
+    """`prefect server start` on a free 127.0.0.1 port with basic auth, its state in `home` (and
+    its log in home/server.log), `env` added to its environment; returns once it answers."""
+    port = _free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not (k.startswith("PREFECT_") and "_DATABASE_" in k)},
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_AUTH_STRING": AUTH,
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
+        "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_API_URL": "",
+        **env,
+    }
+    with open(home / "server.log", "wb") as log:  # the server's own account, for a failure's message
+        proc = subprocess.Popen(
+            [f"{BIN}/prefect", "server", "start", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 180
+    while _get(f"{url}/health", AUTH) != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            raise AssertionError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a server we started, with its children (it runs in its own process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def client_env(home, url: str) -> dict[str, str]:
+    """The environment of a client of that server (grpo serve, a worker, the prefect CLI)."""
+    return {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": url,
+        "PREFECT_API_AUTH_STRING": AUTH,
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+
+
+@contextlib.contextmanager
+def api_client(url: str):
+    """A synchronous Prefect client of the server at `url`."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
+        with get_client(sync_client=True) as client:
+            yield client
+
+
+def empty(url: str, keep_pools: set[str]) -> None:
+    """Delete what tests leave on a server: every flow run, every deployment (with its scheduled
+    runs and concurrency slot) and every work pool but `keep_pools` (the server's own)."""
+    with api_client(url) as client:
+        while deployments := client.read_deployments(limit=100):
+            for dep in deployments:
+                client.delete_deployment(dep.id)
+        for pool in client.read_work_pools():
+            if pool.name not in keep_pools:
+                client.delete_work_pool(pool.name)
+        while runs := client.read_flow_runs(limit=100):
+            for run in runs:
+                client.delete_flow_run(run.id)
+
+
+@pytest.fixture(scope="session")
+def _session_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    proc, url = start_server(home)
+    try:
+        with api_client(url) as client:
+            own_pools = {pool.name for pool in client.read_work_pools()}
+        yield url, home, own_pools
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(_session_server):
+    """(url, PREFECT_HOME) of the session's `prefect server start`, as empty as a new one: no
+    flow run, deployment or work pool of an earlier module's (those modules' `grpo serve` and
+    workers are stopped by then: their fixtures end with their module)."""
+    url, home, own_pools = _session_server
+    empty(url, own_pools)
+    yield url, home
+    empty(url, own_pools)

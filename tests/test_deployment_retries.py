@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from tests.test_deployments import BIN, _flatten, _stop, _wait, client_env, served_client, server, tiny  # noqa: F401
+from tests.test_deployments import BIN, _flatten, _stop, _wait, client_env, served_client, tiny
 
 pytestmark = pytest.mark.slow
 

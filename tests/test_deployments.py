@@ -7,43 +7,17 @@ import collections
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from base64 import b64encode
 
 import pytest
 
 from grpo_core.store.root import RunRoot
+from tests.prefect_server import AUTH, BIN, _get, _stop, client_env, start_server  # noqa: F401 - for the modules below
 
 pytestmark = pytest.mark.slow
-
-AUTH = "grpo:test-secret"
-BIN = os.path.dirname(sys.executable)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, auth: str | None) -> int:
-    req = urllib.request.Request(url)
-    if auth:
-        req.add_header("Authorization", "Basic " + b64encode(auth.encode()).decode())
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, ConnectionError):  # not listening (yet)
-        return 0
 
 
 def tiny(root, name, **pipeline) -> dict:
@@ -54,61 +28,6 @@ def tiny(root, name, **pipeline) -> dict:
         "train": {"num_steps": 4, "grpo": {"prompts_per_step": 4}},
         "eval": {"num_samples": 2, "batch_size": 8},
         "pipeline": {"epochs": 2, "checkpoint_every": 1, "retry_delay_s": 0, "flow_retries": 0, **pipeline},
-    }
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # One per module: shared by the session, test_serve_ownership's work pool made test_work_pool's
-    # `prefect work-pool create` fail, and a serve stopped early left a deployment another made.
-    home = tmp_path_factory.mktemp("prefect-home")
-    proc, url = start_server(home)
-    yield url, home
-    _stop(proc)
-
-
-def start_server(home, **env: str) -> tuple[subprocess.Popen, str]:
-    """`prefect server start` on a free 127.0.0.1 port with basic auth, its state in `home` (and
-    its log in home/server.log), `env` added to its environment; returns once it answers."""
-    port = _free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not (k.startswith("PREFECT_") and "_DATABASE_" in k)},
-        "PREFECT_HOME": str(home),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_API_AUTH_STRING": AUTH,
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
-        "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_API_URL": "",
-        **env,
-    }
-    with open(home / "server.log", "wb") as log:  # the server's own account, for a failure's message
-        proc = subprocess.Popen(
-            [f"{BIN}/prefect", "server", "start", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while _get(f"{url}/health", AUTH) != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(proc)
-            raise AssertionError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
-    return proc, url
-
-
-def client_env(home, url: str) -> dict[str, str]:
-    """The environment of a client of that server (grpo serve, a worker, the prefect CLI)."""
-    return {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": url,
-        "PREFECT_API_AUTH_STRING": AUTH,
-        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
 
 
@@ -175,19 +94,6 @@ def served_client(url: str, proc: subprocess.Popen):
                     assert time.monotonic() < deadline, "grpo serve did not register its deployments"
                     time.sleep(1)
             yield client
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a server we started, with its children (it runs in its own process group)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=30)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

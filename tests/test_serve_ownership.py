@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.test_deployments import AUTH, BIN, _flatten, _stop, server, tiny  # noqa: F401
+from tests.test_deployments import AUTH, BIN, _flatten, _stop, tiny
 from tests.test_work_pool import api_client, cli_env, recipe, run_line
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def registered(client, proc: subprocess.Popen, log_path, timeout: float = 120) -
         time.sleep(0.5)
 
 
-def test_stopping_an_older_serve_leaves_the_newer_ones_schedule(server, tmp_path):  # noqa: F811
+def test_stopping_an_older_serve_leaves_the_newer_ones_schedule(server, tmp_path):
     url, home = server
     with api_client(url) as client:
         a = start_serve(url, home, tmp_path / "a.log", "--interval", "3600")
@@ -79,7 +79,7 @@ def test_stopping_an_older_serve_leaves_the_newer_ones_schedule(server, tmp_path
                 _stop(b)
 
 
-def test_serve_stopped_while_starting_pauses_what_it_owns(server, tmp_path):  # noqa: F811
+def test_serve_stopped_while_starting_pauses_what_it_owns(server, tmp_path):
     """SIGTERM between registering the deployments and the runner's start (its own SIGTERM handler)."""
     url, home = server
     with api_client(url) as client:
@@ -92,7 +92,7 @@ def test_serve_stopped_while_starting_pauses_what_it_owns(server, tmp_path):  # 
             assert client.read_deployment_by_name(name).paused, f"a grpo serve stopped early left {name} running"
 
 
-def test_prefect_deploy_leaves_served_deployments_alone(server, tmp_path):  # noqa: F811
+def test_prefect_deploy_leaves_served_deployments_alone(server, tmp_path):
     url, home = server
     sets = [f"{k}={json.dumps(v)}" for k, v in _flatten(tiny(tmp_path, "served")).items()]
     proc = start_serve(url, home, tmp_path / "serve.log", "--interval", "3600", *sum((["--set", s] for s in sets), []))

@@ -13,7 +13,7 @@ import pytest
 
 from grpo_core.store.lease import LEASE
 from grpo_core.store.root import RunRoot
-from tests.test_deployments import BIN, _flatten, _stop, _wait, client_env, served_client, server, tiny  # noqa: F401
+from tests.test_deployments import BIN, _flatten, _stop, _wait, client_env, served_client, tiny
 
 pytestmark = pytest.mark.slow
 

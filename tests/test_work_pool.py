@@ -14,7 +14,8 @@ from contextlib import contextmanager
 import pytest
 
 from grpo_core.store.root import RunRoot
-from tests.test_deployments import AUTH, BIN, _stop, _wait, server, tiny  # noqa: F401
+from tests.prefect_server import api_client
+from tests.test_deployments import AUTH, BIN, _stop, _wait, tiny
 
 pytestmark = pytest.mark.slow
 
@@ -48,16 +49,6 @@ def run_line(line: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @contextmanager
-def api_client(url: str):
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
-        with get_client(sync_client=True) as client:
-            yield client
-
-
-@contextmanager
 def worker(line: str, env: dict, log_path):
     """A worker started by a README line, in its own process group, stopped with its children."""
     with open(log_path, "w") as log:
@@ -71,7 +62,7 @@ def worker(line: str, env: dict, log_path):
 
 
 @pytest.fixture(scope="module")
-def deployed(server, tmp_path_factory):  # noqa: F811 - the module-scoped fixture imported above
+def deployed(server, tmp_path_factory):
     url, home = server
     lines = recipe()
     assert len(lines) == 4 and lines[-1].startswith("GRPO_PROJECT_DIR=") and " worker start " in lines[-1], lines
