@@ -128,6 +128,28 @@ def test_server_listens_on_loopback_with_basic_auth(server):
         assert _get(f"http://{outward}:{port}/api/version", AUTH) == 0  # not listening there
 
 
+def test_schedule_fires(served):
+    # first of the served tests: until it pauses the 30-s schedule, the schedule's runs hold the
+    # deployment's one concurrency slot and the other tests' runs wait behind them
+    client, root, _ = served
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+    dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
+    deadline = time.monotonic() + 240
+    while True:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[dep.id]))
+        )
+        done = [r for r in runs if r.auto_scheduled and r.state.is_completed()]
+        if done:
+            break
+        assert time.monotonic() < deadline, [(r.name, r.state.name) for r in runs]
+        time.sleep(2)
+    assert RunRoot(str(root / "nightly")).read_json("summary.json")["status"] == "completed"
+    assert done[0].name == "nightly"  # the server's made-up name (coolname's pair of words) became the folder's
+    client.pause_deployment(dep.id)  # the schedule has fired; keep the runner free for the tests after this
+
+
 def test_run_with_parameters_and_invalid_parameters_rejected(served):
     client, root, _ = served
     from prefect.deployments import run_deployment
@@ -174,26 +196,6 @@ def test_run_naming_a_library_callable_is_refused_before_anything_runs(served, t
     assert not os.path.exists(marker) and not (root / "spawn").exists()
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     assert tasks == [] and run.run_count == 1  # no stage started, no worker; the flow run not retried
-
-
-def test_schedule_fires(served):
-    client, root, _ = served
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
-
-    dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
-    deadline = time.monotonic() + 240
-    while True:
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[dep.id]))
-        )
-        done = [r for r in runs if r.auto_scheduled and r.state.is_completed()]
-        if done:
-            break
-        assert time.monotonic() < deadline, [(r.name, r.state.name) for r in runs]
-        time.sleep(2)
-    assert RunRoot(str(root / "nightly")).read_json("summary.json")["status"] == "completed"
-    assert done[0].name == "nightly"  # the server's made-up name (coolname's pair of words) became the folder's
-    client.pause_deployment(dep.id)  # the schedule has fired; keep the runner free for the tests after this
 
 
 def test_failed_run_retried_like_the_ui_resumes(served):
