@@ -46,11 +46,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The suite in TEST_JOBS processes (pytest-xdist; TEST_JOBS=0: in this one). Most tests wait on the
+# processes, servers and polls they start more than they compute, so two share two cores well.
+# Each test module goes whole to one process (its module fixtures set up once), the modules with
+# slow tests first (tests/conftest.py).
+TEST_JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+
 test: lint $(SGL_DEP)
-	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, named, to keep the suite in budget
+	$(PYTEST) --durations=15  # the slowest tests, named, to keep the suite in budget
 
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: $(STAMP) $(SGL_DEP)  # one after another: each measures this machine, so never two at once
 	$(BIN)/python -m bench.grpo_step

@@ -1,12 +1,29 @@
 import atexit
+import collections
 import os
 import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Worker processes share JAX's persistent compilation cache; the tests keep theirs to themselves.
+# Under pytest-xdist the controller imports this first and its test processes inherit the folder.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 pytest_plugins = ["tests.prefect_server", "tests.gcs"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`), each module
+    goes whole to one test process, in collection order: the modules with slow tests come first,
+    most slow tests first, so that the many short modules fill the end and no process is left
+    running one long module alone. Every process computes the same order (xdist checks it)."""
+    if not hasattr(config, "workerinput"):  # a plain run keeps the files' order
+        return
+    slow = collections.Counter(_module(item) for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[_module(item)])  # a stable sort: otherwise the files' order
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]

@@ -30,6 +30,10 @@ import pytest
 
 _home = tempfile.mkdtemp(prefix="grpo-test-prefect-")
 atexit.register(shutil.rmtree, _home, True)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each test process of pytest-xdist a home of its own: two servers starting at once would
+    # write one home's UI files together (the controller's, which they inherit, is never used)
+    os.environ["PREFECT_HOME"] = _home
 os.environ.setdefault("PREFECT_HOME", _home)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
