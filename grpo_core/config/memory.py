@@ -259,7 +259,11 @@ def _act_bytes(backend: str, compute_bytes: int) -> int:
 # What XLA:TPU's buffer assignment holds beyond the CPU-fitted per-token counts (layouts padded
 # to its (8, 128) tiles: qwen2.5's 64-wide heads fill half a lane), fitted on bench.aot's rows
 # (grpo_core.rl.aot: the update's chip peak against this estimate): qwen2.5-0.5b, 8 x 8 x 512
-# tokens on v5e:2x2, v5e:2x4, v4:2x2x1 and v6e:2x2, formula/XLA 0.96-1.04 (other models unmeasured).
+# tokens on v5e:2x2, v5e:2x4, v4:2x2x1 and v6e:2x2, formula/XLA 0.96-1.04. On other models it is
+# looser: qwen3-0.6b 0.75-1.21, qwen2.5-1.5b 0.87-1.58 (128-wide heads fill the lanes, so the
+# scale overcounts them by ~15 %; with 2 prompts a micro-batch on v5e:2x4 XLA splits the
+# activations about 4 ways, not 2; with 8 on 8 chips about 6): the compiler decides on a TPU target,
+# this estimate only orders its candidates (grpo_core.rl.aot).
 _ACT_SCALE = {"tpu": 1.65}
 
 
