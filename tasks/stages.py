@@ -600,10 +600,8 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
             log.warning("epoch %d: %s", epoch, e["message"])
         elif kind == "no_signal":  # every group's rewards equal for pipeline.zero_signal_steps steps
             log.warning("epoch %d: %s", epoch, e["message"])
-        elif kind == "memory":
+        elif kind in ("memory", "memory_xla"):  # the plan; remat and accumulation chosen by the backend's compiler
             log.info("memory: %s", e["describe"])
-        elif kind == "memory_xla":  # remat and accumulation at auto, chosen by this backend's compiler
-            log.info("memory: %s", _describe_xla_choice(e))
         elif kind == "done":
             state["done"] = e
         elif kind == "eval":  # a follow-up: the epoch's evaluation in this worker
@@ -770,21 +768,3 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
         trackers.close()
     computed = sum(e.get("seconds", 0.0) for e in fresh)
     return {"results": results, "eval_compute_s": round(computed, 3)}
-
-
-def _describe_xla_choice(e: dict[str, Any]) -> str:
-    """One line for the training worker's memory_xla event (grpo_core.rl.compiler_plan.choose)."""
-
-    def size(b: int | None) -> str:
-        return "?" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.1f} MiB"
-
-    tried = ", ".join(
-        f"{c['remat']}/{c['grad_accum_steps']} {size(c['peak_bytes'])}{'' if c['fits'] else ' (does not fit)'}"
-        for c in e["candidates"]
-    )
-    verdict = "chose" if e["fits"] else "found nothing that fits; kept the least,"
-    return (
-        f"XLA ({e['backend']}) {verdict} train.remat={e['remat']}, "
-        f"train.grpo.grad_accum_steps={e['grad_accum_steps']}: {size(e['peak_bytes'])} of "
-        f"{size(e['usable_bytes'])} usable per device (candidates: {tried}; {e['seconds']} s)"
-    )

@@ -160,7 +160,6 @@ def test_the_training_worker_trains_with_the_update_its_compiler_fits(tmp_path):
     the first worker filled, and trains with the next that fits. The memory plan it reports, and
     trains with, is the compiler's choice."""
     from grpo_core.rl.aot import HEADROOM
-    from tasks.stages import _describe_xla_choice
 
     def run(name, budget):
         proc = worker(
@@ -190,7 +189,7 @@ def test_the_training_worker_trains_with_the_update_its_compiler_fits(tmp_path):
     assert tight["fits"] and tight["peak_bytes"] <= tight["usable_bytes"]
     assert (tight["remat"], tight["grad_accum_steps"]) != ("dots", 1)
     assert all(not c["fits"] for c in tight["candidates"][:-1]) and tight["candidates"][-1]["fits"]
-    # the train task's log line for the event
-    line = _describe_xla_choice(tight)
+    # the line the train task logs for the event
+    line = tight["describe"]
     assert line.startswith(f"XLA (cpu) chose train.remat={tight['remat']}, train.grpo.grad_accum_steps=")
     assert "candidates: dots/1 " in line and "(does not fit)" in line

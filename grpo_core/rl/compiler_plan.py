@@ -117,7 +117,7 @@ def choose(
             break
     best = tried[-1] if tried[-1]["fits"] else min(tried, key=lambda r: r["peak_bytes"] or float("inf"))
     keys = ("remat", "grad_accum_steps", "fits", "xla_peak_bytes", "peak_bytes", "formula_bytes", "compile_s", "cached")
-    return {
+    report = {
         "source": "xla",
         "backend": backend,
         "remat": best["remat"],
@@ -129,6 +129,25 @@ def choose(
         "candidates": [{k: r.get(k) for k in keys} for r in tried],
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    return dict(report, describe=describe(report))
+
+
+def describe(report: dict[str, Any]) -> str:
+    """One line for choose()'s report, as the train task logs it."""
+
+    def size(b: int | None) -> str:
+        return "?" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.1f} MiB"
+
+    tried = ", ".join(
+        f"{c['remat']}/{c['grad_accum_steps']} {size(c['peak_bytes'])}{'' if c['fits'] else ' (does not fit)'}"
+        for c in report["candidates"]
+    )
+    verdict = "chose" if report["fits"] else "found nothing that fits; kept the least,"
+    return (
+        f"XLA ({report['backend']}) {verdict} train.remat={report['remat']}, "
+        f"train.grpo.grad_accum_steps={report['grad_accum_steps']}: {size(report['peak_bytes'])} of "
+        f"{size(report['usable_bytes'])} usable per device (candidates: {tried}; {report['seconds']} s)"
+    )
 
 
 def resolve(train: TrainConfig, choice: dict[str, Any]) -> TrainConfig:
