@@ -69,6 +69,23 @@ def test_tiny_update_compiles_for_each_topology(aot, topology, kind):
     assert r["peak_bytes"] == r["xla_peak_bytes"] + r["resident_bytes"] > r["argument_bytes"]
 
 
+def test_a_tpu_update_splits_qwens_vocabulary_without_padding_the_head(aot):
+    """Qwen's 151,936 words over 16,384 tokens a micro-batch: the CPU's program pads the head to
+    149 chunks (a copy of it and of its gradient every call); the TPU's takes 128 unpadded ones
+    (grpo_core.config.chunks). Lowered only: the count is fixed before XLA sees the program."""
+    import jax
+
+    mc = get_preset("tiny", vocab_size=151936, tie_word_embeddings=False)
+    train = _train(grpo={"grad_accum_steps": 1}, new_tokens=1024)
+    text = {}
+    for name, devices in (("tpu", aot.topology_devices(Target.parse("v5e:2x2"))), ("cpu", jax.devices()[:1])):
+        compile_, _ = aot.RunPrograms(mc, train, 16, devices).update(RematPolicy.FULL, 1)
+        text[name] = compile_().as_text()
+    head_pads = lambda t: [line for line in t.splitlines() if "stablehlo.pad" in line and "151936" in line]
+    assert head_pads(text["cpu"]) and not head_pads(text["tpu"])
+    assert "1187x" in text["tpu"] and "1020x" in text["cpu"]  # the chunks' widths: 151936 / 128, ceil(/ 149)
+
+
 def test_a_config_that_cannot_fit_one_v5e_chip_is_refused_with_xlas_number(aot):
     """2 B parameters (a 1 M-word vocabulary) in f32 with Adam on one 16 GiB chip: XLA refuses the
     update at compile time; the report names the program, XLA's figure and says what would fit."""

@@ -80,6 +80,37 @@ def test_chunks_keep_a_chunk_within_its_budget():
     assert num_chunks(384, 4096, 64) == 1  # small vocabularies: one chunk
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_on_an_accelerator_the_count_is_a_power_of_two_that_divides_the_vocabulary(backend):
+    qwen = 151936  # 2^7 x 1187
+    assert num_chunks(qwen, 16384, 64) == 149  # CPU: the least within budget, the head padded by 3 words
+    assert num_chunks(qwen, 16384, 64, backend) == 128  # 16 % over budget, unpadded
+    assert num_chunks(qwen, 8192, 64, backend) == 128  # within budget: the least power of two (75 -> 128)
+    assert num_chunks(qwen, 2048, 64, backend) == 32
+    # least 594: 128 chunks would be 4.6x over budget, so the CPU rule (a divisor up to twice the least)
+    assert num_chunks(qwen, 65536, 64) == 1187 and num_chunks(qwen, 65536, 64, backend) == 1187
+    assert num_chunks(128256, 32768, 64, backend) == 256  # Llama 3's 2^8 x 501
+    assert num_chunks(50257, 16384, 64, backend) == num_chunks(50257, 16384, 64)  # odd: the CPU rule
+    assert num_chunks(384, 4096, 64, backend) == 1
+
+
+def test_a_power_of_two_count_gives_the_plain_values_and_gradients():
+    """The accelerator's count (16 unpadded chunks of 37 words) where the CPU's pads (17 of 35)."""
+    b, n, e, vocab = 2, 5, 16, 592  # 2^4 x 37
+    mib = mib_for(17, b * n, vocab)
+    assert (num_chunks(vocab, b * n, mib), num_chunks(vocab, b * n, mib, "tpu")) == (17, 16)
+    k = jax.random.split(jax.random.key(1), 3)
+    h, w = jax.random.normal(k[0], (b, n, e)), 0.3 * jax.random.normal(k[1], (vocab, e))
+    t = jax.random.randint(k[2], (b, n), 0, vocab)
+    loss = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0]) + 0.5 * jnp.sum(fn(h, w)[1])
+    ours = lambda h, w: token_logprobs(h, w, t, chunk_mib=mib, vocab_major=True, backend="tpu")
+    ref = lambda h, w: plain(h, w, t, 1.0, True)
+    for a, c in zip(ref(h, w), jax.jit(ours)(h, w)):
+        np.testing.assert_allclose(c, a, atol=1e-5)
+    for a, c in zip(jax.grad(loss(ref), (0, 1))(h, w), jax.jit(jax.grad(loss(ours), (0, 1)))(h, w)):
+        np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
+
+
 def batch(p=2, g=3, tp=5, n=6, vocab=384, seed=0):
     rng = np.random.default_rng(seed)
     valid = np.ones((p, tp), bool)

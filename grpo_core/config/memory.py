@@ -157,7 +157,7 @@ def estimate(
     micro_p = max(1, sh.prompts // (sh.minibatches * grad_accum_steps))
     micro_b = micro_p * g.num_generations
     head_tokens = micro_b * sh.new_tokens
-    chunk_words = -(-m.vocab_size // num_chunks(m.vocab_size, head_tokens, train.logits_chunk_mib))
+    chunk_words = -(-m.vocab_size // num_chunks(m.vocab_size, head_tokens, train.logits_chunk_mib, backend))
     # XLA:CPU runs bfloat16 matmuls in f32: bf16 weights get f32 copies; f32 master weights get the
     # bf16 copies the compute dtype asks for
     upcast = (4 if pb == 2 else 2) * n if backend == "cpu" and m.dtype is DType.BFLOAT16 else 0

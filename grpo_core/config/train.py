@@ -572,7 +572,12 @@ class TrainConfig(Section):
         ),
     )
     logits_chunk_mib: int = field(
-        64, doc="Size of one vocabulary chunk's f32 logits when log-probs are computed (MiB)", ge=1
+        64,
+        doc=(
+            "Size of one vocabulary chunk's f32 logits when log-probs are computed (MiB); on a GPU or TPU the"
+            " count is rounded to a power of two that divides the vocabulary, up to 4x this"
+        ),
+        ge=1,
     )
 
     def validate(self) -> None:

@@ -54,6 +54,7 @@ class LossParams:
     temperature: float
     remat: RematPolicy = RematPolicy.NONE
     chunk_mib: int = DEFAULT_CHUNK_MIB  # one vocabulary chunk's f32 logits (grpo_core.rl.logprobs)
+    backend: str = "cpu"  # the platform compiled for, which rounds the chunk count (set by the Learner)
     policy_loss: PolicyLoss = PolicyLoss.CLIP
     sapo_tau: tuple[float, float] = (1.0, 1.05)  # (A > 0, A <= 0)
     entropy_coef: float = 0.0
@@ -107,6 +108,7 @@ def completion_logprobs(
     remat: RematPolicy = RematPolicy.NONE,
     chunk_mib: int = DEFAULT_CHUNK_MIB,
     head_grad: bool = True,
+    backend: str = "cpu",
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of each completion token under softmax(logits / T), and the entropy there:
     (B, N) each. No (B, N, V) tensor is made (grpo_core.rl.logprobs); `head_grad=False` when the LM
@@ -122,6 +124,7 @@ def completion_logprobs(
         vocab_major=vocab_major,
         dtype=jnp.float32 if model.config.dtype is DType.FLOAT32 else jnp.bfloat16,
         w_grad=head_grad,
+        backend=backend,
     )
 
 
@@ -160,6 +163,7 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
         remat=hp.remat,
         chunk_mib=hp.chunk_mib,
         head_grad=frozen is None,
+        backend=hp.backend,
     )
     log_r = algo.log_ratio(logp, micro.old_logp, micro.mask, hp.ratio_level)
     if hp.policy_loss is PolicyLoss.CISPO:
@@ -219,7 +223,9 @@ def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedu
     return TrainState(params=params, opt_state=opt_state, step=state["step"] + 1), metrics
 
 
-def score_completions(graphdef, params, batch: Batch, temperature: float, chunk_mib: int = DEFAULT_CHUNK_MIB):
+def score_completions(
+    graphdef, params, batch: Batch, temperature: float, chunk_mib: int = DEFAULT_CHUNK_MIB, backend: str = "cpu"
+):
     """Log-probs of the completions under `params` (the reference policy, or the old policy).
     Forward only: every layer's activations die with it, so no rematerialisation applies.
     Reads the batch's prompt_tokens, prompt_valid and targets; a mapping of those three is taken
@@ -229,7 +235,7 @@ def score_completions(graphdef, params, batch: Batch, temperature: float, chunk_
         ptok, pval, targets = batch["prompt_tokens"], batch["prompt_valid"], batch["targets"]
     else:
         ptok, pval, targets = batch.prompt_tokens, batch.prompt_valid, batch.targets
-    logp, _ = completion_logprobs(model, ptok, pval, targets, temperature, chunk_mib=chunk_mib)
+    logp, _ = completion_logprobs(model, ptok, pval, targets, temperature, chunk_mib=chunk_mib, backend=backend)
     return logp
 
 
@@ -241,7 +247,10 @@ class Learner:
     ):
         """`ref_graphdef`: the reference's graph when it differs from the policy's (LoRA: the base
         without adapters, scored on the base weights alone). `placement` (grpo_core.runtime.mesh): the
-        meshes; the state lives on the learner's, the reference on its own."""
+        meshes; the state lives on the learner's, the reference on its own. The programs are
+        compiled for the platform of the placement's devices (this host's default without one)."""
+        platform = jax.default_backend() if placement is None else placement.train.devices.flat[0].platform
+        hp = dataclasses.replace(hp, backend=platform)
         self.graphdef, self.hp, self.placement = graphdef, hp, placement
         self.tx, self.schedule = make_optimizer(opt_cfg, total_updates)
         self.state_sharding = None  # set by init_state; read when the update is traced
@@ -257,7 +266,7 @@ class Learner:
         self.update = jax.jit(update_on_mesh, donate_argnums=(0,))
         ref = graphdef if ref_graphdef is None else ref_graphdef
         score = lambda graph: jax.jit(
-            lambda params, batch: score_completions(graph, params, batch, hp.temperature, hp.chunk_mib)
+            lambda params, batch: score_completions(graph, params, batch, hp.temperature, hp.chunk_mib, hp.backend)
         )
         self._score = score(ref)
         self.score_policy = score(graphdef)  # the policy itself (adapters included): old_logp rescored

@@ -63,15 +63,17 @@ def token_logprobs(
     vocab_major: bool,
     dtype=None,
     w_grad: bool = True,
+    backend: str = "cpu",
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of `targets` under softmax(h W / T), and the entropy of that distribution.
 
     h: (B, N, E); w: (V, E) if vocab_major else (E, V); targets: (B, N) int. -> (logp, entropy),
-    each (B, N) f32. `chunk_mib` bounds one chunk's f32 logits. `w_grad=False` skips W's
-    gradient (a frozen head)."""
+    each (B, N) f32. `chunk_mib` bounds one chunk's f32 logits, and `backend` (the platform the
+    program is compiled for) how the count is rounded (grpo_core.config.chunks). `w_grad=False`
+    skips W's gradient (a frozen head)."""
     b, n, e = h.shape
     vocab = w.shape[0] if vocab_major else w.shape[1]
-    k = num_chunks(vocab, b * n, chunk_mib)
+    k = num_chunks(vocab, b * n, chunk_mib, backend)
     spec = _Head(
         k, vocab, float(temperature if temperature > 0 else 1.0), vocab_major, jnp.dtype(dtype or h.dtype), w_grad
     )

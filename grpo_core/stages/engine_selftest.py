@@ -160,7 +160,7 @@ def parity(report: dict, max_new_tokens: int = 12) -> None:
         s1, s1b, s2 = theirs(None, warm, k1), theirs(None, warm, k1), theirs(None, warm, k2)
         _check(report, "sampling_reproducible", np.array_equal(s1[0], s1b[0]) and not np.array_equal(s1[0], s2[0]))
         batch = {"prompt_tokens": ptok, "prompt_valid": pval, "targets": s1[0]}
-        learner = np.asarray(score_completions(graphdef, params_a, batch, 0.7))
+        learner = np.asarray(score_completions(graphdef, params_a, batch, 0.7, backend=jax.default_backend()))
         mask = np.arange(max_new_tokens)[None, :] < s1[2][:, None]
         diff = float(np.max(np.abs(np.where(mask, learner - s1[1], 0.0))))
         _check(report, "sampled_logprobs_are_learners", diff < 2e-3, max_abs_diff=diff)
