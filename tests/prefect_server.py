@@ -108,6 +108,7 @@ def start_server(home, **env: str) -> tuple[subprocess.Popen, str]:
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop a server we started, with its children (it runs in its own process group)."""
+    _signal(proc, signal.SIGCONT)  # a paused server (see `server`) would hold SIGTERM until continued
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -157,6 +158,11 @@ def empty(url: str, keep_pools: set[str]) -> None:
                 client.delete_flow_run(run.id)
 
 
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
 @pytest.fixture(scope="session")
 def _session_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
@@ -164,7 +170,7 @@ def _session_server(tmp_path_factory):
     try:
         with api_client(url) as client:
             own_pools = {pool.name for pool in client.read_work_pools()}
-        yield url, home, own_pools
+        yield url, home, own_pools, proc
     finally:
         _stop(proc)
 
@@ -173,8 +179,15 @@ def _session_server(tmp_path_factory):
 def server(_session_server):
     """(url, PREFECT_HOME) of the session's `prefect server start`, as empty as a new one: no
     flow run, deployment or work pool of an earlier module's (those modules' `grpo serve` and
-    workers are stopped by then: their fixtures end with their module)."""
-    url, home, own_pools = _session_server
+    workers are stopped by then: their fixtures end with their module).
+
+    Between two such modules the server is paused (SIGSTOP to its process group, SIGCONT when the
+    next one starts): idle, its services still poll (~5 % of a core with the 2-s scheduler loop),
+    and it lives from the first deployment module to the session's end, most of a test process's
+    run. Nothing talks to it meanwhile: whatever a module started against it has stopped."""
+    url, home, own_pools, proc = _session_server
+    _signal(proc, signal.SIGCONT)
     empty(url, own_pools)
     yield url, home
     empty(url, own_pools)
+    _signal(proc, signal.SIGSTOP)
