@@ -21,13 +21,16 @@ pytestmark = pytest.mark.slow
 
 
 def tiny(root, name, **pipeline) -> dict:
+    """A 4-step run in one epoch; `epochs=2` where a test needs an epoch boundary. Each epoch is a
+    training worker of its own (a JAX start, a restore, its programs loaded), and a second one tests
+    nothing more of a run started through the API, a schedule or a work pool."""
     return {
         "run_name": name,
         "storage": {"root": str(root)},
         "data": {"eval_rows": 8, "synthetic_rows": 64},
         "train": {"num_steps": 4, "grpo": {"prompts_per_step": 4}},
         "eval": {"num_samples": 2, "batch_size": 8},
-        "pipeline": {"epochs": 2, "checkpoint_every": 1, "retry_delay_s": 0, "flow_retries": 0, **pipeline},
+        "pipeline": {"epochs": 1, "checkpoint_every": 1, "retry_delay_s": 0, "flow_retries": 0, **pipeline},
     }
 
 
@@ -204,7 +207,9 @@ def test_failed_run_retried_like_the_ui_resumes(served):
     from prefect.states import Scheduled
 
     run = run_deployment(
-        "grpo-pipeline/pipeline", parameters={"config": tiny(root, "ui-retry", retries=0, flow_retries=1)}, timeout=0
+        "grpo-pipeline/pipeline",
+        parameters={"config": tiny(root, "ui-retry", epochs=2, retries=0, flow_retries=1)},
+        timeout=0,
     )
     run = _wait(client, run.id)
     assert run.state.is_failed() and os.path.exists(flags / "killed-again")
