@@ -142,6 +142,10 @@ def test_grpo_check_target_json_then_cached(tmp_path):
     assert {p["program"] for p in target["programs"]} >= {"update", "prefill", "decode", "eval_prefill", "eval_decode"}
     assert all(p["compiled"] and p["fits"] and p["flops"] > 0 for p in target["programs"])
     assert target["mesh"] == "train data=1xfsdp=4xtensor=1" and not target["cached"]
+    # evaluation generates over the rollout's mesh, as the worker runs it: a chip holds a quarter of
+    # the f32 weights (on one chip its arguments would be all 1.4 MB of them)
+    progs = {p["program"]: p for p in target["programs"]}
+    assert progs["eval_prefill"]["argument_bytes"] < get_preset("tiny").num_params() * 4 / 2
     assert "memory_formula" in report  # the formula's estimate, kept beside XLA's
     names = {c["name"]: c for c in report["checks"]}
     assert names["memory"]["ok"] and "XLA on v5e:2x2" in names["memory"]["detail"]

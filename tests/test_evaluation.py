@@ -1,5 +1,6 @@
 import copy
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -45,3 +46,121 @@ def test_evaluate_greedy_and_sampled():
     )
     assert sampled["pass@1"] <= sampled["pass@4"] <= 1.0
     assert 0.0 <= sampled["exact_match"] <= 1.0
+
+
+def eval_child(out: str) -> None:
+    """In a process with 4 CPU devices: evaluation's completions on one device and over the
+    rollout's mesh (the evaluation worker's layout), and how many devices each generate used."""
+    import json
+
+    import jax
+
+    from grpo_core.config.train import MeshConfig
+    from grpo_core.rl import evaluation
+    from grpo_core.runtime.mesh import Placement
+
+    run = build_synthetic(copy.deepcopy(SYNTHETIC_DEFAULT))
+    graphdef, params = nnx.split(run.model)
+    used = []
+    real_generate = evaluation.generate
+
+    def counting(*args, **kw):
+        c = real_generate(*args, **kw)
+        used.append(len(c.tokens.sharding.device_set))
+        return c
+
+    evaluation.generate = counting
+    rows = run.eval_rows[:10]
+    sampling = run.train.sampling.replace(temperature=1.0)
+    result = {}
+    for name, placement in (("one", None), ("mesh", Placement.from_config(MeshConfig(), jax.devices()))):
+        texts = {}
+        for samples in (1, 4):
+            batches = evaluation.complete(
+                graphdef, params, run.tokenizer, rows, sampling, batch_size=4, num_samples=samples, placement=placement
+            )
+            texts[samples] = [t for _, ts, _ in batches for t in ts]
+        result[name] = {"texts": texts, "devices": used[:]}
+        used.clear()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def test_evaluation_generates_over_the_rollout_mesh_as_on_one_device(tmp_path):
+    """The evaluation worker lays weights and prompts over the rollout's mesh: the same greedy
+    and sampled completions as on one device, each batch generated on all 4 devices."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "eval.json")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import tests.test_evaluation as t; t.eval_child({out!r})"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["one"]["devices"] == [1] * 6 and res["mesh"]["devices"] == [4] * 6  # 3 batches, greedy and sampled
+    assert len(res["mesh"]["texts"]["1"]) == 10 and len(res["mesh"]["texts"]["4"]) == 40
+    assert res["mesh"]["texts"] == res["one"]["texts"]
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_together_as_one_does(tmp_path):
+    """Multi-host evaluation: the worker's generate spans both processes' devices (the rollout's
+    mesh) and each gets the completions whole; the figures and examples equal one process's."""
+    from grpo_core.store.root import RunRoot
+    from tasks.process import run_worker
+    from tests.test_multihost import TWO
+    from tests.test_worker import make_run
+
+    results = {}
+    for name, launcher in (("one", None), ("two", TWO)):
+        root = make_run(str(tmp_path), name)
+        events = []
+        run_worker(
+            ["grpo_core.stages.worker", "eval", "--root", root, "--steps", "0"],
+            timeout_s=240,
+            on_event=events.append,
+            what="evaluation",
+            launcher=launcher,
+        )
+        assert [e["event"] for e in events if e["event"] == "eval"] == ["eval"]
+        results[name] = RunRoot(root).read_json("eval/0.json")
+    one, two = results["one"], results["two"]
+    assert (one["devices"], two["devices"]) == (1, 2)  # one CPU device a process: the mesh spans both
+    assert two["greedy"]["num_rows"] == 8 and "pass@2" in two
+    for key in ("accuracy", "greedy", "sampled", "examples"):
+        assert two[key] == one[key], key
+
+
+def test_the_starting_policy_reaches_the_sampler_as_a_restored_checkpoint_does(tmp_path):
+    """Step 0 (the model as built) and a trained step (restored by Orbax) come out of policy_at
+    alike, committed to the same device: uncommitted, step 0 lowered to programs of its own, and a
+    worker evaluating steps 0 and N compiled every sampler program twice (18 CPU-s instead of 29
+    for the tiny run's eval of 0 and 6 on an empty compilation cache)."""
+    import jax
+
+    from grpo_core.config.run import RunConfig
+    from grpo_core.rl.checkpoint import Checkpointer
+    from grpo_core.stages.parts import open_run
+    from grpo_core.store.root import RunRoot
+    from tests.test_worker import make_run
+
+    root = RunRoot(make_run(str(tmp_path), "placed"))
+    parts = open_run(RunConfig.from_dict(root.read_json("config.json")), root)
+    with Checkpointer(root.uri("checkpoints")) as ckpt:
+        _, start = parts.policy_at(ckpt, 0)
+        ckpt.save(1, {"params": nnx.to_pure_dict(start)}, {"config_hash": parts.cfg.train_hash})
+        ckpt.wait()
+        _, restored = parts.policy_at(ckpt, 1)
+    placed = lambda params: {(a.sharding, a.committed) for a in jax.tree.leaves(params)}  # noqa: E731
+    assert placed(start) == placed(restored) == {(jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), True)}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), start, restored)

@@ -15,8 +15,8 @@ same code with the same meshes (grpo_core.runtime.mesh.Placement) and shardings:
     old_logprobs  the policy's log-probs of its own samples (when the learner rescores them)
     prefill       the sampler's prompt pass and first token, KV cache laid out on the rollout mesh
     decode        the sampler's decode loop over that cache
-    eval_prefill, eval_decode   evaluation's generate (eval.batch_size prompts x eval.num_samples;
-                  on one chip: the evaluation worker does not shard)
+    eval_prefill, eval_decode   evaluation's generate (eval.batch_size prompts x eval.num_samples),
+                  over the rollout's mesh as the evaluation worker lays it out
 
 XLA's figures are per chip (one SPMD program). A chip also holds, during each program, the run's
 arrays that are not its arguments (the optimizer state while the sampler runs, the reference's
@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -429,10 +430,15 @@ class RunPrograms:
         e = self.eval
         samples = max(1, e.num_samples)
         eopts = dataclasses.replace(opts, temperature=0.0 if samples == 1 else e.temperature)
-        one = SingleDeviceSharding(self.devices[0])
-        whole = self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
-        eparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), whole)
-        eprefill, edecode = self._generate(eparams, e.batch_size, samples, eopts, None, single=one)
+        if pl.rollout.size > 1:  # the evaluation worker generates over the rollout's mesh, as the rollout does
+            eprefill, edecode = self._generate(
+                self._rollout_params(), e.batch_size, samples, eopts, pl.rollout, batch_mesh=pl.rollout
+            )
+        else:
+            one = SingleDeviceSharding(self.devices[0])
+            whole = self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
+            eparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), whole)
+            eprefill, edecode = self._generate(eparams, e.batch_size, samples, eopts, None, single=one)
         out["eval_prefill"], out["eval_decode"] = (eprefill, ()), (edecode, ())
         return out
 
@@ -532,7 +538,7 @@ def check(
     # HBM (XLA refuses those anyway)
     hopeless = lambda c: formula(*c) > FORMULA_SKIP * HEADROOM * hbm
     tried, fix = [], None
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="aot")
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), "aot", _behind_the_update)
     others = {
         name: pool.submit(analyse, name, compile_, sum(resident[k] for k in extra), hbm, cache)
         for name, (compile_, extra) in run.programs().items()
@@ -595,6 +601,17 @@ def check(
         "compile_s": round(sum(r["compile_s"] for r in tried) + sum(r["compile_s"] for r in results[1:]), 2),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _behind_the_update() -> None:
+    """The other programs' threads run at a lower CPU priority than the update's (this one's
+    caller): the update is the longest compile and its candidates run one after another, so it
+    bounds the check; on a host with fewer cores than compiles, sharing them evenly would delay it
+    by what the others take. Linux sets a nice value per thread; elsewhere the threads keep the
+    process's."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _choose_update(train: TrainConfig, cands, hopeless, try_update, tried: list, max_extra: int):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 
 from grpo_core.config.train import SamplingConfig
@@ -18,6 +17,7 @@ from grpo_core.generate.sampler import (
     stop_ids,
 )
 from grpo_core.rewards import functions as rw
+from grpo_core.runtime.mesh import to_host
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -38,11 +38,17 @@ def complete(
     eos_ids: Sequence[int] | None = None,
     num_samples: int = 1,
     seed: int = 0,
+    placement=None,
 ):
     """Completion texts for `rows`, in batches of one shape (the last one padded): yields
     (the batch's rows, its num_samples completions per row, (tokens, lengths, completions) of
-    the host arrays). num_samples == 1 is greedy."""
+    the host arrays). num_samples == 1 is greedy. With a `placement` (grpo_core.runtime.mesh)
+    whose rollout mesh has several devices, the weights, prompts and KV cache are laid out over
+    it as the rollout's are, and the completions come back whole to every process."""
     greedy = num_samples == 1
+    mesh = None if placement is None or placement.rollout.size == 1 else placement.rollout
+    if mesh is not None:
+        params = placement.put_params(params, mesh)
     opts = SamplerOptions.from_config(
         sampling,
         eos_ids if eos_ids is not None else stop_ids(tokenizer),
@@ -55,8 +61,10 @@ def complete(
         chunk += [chunk[0]] * (batch_size - real) if len(rows) > batch_size else []  # one shape: one compile
         ids = [r["prompt_ids"] if "prompt_ids" in r else tokenizer.encode(r["prompt"]) for r in chunk]
         ptok, pval = pad_prompts(ids, sampling.prompt_buckets, opts.pad_id)
-        c = generate(graphdef, params, ptok, pval, step_key(seed, start), opts, num_samples)
-        tokens, lengths = jax.device_get((c.tokens, c.lengths))
+        if mesh is not None:
+            ptok, pval = placement.put_batch((ptok, pval), mesh)
+        c = generate(graphdef, params, ptok, pval, step_key(seed, start), opts, num_samples, mesh)
+        tokens, lengths = to_host((c.tokens, c.lengths))
         n = real * num_samples
         yield chunk[:real], completion_texts(tokenizer, tokens, lengths, opts.eos_ids, rows=n), (tokens, lengths, n)
 
@@ -76,12 +84,14 @@ def evaluate(
     pass_reward: str | None = None,
     reward_timeout_s: float | None = None,
     state: rw.TrainerState | None = None,
+    placement=None,
 ) -> dict[str, float]:
     """Mean of each reward over `rows`. num_samples == 1 decodes greedily; more samples draw at
     `sampling.temperature` and add pass@k: a sample "passes" when the `pass_reward` function
     scores it >= 1 (default: the weighted total). `reward_timeout_s` bounds each reward
     function's call on one batch (train.reward_timeout_s; RewardTimeout past it); `state` is the
-    trainer_state reward functions see (the evaluated checkpoint's step)."""
+    trainer_state reward functions see (the evaluated checkpoint's step); `placement`: see
+    complete."""
     per: dict[str, list[np.ndarray]] = {r.name: [] for r in rewards}
     totals = []
     done = 0
@@ -95,6 +105,7 @@ def evaluate(
         eos_ids=eos_ids,
         num_samples=num_samples,
         seed=seed,
+        placement=placement,
     ):
         prompts, completions, columns = rw.reward_inputs(
             chunk, texts, repeat=num_samples, completion_ids=completion_ids(tokens, lengths, rows=n), state=state

@@ -343,10 +343,12 @@ def evaluate_steps(parts, steps: list[int]) -> int:
     from grpo_core.rewards.functions import TrainerState
     from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.rl.evaluation import evaluate
+    from grpo_core.runtime.mesh import Placement
     from grpo_core.store.report import read_eval
 
     cfg, root, h = parts.cfg, parts.root, parts.cfg.eval_hash
     sampling = cfg.train.sampling.replace(temperature=cfg.eval.temperature)
+    placement = None  # made at the first step evaluated here: the rollout's mesh, which generates as it does
     with Checkpointer(root.uri("checkpoints"), max_to_keep=None) as ckpt:
         for step in steps:
             rel = f"eval/{step}.json"
@@ -356,7 +358,9 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             _test_hook("eval", step=step, root_url=root.url)
             t = time.perf_counter()
             graphdef, params = parts.policy_at(ckpt, step)
+            placement = placement or Placement.from_config(cfg.train.mesh)
             kw = dict(
+                placement=placement,
                 batch_size=cfg.eval.batch_size,
                 seed=cfg.train.seed,
                 reward_timeout_s=cfg.train.reward_timeout_s,
@@ -378,7 +382,8 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 )
                 result["sampled"] = sampled
                 result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
-            result["examples"] = _examples(parts, graphdef, params, sampling)
+            result["examples"] = _examples(parts, graphdef, params, sampling, placement)
+            result["devices"] = placement.rollout.size  # generated over them (the rollout's mesh)
             result["seconds"] = round(time.perf_counter() - t, 3)
             _emit("eval", cached=False, uri=root.write_json(rel, result) if _PRIMARY else root.uri(rel), **result)
     return 0
@@ -484,12 +489,13 @@ def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
     return gen
 
 
-def _examples(parts, graphdef, params, sampling, n: int = 4) -> list[dict[str, Any]]:
+def _examples(parts, graphdef, params, sampling, placement, n: int = 4) -> list[dict[str, Any]]:
     """A few greedy completions to read next to the numbers (the demo prints them)."""
     from grpo_core.rl.evaluation import complete
 
     rows = parts.eval_rows[:n]
-    [(_, texts, _)] = list(complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows)))
+    batches = complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows), placement=placement)
+    [(_, texts, _)] = list(batches)
     keep = lambda r: {k: v for k, v in r.items() if k != "prompt_ids" and isinstance(v, (str, int, float))}
     return [dict(keep(r), completion=c) for r, c in zip(rows, texts)]
 
