@@ -60,7 +60,12 @@ class RunParts:
 
         graphdef, params = nnx.split(self.create_policy())
         if step == 0 and 0 not in ckpt.all_steps():
-            return graphdef, params
+            # committed to the device a restored checkpoint's arrays are on (Checkpointer.restore):
+            # uncommitted, they lowered to other programs, so an evaluation of step 0 and a trained
+            # step compiled (and cached) every sampler program twice
+            import jax
+
+            return graphdef, jax.device_put(params, jax.local_devices()[0])
         if step not in ckpt.all_steps():
             raise ConfigError(
                 f"no checkpoint for step {step} under {ckpt.directory}; finalised checkpoints: "
