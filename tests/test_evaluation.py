@@ -164,3 +164,23 @@ def test_the_starting_policy_reaches_the_sampler_as_a_restored_checkpoint_does(t
     placed = lambda params: {(a.sharding, a.committed) for a in jax.tree.leaves(params)}  # noqa: E731
     assert placed(start) == placed(restored) == {(jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), True)}
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), start, restored)
+
+
+def test_a_run_trained_on_a_larger_mesh_evaluates_on_this_hosts_devices(tmp_path):
+    """train.mesh names 4-way fsdp; this host has one device: evaluation says so and runs over
+    the default mesh of what is here (a nightly evaluation on another machine than training's)."""
+    from grpo_core.store.root import RunRoot
+    from tasks.process import run_worker
+    from tests.test_worker import make_run
+
+    train = {"num_steps": 6, "grpo": {"prompts_per_step": 4}, "mesh": {"data": 1, "fsdp": 4, "tensor": 1}}
+    root = make_run(str(tmp_path), "wide", train=train)
+    events = []
+    run_worker(
+        ["grpo_core.stages.worker", "eval", "--root", root, "--steps", "0"],
+        timeout_s=240,
+        on_event=events.append,
+        what="evaluation",
+    )
+    result = RunRoot(root).read_json("eval/0.json")
+    assert result["devices"] == 1 and result["greedy"]["num_rows"] == 8

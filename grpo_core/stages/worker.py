@@ -358,7 +358,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             _test_hook("eval", step=step, root_url=root.url)
             t = time.perf_counter()
             graphdef, params = parts.policy_at(ckpt, step)
-            placement = placement or Placement.from_config(cfg.train.mesh)
+            placement = placement or _eval_placement(cfg.train.mesh, Placement)
             kw = dict(
                 placement=placement,
                 batch_size=cfg.eval.batch_size,
@@ -487,6 +487,16 @@ def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
         gen["bos_token_id"] = int(bos)
     gen.pop("transformers_version", None)
     return gen
+
+
+def _eval_placement(mesh, placement_cls):
+    """The run's meshes over this host's devices; where train.mesh names sizes these devices do
+    not have (a run trained on a slice, evaluated elsewhere), the default mesh over them."""
+    try:
+        return placement_cls.from_config(mesh)
+    except ConfigError as exc:
+        print(f"evaluating over the default mesh of this host's devices: {exc}", file=sys.stderr, flush=True)
+        return placement_cls.from_config(None)
 
 
 def _examples(parts, graphdef, params, sampling, placement, n: int = 4) -> list[dict[str, Any]]:
