@@ -90,21 +90,11 @@ def test_evaluation_generates_over_the_rollout_mesh_as_on_one_device(tmp_path):
     """The evaluation worker lays weights and prompts over the rollout's mesh: the same greedy
     and sampled completions as on one device, each batch generated on all 4 devices."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from tests.cpu_devices import run_with_devices
 
     out = str(tmp_path / "eval.json")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run(
-        [sys.executable, "-c", f"import tests.test_evaluation as t; t.eval_child({out!r})"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_with_devices(4, f"import tests.test_evaluation as t; t.eval_child({out!r})")
     with open(out) as f:
         res = json.load(f)
     assert res["one"]["devices"] == [1] * 6 and res["mesh"]["devices"] == [4] * 6  # 3 batches, greedy and sampled
@@ -116,24 +106,12 @@ def test_evaluation_generates_over_the_rollout_mesh_as_on_one_device(tmp_path):
 def test_two_processes_evaluate_together_as_one_does(tmp_path):
     """Multi-host evaluation: the worker's generate spans both processes' devices (the rollout's
     mesh) and each gets the completions whole; the figures and examples equal one process's."""
-    from grpo_core.store.root import RunRoot
-    from tasks.process import run_worker
     from tests.test_multihost import TWO
     from tests.test_worker import make_run
 
     results = {}
     for name, launcher in (("one", None), ("two", TWO)):
-        root = make_run(str(tmp_path), name)
-        events = []
-        run_worker(
-            ["grpo_core.stages.worker", "eval", "--root", root, "--steps", "0"],
-            timeout_s=240,
-            on_event=events.append,
-            what="evaluation",
-            launcher=launcher,
-        )
-        assert [e["event"] for e in events if e["event"] == "eval"] == ["eval"]
-        results[name] = RunRoot(root).read_json("eval/0.json")
+        results[name] = _evaluate_step_0(make_run(str(tmp_path), name), launcher)
     one, two = results["one"], results["two"]
     assert (one["devices"], two["devices"]) == (1, 2)  # one CPU device a process: the mesh spans both
     assert two["greedy"]["num_rows"] == 8 and "pass@2" in two
@@ -169,18 +147,20 @@ def test_the_starting_policy_reaches_the_sampler_as_a_restored_checkpoint_does(t
 def test_a_run_trained_on_a_larger_mesh_evaluates_on_this_hosts_devices(tmp_path):
     """train.mesh names 4-way fsdp; this host has one device: evaluation says so and runs over
     the default mesh of what is here (a nightly evaluation on another machine than training's)."""
-    from grpo_core.store.root import RunRoot
-    from tasks.process import run_worker
     from tests.test_worker import make_run
 
     train = {"num_steps": 6, "grpo": {"prompts_per_step": 4}, "mesh": {"data": 1, "fsdp": 4, "tensor": 1}}
-    root = make_run(str(tmp_path), "wide", train=train)
-    events = []
-    run_worker(
-        ["grpo_core.stages.worker", "eval", "--root", root, "--steps", "0"],
-        timeout_s=240,
-        on_event=events.append,
-        what="evaluation",
-    )
-    result = RunRoot(root).read_json("eval/0.json")
+    result = _evaluate_step_0(make_run(str(tmp_path), "wide", train=train))
     assert result["devices"] == 1 and result["greedy"]["num_rows"] == 8
+
+
+def _evaluate_step_0(root: str, launcher=None) -> dict:
+    """`worker eval --steps 0` (the starting policy) through `launcher`; its eval/0.json."""
+    from grpo_core.store.root import RunRoot
+    from tasks.process import run_worker
+
+    events = []
+    args = ["grpo_core.stages.worker", "eval", "--root", root, "--steps", "0"]
+    run_worker(args, timeout_s=240, on_event=events.append, what="evaluation", launcher=launcher)
+    assert [e["event"] for e in events if e["event"] == "eval"] == ["eval"]
+    return RunRoot(root).read_json("eval/0.json")

@@ -6,9 +6,6 @@ XLA_FLAGS must be set before JAX starts, so the runs happen in child processes
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from grpo_core.config.train import MeshConfig, TrainConfig
 from grpo_core.errors import ConfigError
 from grpo_core.runtime.mesh import KV_CACHE_AXES, fit, partition_axes
+from tests.cpu_devices import run_with_devices
 
 STEPS = 3
 
@@ -159,17 +157,7 @@ def child(mesh: dict | None, out: str, lora: bool = False) -> None:
 
 def _run_child(tmp_path, name: str, devices: int, mesh: dict | None, lora: bool = False):
     out = str(tmp_path / name)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    code = f"import tests.test_sharding as t; t.child({mesh!r}, {out!r}, {lora!r})"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_with_devices(devices, f"import tests.test_sharding as t; t.child({mesh!r}, {out!r}, {lora!r})")
     with open(out + ".json") as f:
         res = json.load(f)
     return res, dict(np.load(out + ".npz"))
@@ -260,17 +248,7 @@ def test_checkpoint_loads_straight_onto_the_mesh(tmp_path):
 
     folder, out = str(tmp_path / "model"), str(tmp_path / "load.json")
     save_hf_model(create_model(get_preset("tiny", vocab_size=64), 0), folder)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    code = f"import tests.test_sharding as t; t.load_child({folder!r}, {out!r})"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_with_devices(8, f"import tests.test_sharding as t; t.load_child({folder!r}, {out!r})")
     with open(out) as f:
         res = json.load(f)
     assert res["devices"] == 8
