@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import re
-import sys
 import tempfile
 import threading
 import time
@@ -538,7 +537,7 @@ def check(
     # HBM (XLA refuses those anyway)
     hopeless = lambda c: formula(*c) > FORMULA_SKIP * HEADROOM * hbm
     tried, fix = [], None
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), "aot", _behind_the_update)
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="aot")
     others = {
         name: pool.submit(analyse, name, compile_, sum(resident[k] for k in extra), hbm, cache)
         for name, (compile_, extra) in run.programs().items()
@@ -601,17 +600,6 @@ def check(
         "compile_s": round(sum(r["compile_s"] for r in tried) + sum(r["compile_s"] for r in results[1:]), 2),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-
-
-def _behind_the_update() -> None:
-    """The other programs' threads run at a lower CPU priority than the update's (this one's
-    caller): the update is the longest compile and its candidates run one after another, so it
-    bounds the check; on a host with fewer cores than compiles, sharing them evenly would delay it
-    by what the others take. Linux sets a nice value per thread; elsewhere the threads keep the
-    process's."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _choose_update(train: TrainConfig, cands, hopeless, try_update, tried: list, max_extra: int):
