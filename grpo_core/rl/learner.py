@@ -54,11 +54,11 @@ class LossParams:
     temperature: float
     remat: RematPolicy = RematPolicy.NONE
     chunk_mib: int = DEFAULT_CHUNK_MIB  # one vocabulary chunk's f32 logits (grpo_core.rl.logprobs)
-    backend: str = "cpu"  # the platform compiled for, which rounds the chunk count (set by the Learner)
     policy_loss: PolicyLoss = PolicyLoss.CLIP
     sapo_tau: tuple[float, float] = (1.0, 1.05)  # (A > 0, A <= 0)
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
+    backend: str = "cpu"  # the platform compiled for, which rounds the chunk count (set by the Learner)
 
     @classmethod
     def from_config(
@@ -74,23 +74,23 @@ class LossParams:
                 "grad_accum_steps and remat must be chosen before the learner is built "
                 "(grpo_core.config.memory.plan resolves auto)"
             )
-        return cls(
-            g.epsilon_low,
-            g.epsilon_high,
-            g.dual_clip,
-            g.beta,
-            g.kl_estimator,
-            g.ratio_level,
-            g.loss_aggregation,
-            g.grad_accum_steps,
-            max_new_tokens,
-            temperature,
-            remat,
-            chunk_mib,
-            g.policy_loss,
-            (g.sapo_temperature_pos, g.sapo_temperature_neg),
-            g.entropy_coef,
-            g.top_entropy_quantile,
+        return cls(  # by name: a field added anywhere cannot shift the others
+            epsilon_low=g.epsilon_low,
+            epsilon_high=g.epsilon_high,
+            dual_clip=g.dual_clip,
+            beta=g.beta,
+            kl_estimator=g.kl_estimator,
+            ratio_level=g.ratio_level,
+            aggregation=g.loss_aggregation,
+            grad_accum_steps=g.grad_accum_steps,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            remat=remat,
+            chunk_mib=chunk_mib,
+            policy_loss=g.policy_loss,
+            sapo_tau=(g.sapo_temperature_pos, g.sapo_temperature_neg),
+            entropy_coef=g.entropy_coef,
+            top_entropy_quantile=g.top_entropy_quantile,
         )
 
     @classmethod
