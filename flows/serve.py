@@ -18,6 +18,7 @@ run into GRPO_PROJECT_DIR, or fails the run with a message saying what to set.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -119,8 +120,6 @@ def serve(
     in the API (stop_flow_runs), then pause the deployments this process still owns (not those
     a newer `grpo serve` took). On the way in, mark the runs a `grpo serve` that died left as
     Running (mark_orphaned_runs)."""
-    import asyncio
-
     from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
 
@@ -181,6 +180,18 @@ def _on_stop_signal(signum, frame) -> None:
         stop_flow_runs(f"grpo serve (pid {os.getpid()}) was stopped by {name}")
     except Exception as exc:  # noqa: BLE001 - exit anyway
         print(f"grpo serve: could not stop its flow runs: {exc}", file=sys.stderr)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # before or after the runner's loop: nothing half-done to interrupt
+        raise SystemExit(0) from None
+    # Inside the loop the signal interrupted whatever code was running, e.g. anyio's hand-off of a
+    # write to its worker thread halfway through: raised there, SystemExit left that task waiting
+    # forever and asyncio.run's shutdown waiting on it. Raised from a callback of its own, it
+    # leaves the loop between two callbacks.
+    loop.call_soon_threadsafe(_exit_the_loop)
+
+
+def _exit_the_loop() -> None:
     raise SystemExit(0)
 
 
