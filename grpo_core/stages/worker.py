@@ -343,7 +343,6 @@ def evaluate_steps(parts, steps: list[int]) -> int:
     from grpo_core.rewards.functions import TrainerState
     from grpo_core.rl.checkpoint import Checkpointer
     from grpo_core.rl.evaluation import evaluate
-    from grpo_core.runtime.mesh import Placement
     from grpo_core.store.report import read_eval
 
     cfg, root, h = parts.cfg, parts.root, parts.cfg.eval_hash
@@ -358,7 +357,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             _test_hook("eval", step=step, root_url=root.url)
             t = time.perf_counter()
             graphdef, params = parts.policy_at(ckpt, step)
-            placement = placement or _eval_placement(cfg.train.mesh, Placement)
+            placement = placement or _eval_placement(cfg.train.mesh)
             kw = dict(
                 placement=placement,
                 batch_size=cfg.eval.batch_size,
@@ -489,14 +488,16 @@ def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
     return gen
 
 
-def _eval_placement(mesh, placement_cls):
+def _eval_placement(mesh):
     """The run's meshes over this host's devices; where train.mesh names sizes these devices do
     not have (a run trained on a slice, evaluated elsewhere), the default mesh over them."""
+    from grpo_core.runtime.mesh import Placement  # JAX: imported once the worker runs
+
     try:
-        return placement_cls.from_config(mesh)
+        return Placement.from_config(mesh)
     except ConfigError as exc:
         print(f"evaluating over the default mesh of this host's devices: {exc}", file=sys.stderr, flush=True)
-        return placement_cls.from_config(None)
+        return Placement.from_config(None)
 
 
 def _examples(parts, graphdef, params, sampling, placement, n: int = 4) -> list[dict[str, Any]]:
