@@ -163,6 +163,25 @@ def test_grpo_check_target_json_then_cached(tmp_path):
             assert p["compile_s"] == 0.0 and p["xla_peak_bytes"] == same[p["program"]]["xla_peak_bytes"]
 
 
+def test_a_report_is_read_back_only_by_the_code_that_wrote_it(tmp_path, monkeypatch):
+    """The report's cache key holds a digest of grpo_core's source: the same config checked after
+    a change to the code that builds the programs (here one line of a copied package) misses the
+    report cache, so no stale figures are read back; the per-program cache decides what recompiles."""
+    import shutil
+
+    from grpo_core.stages import aot as stage
+
+    req = {"model": get_preset("tiny").to_dict(), "train": {}, "max_prompt_tokens": 16, "target": "v5e:2x2"}
+    copy = tmp_path / "grpo_core"
+    shutil.copytree(os.path.dirname(stage._PACKAGE) + "/grpo_core", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(stage, "_PACKAGE", str(copy))
+    before = stage.cache_key(req)
+    assert stage.cache_key(req) == before  # stable
+    with open(copy / "nn" / "model.py", "a") as f:
+        f.write("\n# a change\n")
+    assert stage.cache_key(req) != before
+
+
 def test_without_libtpu_the_check_says_what_to_install(tmp_path):
     """An interpreter without libtpu (its import blocked): the refusal names the extra to install."""
     req = tmp_path / "req.json"

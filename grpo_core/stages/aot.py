@@ -10,7 +10,8 @@ would fit), 2 when the request is invalid or libtpu is missing (the message says
 The request carries the model and train configs, `max_prompt_tokens`, `target` (`v5e:2x2`) and
 optionally `num_slices`, `eval` ({batch_size, num_samples, temperature}), `lora` (the model.lora
 section), `separate_reference` and `programs` (the names to compile; default all). Reports are
-cached on disk by (the request, the jax / jaxlib / libtpu / flax / optax versions): a second
+cached on disk by (the request, a digest of grpo_core's source, the jax / jaxlib / libtpu / flax /
+optax versions): a second
 check of the same programs reads the report back in well under a second, before JAX is
 imported. Each program's figures are cached too (under programs/, by its lowered module): a
 config that changes only evaluation compiles only evaluation. The folder is GRPO_AOT_CACHE_DIR,
@@ -76,10 +77,28 @@ def programs_key(req: dict[str, Any]) -> str:
 
 REPORT_FORMAT = 3  # bumped when what a report holds or how it counts changes: older reports are not read
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # grpo_core/
+
+
+def code_digest() -> str:
+    """A digest of grpo_core's source: the code that builds the programs. A report is read back only
+    by the code that wrote it (a change to the model, the loss or the chunking changes what XLA
+    compiles, though the config is the same); the per-program cache, keyed by the lowered module,
+    still spares the compiles of programs the change left alone."""
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(_PACKAGE):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            h.update(os.path.relpath(path, _PACKAGE).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
 
 def cache_key(req: dict[str, Any]) -> str:
-    """The programs' identity, the compiler's versions and the report's format."""
-    body = {"programs": programs_key(req), "format": REPORT_FORMAT, **versions()}
+    """The programs' identity, the code that builds them, the compiler's versions and the report's format."""
+    body = {"programs": programs_key(req), "code": code_digest(), "format": REPORT_FORMAT, **versions()}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
 
