@@ -4,12 +4,24 @@ import os
 import shutil
 import tempfile
 
+from tests.cpu_devices import FAST_COMPILE
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Worker processes share JAX's persistent compilation cache; the tests keep theirs to themselves.
 # Under pytest-xdist the controller imports this first and its test processes inherit the folder.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+
+# XLA:CPU compiles the tests' programs without LLVM's optimisation passes (XLA's own HLO passes
+# still run): nearly every test compiles more than it computes, and LLVM's passes are most of a
+# compilation (tests/test_logprobs.py: 155 -> 59 CPU-s). Worker processes inherit it; the one test
+# that computes for long (tests/test_trainer.py's learning run) drops it in a child process of its
+# own (tests/cpu_devices.py). GRPO_TEST_XLA_OPT=1, or an optimisation level in XLA_FLAGS, keeps XLA's.
+if os.environ.get("GRPO_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 pytest_plugins = ["tests.prefect_server", "tests.gcs"]
 

@@ -8,10 +8,18 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_with_devices(devices: int, code: str, timeout_s: float = 300) -> None:
+# The tests' XLA:CPU flag for programs that compile more than they compute (tests/conftest.py sets it)
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def run_with_devices(devices: int, code: str, timeout_s: float = 300, optimized: bool = False) -> None:
     """`python -c code` from the repository root with `devices` CPU devices; fails the test with
-    the child's stderr when it exits non-zero."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    the child's stderr when it exits non-zero. The child keeps the tests' XLA flags but the device
+    count; `optimized` drops FAST_COMPILE too (code that computes for long)."""
+    drop = ("--xla_force_host_platform_device_count=", *([FAST_COMPILE] if optimized else []))
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(drop)]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT
     )

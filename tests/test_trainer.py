@@ -11,6 +11,7 @@ from grpo_core.rewards.functions import Reward
 from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.trainer import GRPOTrainer, NonFiniteError
 from grpo_core.testing import SYNTHETIC_DEFAULT, build_synthetic
+from tests.cpu_devices import run_with_devices
 
 
 def make(steps=3, rewards=None, **train):
@@ -165,6 +166,12 @@ def test_iterations_and_minibatches_run_every_update():
 
 @pytest.mark.slow
 def test_tiny_preset_learns_the_synthetic_task():
+    # 600 steps compute more than they compile: with XLA's optimised code, so in a child process
+    # (tests/conftest.py compiles this one's programs for compile time)
+    run_with_devices(1, "import tests.test_trainer as t; t.learn()", timeout_s=1200, optimized=True)
+
+
+def learn():
     tr, run = make(steps=600)
     hist = tr.train()
     first = np.mean([m["reward"] for m in hist[:50]])
