@@ -171,15 +171,15 @@ def estimate(
         # the sum beside each micro-batch's, in f32 whatever the parameters' dtype (rl.learner.update)
         "grad_accumulator": per(trained * max(tb, 4)) if grad_accum_steps > 1 else 0,
         "optimizer_update": per(trained * tb),
-        # split over at most the micro-batch's prompts: XLA:TPU keeps a group's rows together (v5e:2x4's
-        # 8 chips hold no less than v5e:2x2's 4 with 4 prompts a micro-batch), and scaled per backend
+        # split over the rows' devices, as far as XLA splits them (on a TPU no more than 4 ways, _TPU_SPLIT;
+        # elsewhere no more than the micro-batch's prompts), and scaled per backend
         "activations": int(
             math.ceil(
                 _ACT_SCALE.get(backend, 1.0)
                 * _activations(
                     m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens, _act_bytes(backend, cb), flash(backend, m)
                 )
-                / min(r, micro_p)
+                / min(r, _TPU_SPLIT if backend == "tpu" else micro_p)
             )
         ),
         # a vocabulary chunk's logits and their gradient, and the tokens' hidden state and gradient
@@ -257,14 +257,17 @@ def _act_bytes(backend: str, compute_bytes: int) -> int:
 
 
 # What XLA:TPU's buffer assignment holds beyond the CPU-fitted per-token counts (layouts padded
-# to its (8, 128) tiles: qwen2.5's 64-wide heads fill half a lane), fitted on bench.aot's rows
-# (grpo_core.rl.aot: the update's chip peak against this estimate): qwen2.5-0.5b, 8 x 8 x 512
-# tokens on v5e:2x2, v5e:2x4, v4:2x2x1 and v6e:2x2, formula/XLA 0.96-1.04. On other models it is
-# looser: qwen3-0.6b 0.75-1.21, qwen2.5-1.5b 0.87-1.58 (128-wide heads fill the lanes, so the
-# scale overcounts them by ~15 %; with 2 prompts a micro-batch on v5e:2x4 XLA splits the
-# activations about 4 ways, not 2; with 8 on 8 chips about 6): the compiler decides on a TPU target,
-# this estimate only orders its candidates (grpo_core.rl.aot).
+# to its (8, 128) tiles: qwen2.5's 64-wide heads fill half a lane), and how many ways it splits
+# the update's activations: about 4 on 4 chips and on 8, whatever the micro-batch's prompts (2, 4
+# or 8). Fitted on bench.aot's candidates (grpo_core.rl.aot: the update's chip peak), qwen2.5-0.5b,
+# qwen3-0.6b and qwen2.5-1.5b at 8 x 8 x 512 tokens on v5e:2x2, v5e:2x4, v4:2x2x1, v6e:2x2 and
+# v5p:2x2x1/2x2x2 (95 GiB a chip): formula/XLA 0.86-1.21 wherever XLA had room. Near a chip's HBM
+# XLA:TPU recomputes to fit, so its figure falls below what the program keeps (qwen3-0.6b dots/1
+# on v5e:2x4: 14.3 GiB, formula 20.8; remat none on v6e:2x4: 0.5-0.8x): this estimate counts the
+# program as it is, the compiler decides on a TPU target (the estimate only orders and skips its
+# candidates, grpo_core.rl.aot).
 _ACT_SCALE = {"tpu": 1.65}
+_TPU_SPLIT = 4
 
 
 # Elements per token and layer that a decoder layer keeps without remat (e hidden, q+kv the
