@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from grpo_core.config.model import DType
 from grpo_core.config.train import (
@@ -59,6 +60,7 @@ class LossParams:
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
     backend: str = "cpu"  # the platform compiled for, which rounds the chunk count (set by the Learner)
+    mesh: Mesh | None = None  # the learner's mesh, when it has more than one device: activations laid out over its rows
 
     @classmethod
     def from_config(
@@ -109,11 +111,13 @@ def completion_logprobs(
     chunk_mib: int = DEFAULT_CHUNK_MIB,
     head_grad: bool = True,
     backend: str = "cpu",
+    mesh=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of each completion token under softmax(logits / T), and the entropy there:
     (B, N) each. No (B, N, V) tensor is made (grpo_core.rl.logprobs); `head_grad=False` when the LM
-    head is frozen (LoRA), so its gradient is not computed."""
-    h = model.hidden_states_grouped(prompt_tokens, prompt_valid, targets[:, :-1], remat)  # (B, N, E)
+    head is frozen (LoRA), so its gradient is not computed. `mesh`: the devices' mesh, over whose
+    rows the trunk lays out its activations (CausalLM.hidden_states_grouped)."""
+    h = model.hidden_states_grouped(prompt_tokens, prompt_valid, targets[:, :-1], remat, mesh)  # (B, N, E)
     w, vocab_major = model.head()
     return token_logprobs(
         h,
@@ -164,6 +168,7 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
         chunk_mib=hp.chunk_mib,
         head_grad=frozen is None,
         backend=hp.backend,
+        mesh=hp.mesh,
     )
     log_r = algo.log_ratio(logp, micro.old_logp, micro.mask, hp.ratio_level)
     if hp.policy_loss is PolicyLoss.CISPO:
@@ -224,7 +229,13 @@ def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedu
 
 
 def score_completions(
-    graphdef, params, batch: Batch, temperature: float, chunk_mib: int = DEFAULT_CHUNK_MIB, backend: str = "cpu"
+    graphdef,
+    params,
+    batch: Batch,
+    temperature: float,
+    chunk_mib: int = DEFAULT_CHUNK_MIB,
+    backend: str = "cpu",
+    mesh=None,
 ):
     """Log-probs of the completions under `params` (the reference policy, or the old policy).
     Forward only: every layer's activations die with it, so no rematerialisation applies.
@@ -235,7 +246,9 @@ def score_completions(
         ptok, pval, targets = batch["prompt_tokens"], batch["prompt_valid"], batch["targets"]
     else:
         ptok, pval, targets = batch.prompt_tokens, batch.prompt_valid, batch.targets
-    logp, _ = completion_logprobs(model, ptok, pval, targets, temperature, chunk_mib=chunk_mib, backend=backend)
+    logp, _ = completion_logprobs(
+        model, ptok, pval, targets, temperature, chunk_mib=chunk_mib, backend=backend, mesh=mesh
+    )
     return logp
 
 
@@ -250,7 +263,8 @@ class Learner:
         meshes; the state lives on the learner's, the reference on its own. The programs are
         compiled for the platform of the placement's devices (this host's default without one)."""
         platform = jax.default_backend() if placement is None else placement.train.devices.flat[0].platform
-        hp = dataclasses.replace(hp, backend=platform)
+        spread = lambda mesh: mesh if mesh is not None and mesh.size > 1 else None
+        hp = dataclasses.replace(hp, backend=platform, mesh=None if placement is None else spread(placement.train))
         self.graphdef, self.hp, self.placement = graphdef, hp, placement
         self.tx, self.schedule = make_optimizer(opt_cfg, total_updates)
         self.state_sharding = None  # set by init_state; read when the update is traced
@@ -265,11 +279,13 @@ class Learner:
         # donated; never the frozen base: it lives on.
         self.update = jax.jit(update_on_mesh, donate_argnums=(0,))
         ref = graphdef if ref_graphdef is None else ref_graphdef
-        score = lambda graph: jax.jit(
-            lambda params, batch: score_completions(graph, params, batch, hp.temperature, hp.chunk_mib, hp.backend)
+        score = lambda graph, mesh: jax.jit(
+            lambda params, batch: score_completions(
+                graph, params, batch, hp.temperature, hp.chunk_mib, hp.backend, spread(mesh)
+            )
         )
-        self._score = score(ref)
-        self.score_policy = score(graphdef)  # the policy itself (adapters included): old_logp rescored
+        self._score = score(ref, None if placement is None else placement.reference)
+        self.score_policy = score(graphdef, hp.mesh)  # the policy itself (adapters included): old_logp rescored
 
     def _ref_mesh(self):
         pl = self.placement
