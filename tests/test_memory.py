@@ -83,25 +83,23 @@ def test_terms_split_over_the_mesh_and_count_lora_adapters_only():
     assert t["params"] == f["params"] + 4 * n and t["kv_cache"] == f["kv_cache"]
 
 
-def test_a_tpus_activations_split_about_four_ways_whatever_the_chips_and_prompts():
-    """XLA:TPU's update holds about a quarter of a micro-batch's activations per chip on 4 chips and
-    on 8, with 2, 4 or 8 prompts a micro-batch (bench.aot's candidates on v5e:2x4 and v5p:2x2x2
-    against v5e:2x2 and v5p:2x2x1): the estimate splits them min(chips, 4) ways there, and over
-    the micro-batch's prompts on other backends."""
+def test_activations_split_over_every_row_device():
+    """The learner lays the tokens' hidden states out over its rows (data x fsdp: grpo_core.nn.model),
+    so the estimate splits a micro-batch's activations over all of them, whatever the prompts a
+    micro-batch (8, 4 or 2 here) and the backend."""
     mc, train = get_preset("qwen2.5-0.5b"), train_config(p=8, n=512, g=8)
 
-    def act(chips, accum, backend):
-        layout = memory.Layout(1, chips, 1)
+    def act(layout, accum, backend):
         est = memory.estimate(
             mc, train, 64, remat=RematPolicy.DOTS, grad_accum_steps=accum, layout=layout, backend=backend
         )
         return est.terms["activations"]
 
-    for accum in (1, 2, 4):  # 8, 4 and 2 prompts a micro-batch
-        assert act(8, accum, "tpu") == act(4, accum, "tpu")
-        assert abs(act(2, accum, "tpu") / act(4, accum, "tpu") - 2) < 1e-6
-    assert abs(act(8, 1, "gpu") / act(4, 1, "gpu") - 0.5) < 1e-6  # 8 prompts over 8 GPUs
-    assert act(8, 4, "gpu") == act(4, 4, "gpu")  # 2 prompts: no further than 2 ways
+    for backend in ("tpu", "gpu"):
+        for accum in (1, 2, 4):
+            four = act(memory.Layout(1, 4, 1), accum, backend)
+            assert abs(act(memory.Layout(1, 8, 1), accum, backend) / four - 0.5) < 1e-6
+            assert abs(act(memory.Layout(2, 4, 1), accum, backend) / four - 0.5) < 1e-6
 
 
 def test_bfloat16_moments_halve_the_first_moment():

@@ -171,15 +171,15 @@ def estimate(
         # the sum beside each micro-batch's, in f32 whatever the parameters' dtype (rl.learner.update)
         "grad_accumulator": per(trained * max(tb, 4)) if grad_accum_steps > 1 else 0,
         "optimizer_update": per(trained * tb),
-        # split over the rows' devices, as far as XLA splits them (on a TPU no more than 4 ways, _TPU_SPLIT;
-        # elsewhere no more than the micro-batch's prompts), and scaled per backend
+        # split over the rows' devices (grpo_core.nn.model lays the tokens' hidden states out over
+        # them), scaled per backend
         "activations": int(
             math.ceil(
                 _ACT_SCALE.get(backend, 1.0)
                 * _activations(
                     m, remat, micro_p, micro_b, sh.prompt_len, sh.new_tokens, _act_bytes(backend, cb), flash(backend, m)
                 )
-                / min(r, _TPU_SPLIT if backend == "tpu" else micro_p)
+                / r
             )
         ),
         # a vocabulary chunk's logits and their gradient, and the tokens' hidden state and gradient
@@ -256,18 +256,11 @@ def _act_bytes(backend: str, compute_bytes: int) -> int:
     return 4 if backend in ("cpu", "tpu") else compute_bytes
 
 
-# What XLA:TPU's buffer assignment holds beyond the CPU-fitted per-token counts (layouts padded
-# to its (8, 128) tiles: qwen2.5's 64-wide heads fill half a lane), and how many ways it splits
-# the update's activations: about 4 on 4 chips and on 8, whatever the micro-batch's prompts (2, 4
-# or 8). Fitted on bench.aot's candidates (grpo_core.rl.aot: the update's chip peak), qwen2.5-0.5b,
-# qwen3-0.6b and qwen2.5-1.5b at 8 x 8 x 512 tokens on v5e:2x2, v5e:2x4, v4:2x2x1, v6e:2x2 and
-# v5p:2x2x1/2x2x2 (95 GiB a chip): formula/XLA 0.86-1.21 wherever XLA had room. Near a chip's HBM
-# XLA:TPU recomputes to fit, so its figure falls below what the program keeps (qwen3-0.6b dots/1
-# on v5e:2x4: 14.3 GiB, formula 20.8; remat none on v6e:2x4: 0.5-0.8x): this estimate counts the
-# program as it is, the compiler decides on a TPU target (the estimate only orders and skips its
-# candidates, grpo_core.rl.aot).
-_ACT_SCALE = {"tpu": 1.65}
-_TPU_SPLIT = 4
+# What XLA:TPU's buffer assignment holds against the CPU-fitted per-token counts (it fuses more of
+# each layer than XLA:CPU), fitted on bench.aot's candidates (grpo_core.rl.aot: the update's chip
+# peak) with the activations laid out over the rows: qwen2.5-0.5b at 8 x 8 x 512 tokens, dots/1,
+# 7.4 GiB a chip on v5e:2x2 and 3.9 on v5p:2x2x2 (the README's bench.aot table has every row)
+_ACT_SCALE = {"tpu": 0.57}
 
 
 # Elements per token and layer that a decoder layer keeps without remat (e hidden, q+kv the
