@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 # fragmentation between programs.
 HEADROOM = 0.95
 # update candidates the formula says need more than this share of the usable HBM are not compiled.
-# bench.aot's candidates put it at 0.88-1.05x XLA's chip peak (before the model laid its activations
+# bench.aot's candidates put it at 0.88-1.06x XLA's chip peak (before the model laid its activations
 # out over the chips, 0.75-1.58x), so the cut leaves a wide margin; a candidate that does not fit
 # costs little to compile, XLA:TPU refuses it at its first memory check (3-8 s)
 FORMULA_SKIP = 2.0
