@@ -7,9 +7,7 @@ vocabulary, bf16), AOT-compiled (grpo_core.rl.aot) with train.remat and
 train.grpo.grad_accum_steps at auto, the compiler choosing (candidates cheapest first, the first
 that fits); XLA's peak per chip (the program's peak plus the run's arrays that are not its
 arguments, the KL reference); the formula's estimate (grpo_core.config.memory) for the same
-choice and its ratio to XLA's (marked where XLA's figure sits within 10 % of the usable HBM
-and below the formula's: XLA:TPU recomputed to fit, so its figure is less than what the program
-keeps); the compile time and the candidates compiled. Each row runs in
+choice and its ratio to XLA's; the compile time and the candidates compiled. Each row runs in
 a process of its own, through grpo_core.stages.aot's cache: a second run prints at once.
 """
 
@@ -24,7 +22,6 @@ import tempfile
 
 MODELS = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b")
 TARGETS = ("v5e:2x2", "v5e:2x4", "v4:2x2x1", "v6e:2x2")
-NEAR = 0.9  # of the usable HBM
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -91,11 +88,6 @@ def _line(r: dict) -> str:
     tried = len(r["update_candidates"])
     formula = formula_bytes(r)  # today's formula (a cached report holds the one of its day)
     ratio = "-" if not u.get("peak_bytes") else f"{formula / u['peak_bytes']:.2f}"
-    # XLA:TPU recomputes to fit a program that would not: its figure then sits just under the
-    # usable HBM, below what the program keeps, which the formula counts (grpo_core.config.memory)
-    squeezed = u.get("peak_bytes") and formula > u["peak_bytes"] >= NEAR * r["memory"]["usable_bytes"]
-    if squeezed:
-        ratio += " (XLA near the HBM)"
     return " | ".join(
         [
             r["model"],
