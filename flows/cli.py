@@ -221,7 +221,7 @@ def check_command(args) -> int:
     if cfg is None:
         return 2
     from grpo_core.errors import ExitCode
-    from tasks.stages import readiness_report
+    from tasks.readiness import readiness_report
 
     report = readiness_report(cfg, data=True)  # the data too: prompts its tokenizer cannot encode, before any run
     report["recipe"] = _recipe(args, cfg)

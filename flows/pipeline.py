@@ -32,6 +32,7 @@ from grpo_core.errors import RunRootInUse
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, plot_curve
 from grpo_core.store.root import RunRoot, check_reachable, remove_stale_temp
+from tasks.readiness import readiness_report
 from tasks.stages import (
     _key,
     can_retry,
@@ -42,7 +43,6 @@ from tasks.stages import (
     load_run,
     prepare_dataset,
     publish_readiness,
-    readiness_report,
     retryable,
     train_epoch,
 )

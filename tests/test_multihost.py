@@ -214,7 +214,7 @@ def test_launch_plans():
 @pytest.mark.slow
 def test_readiness_runs_on_every_process_and_compares_what_each_reads(tmp_path):
     from grpo_core.config.run import RunConfig
-    from tasks.stages import readiness_report
+    from tasks.readiness import readiness_report
 
     launcher = {"kind": "multiprocess", "num_processes": 2, "init_timeout_s": 60}
     root = make_run(str(tmp_path), "ready", pipeline={"checkpoint_every": 2, "launcher": launcher})

@@ -61,7 +61,7 @@ def test_train_worker_runs_in_the_sglang_environment(tmp_path):
     from grpo_core.data.tokenizer import make_tokenizer
     from grpo_core.store.runs import init_run_root
     from tasks.process import run_worker
-    from tasks.stages import readiness_report, worker_python
+    from tasks.readiness import readiness_report, worker_python
 
     cfg = RunConfig.from_dict(
         {

@@ -1,0 +1,292 @@
+"""The readiness report: the run's tokenizer, data and storage checked here, the device checks in
+a worker process (JAX initialises there, never in this process), and, given
+pipeline.readiness.target, XLA's figures for the target compiled in a process of its own.
+
+Prefect-free, so that `grpo check` starts in the time its checks take; the pipeline's
+check-readiness task (tasks/stages.py) publishes the same report to Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from grpo_core.config.run import RunConfig
+from grpo_core.config.train import RolloutEngineKind
+from grpo_core.data.prepare import DataError, EncodeError, dry_run
+from grpo_core.data.tokenizer import make_tokenizer
+from grpo_core.errors import ConfigError
+from grpo_core.launch.processes import sglang_python
+from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
+from grpo_core.store.root import RunRoot, StorageError
+from grpo_core.store.sources import model_config
+from tasks.process import StageError, run_worker
+
+
+def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool = False) -> dict[str, Any]:
+    """The storage probe and the tokenizer (here), with `data` the prompts read and tokenized as
+    the run will (`grpo check`: before any run; the pipeline prepares them just before), and the
+    device checks (in a worker process), as one report."""
+    checks: list[dict[str, Any]] = []
+    tokenizer = _tokenizer_check(cfg, checks)
+    if tokenizer is None:  # the model's shape (its vocabulary) is not known: no device checks
+        return {"checks": checks, "ready": False}
+    if data:
+        checks.append(_data_check(cfg, tokenizer))
+    try:
+        RunRoot(cfg.run_url).probe()
+        checks.append({"name": "storage", "ok": True, "detail": f"write/read/delete under {cfg.run_url}", "fix": None})
+    except StorageError as exc:
+        checks.append(
+            {
+                "name": "storage",
+                "ok": False,
+                "detail": str(exc),
+                "fix": "check the bucket/folder exists and these credentials may write to it "
+                "(GOOGLE_APPLICATION_CREDENTIALS or gcloud auth application-default login)",
+            }
+        )
+    request = {
+        "model": model_config(cfg, vocab_size=tokenizer.vocab_size).to_dict(),
+        # num_steps still auto (data that cannot be prepared): the schedule's length changes no memory
+        "train": cfg.train.replace(num_steps=1).to_dict() if cfg.train.num_steps == "auto" else cfg.train.to_dict(),
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "require_tpu": cfg.pipeline.require_tpu,
+        "rollout_engine": cfg.train.rollout.engine.value,
+        "config_hash": cfg.train_hash,
+        "lora": cfg.model.to_dict().get("lora"),
+        "separate_reference": cfg.separate_reference,
+        "run_root": cfg.run_url,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request, f)
+    try:
+        try:
+            python = worker_python(cfg)
+        except StageError as exc:  # reported as a failed check, with the device checks run here
+            python = None
+            checks.append({"name": "worker_python", "ok": False, "detail": str(exc), "fix": "make sglang-env"})
+        report = _device_checks(f.name, timeout_s or cfg.pipeline.check_timeout_s, python, cfg.pipeline.launcher)
+    finally:
+        os.unlink(f.name)
+    if "error" in report:  # the request itself was refused (exit 2): say why as a failed check
+        checks.append({"name": "request", "ok": False, "detail": report["error"], "fix": "fix the config field named"})
+    live = report.get("checks", [])
+    if cfg.pipeline.readiness.target:  # XLA's figures for the target replace the formula's for this host
+        aot = aot_report(cfg, tokenizer.vocab_size, timeout_s or cfg.pipeline.check_timeout_s)
+        live = _with_target(report, live, aot)
+    report["checks"] = checks + live
+    report["ready"] = all(c["ok"] for c in report["checks"])
+    return report
+
+
+def aot_report(cfg: RunConfig, vocab_size: int, timeout_s: float) -> dict[str, Any]:
+    """Compile the run's programs for pipeline.readiness.target in a process of its own (this
+    one never imports JAX): XLA's report, or {"error": ...} saying why there is none. The process
+    opens no TPU, so it may run beside a training worker on a TPU VM."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request_for(cfg, vocab_size), f)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "grpo_core.stages.aot", "--request", f.name],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {
+            "error": f"compiling for {cfg.pipeline.readiness.target} took longer than {timeout_s:g} s "
+            "(pipeline.check_timeout_s)"
+        }
+    finally:
+        os.unlink(f.name)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": f"the AOT check exited with code {proc.returncode} without a report: {proc.stderr[-2000:]}"}
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _with_target(report: dict[str, Any], live: list[dict[str, Any]], aot: dict[str, Any]) -> list[dict[str, Any]]:
+    """The live checks with the target's: XLA's memory check instead of the formula's (kept as
+    report["memory_formula"]), and whether the chips here are the target's."""
+    report["target"] = aot
+    if "error" in aot:
+        fix = (
+            "pip install -c constraints.txt '.[tpu-aot]'"
+            if "libtpu" in aot["error"]
+            else "raise pipeline.check_timeout_s (a cold check compiles every program)"
+            if "pipeline.check_timeout_s" in aot["error"]
+            else "fix pipeline.readiness.target or the field named"
+        )
+        return live + [{"name": "target", "ok": False, "detail": aot["error"], "fix": fix}]
+    t, mem = aot["target"], aot["memory"]
+    if "memory" in report:
+        report["memory_formula"] = report["memory"]
+    report["memory"] = dict(mem, remat=aot["remat"], grad_accum_steps=aot["grad_accum_steps"])
+    out = [c for c in live if c["name"] != "memory"]
+    chosen = " (chosen by the compiler)" if aot["auto"] else ""
+    worst = next(p for p in aot["programs"] if p["program"] == mem["peak_program"])
+    out.append(
+        {
+            "name": "memory",
+            "ok": bool(mem["fits"]),
+            "detail": f"XLA on {t['topology']}"
+            + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
+            + f" ({t['chips']} x {t['device_kind']}, {_gib(t['hbm_bytes'])} HBM each; {aot['mesh']}): peak "
+            f"{_gib(mem['peak_bytes'])} per chip in {mem['peak_program']} (XLA {_gib(worst['xla_peak_bytes'])} + "
+            f"resident {_gib(worst['resident_bytes'])}) of {_gib(mem['usable_bytes'])} usable; train.remat="
+            f"{aot['remat']}, train.grpo.grad_accum_steps={aot['grad_accum_steps']}{chosen}; "
+            + (
+                f"cached report ({aot['seconds']:.1f} s)"
+                if aot.get("cached")
+                else f"compiled in {aot['seconds']:.0f} s"
+            ),
+            "fix": aot.get("fix"),
+        }
+    )
+    here = report.get("backend")
+    if here == "tpu":
+        same = report.get("device_kind") == t["device_kind"] and report.get("device_count") == t["chips"]
+        detail = (
+            f"{report.get('device_count')} x {report.get('device_kind')} here, target {t['chips']} x {t['device_kind']}"
+        )
+        fix = "run on the target's slice, or set pipeline.readiness.target to this slice's topology"
+        out.append({"name": "target", "ok": same, "detail": detail, "fix": None if same else fix})
+    else:
+        out.append(
+            {
+                "name": "target",
+                "ok": True,
+                "detail": f"no TPU here ({here}): {t['topology']} checked by compiling for it",
+                "fix": None,
+            }
+        )
+    return out
+
+
+def _tokenizer_check(cfg: RunConfig, checks: list[dict[str, Any]]):
+    """The run's tokenizer, or None with a failed check naming model.tokenizer."""
+    try:
+        tokenizer = make_tokenizer(cfg)
+    except (ConfigError, StorageError) as exc:
+        fix = "set model.tokenizer to a Hugging Face tokenizer: a Hub id, or a folder of what save_pretrained writes"
+        checks.append({"name": "tokenizer", "ok": False, "detail": str(exc), "fix": fix})
+        return None
+    checks.append(
+        {"name": "tokenizer", "ok": True, "detail": f"{cfg.tokenizer_id}, {tokenizer.vocab_size} tokens", "fix": None}
+    )
+    return tokenizer
+
+
+def _steps_said(cfg: RunConfig, rows: int) -> str:
+    t = cfg.train
+    steps = t.steps_for(rows) if t.num_steps == "auto" else t.num_steps
+    how = (
+        f"auto: {t.num_epochs:g} epochs"
+        if t.num_steps == "auto"
+        else f"{steps * t.grpo.prompts_per_step / rows:.2f} epochs"
+    )
+    return f"; train.num_steps {steps} x {t.grpo.prompts_per_step} prompts ({how} over them)"
+
+
+def _data_check(cfg: RunConfig, tokenizer) -> dict[str, Any]:
+    """The prompts read, rendered and tokenized as the run will, written nowhere."""
+    try:
+        got = dry_run(cfg.data, tokenizer)
+    except EncodeError as exc:
+        fix = "set model.tokenizer to one that covers the data"
+        return {"name": "data", "ok": False, "detail": str(exc), "fix": fix}
+    except (DataError, ConfigError, StorageError) as exc:
+        return {"name": "data", "ok": False, "detail": str(exc), "fix": "fix the data.* field or the file named"}
+    tokens = got["prompt_tokens"]
+    detail = (
+        f"{got['train_rows']} train / {got['eval_rows']} eval prompts from {cfg.data.source} ({got['format']}), "
+        f"{tokens['min']}..{tokens['max']} tokens"
+        + (f", {got['dropped_too_long']} over data.max_prompt_tokens dropped" if got["dropped_too_long"] else "")
+        + _steps_said(cfg, got["train_rows"])
+    )
+    return {"name": "data", "ok": True, "detail": detail, "fix": None, "train_rows": got["train_rows"]}
+
+
+def worker_python(cfg: RunConfig) -> str:
+    """The interpreter of training workers (and of their readiness checks): pipeline.worker_python,
+    else the sglang-jax environment when train.rollout.engine is sglang, else this one."""
+    if cfg.pipeline.worker_python:
+        return cfg.pipeline.worker_python
+    if cfg.train.rollout.engine is RolloutEngineKind.SGLANG:
+        python = sglang_python()
+        if python is None:
+            raise StageError(
+                "train.rollout.engine=sglang runs the training worker in the sglang-jax environment "
+                "(Python 3.12, its own jax/flax pins), which is not built: run `make sglang-env`, or set "
+                "GRPO_SGLANG_PYTHON or pipeline.worker_python to its interpreter",
+                retryable=False,
+            )
+        return python
+    return sys.executable
+
+
+def _device_checks(request_path: str, timeout_s: float, python: str | None = None, launcher=None) -> dict[str, Any]:
+    """Run grpo_core.stages.readiness in its own process (in the training workers' interpreter): it
+    initialises JAX, which the Prefect process never does (a TPU belongs to the one process that
+    opened it). With a multi-host launcher, on every host as training will run, the request
+    passed inline (other hosts cannot read this machine's files); process 0 reports."""
+    if launcher is not None and launcher.distributed:
+        with open(request_path) as f:
+            inline = f.read()
+        events = run_worker(
+            ["grpo_core.stages.readiness", "--events", "--request-json", inline],
+            timeout_s=timeout_s,
+            on_event=lambda e: None,
+            what="the device checks",
+            python=python,
+            launcher=launcher,
+        )
+        return next(e["report"] for e in events if e["event"] == "report")
+
+    try:
+        proc = subprocess.run(
+            [python or sys.executable, "-m", "grpo_core.stages.readiness", "--request", request_path],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise StageError(
+            f"the device checks did not finish within {timeout_s:g} s (a TPU held by another "
+            "process can block jax.devices())",
+            retryable=True,
+        ) from None
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise StageError(
+            f"the device checks exited with code {proc.returncode} without a report: {proc.stderr[-2000:]}",
+            retryable=True,
+        ) from None
+
+
+def readiness_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"## Readiness: {'ready' if report['ready'] else 'NOT READY'}",
+        "",
+        f"{report.get('backend', '?')} · {report.get('device_kind', '?')} × {report.get('device_count', '?')} · "
+        f"{report.get('process_count', '?')} process(es)",
+        "",
+        "| check | ok | detail | fix |",
+        "|---|---|---|---|",
+    ]
+    for c in report["checks"]:
+        cell = lambda s: str(s or "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {c['name']} | {'yes' if c['ok'] else '**no**'} | {cell(c['detail'])} | {cell(c['fix'])} |")
+    return "\n".join(lines)
