@@ -16,8 +16,10 @@ import pytest
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
-# tiny preset, ~40 ms a step here: long enough to interrupt, one checkpoint every 20 steps
-STEPS = 400
+# tiny preset, 60-120 ms a step here: the 100 steps after the first checkpoint (step 20) take
+# 6-12 s, long enough to interrupt, which the CLI does in well under a second; and the resume
+# trains only those (400 steps cost ~40 s more of the suite)
+STEPS = 120
 ARGS = ["--set", f"train.num_steps={STEPS}", "--set", "pipeline.checkpoint_every=20", "--set", "pipeline.epochs=1"]
 
 
