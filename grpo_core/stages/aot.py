@@ -34,8 +34,14 @@ import time
 from importlib import metadata
 from typing import Any
 
+from grpo_core.config.model import LoraConfig, ModelConfig
+from grpo_core.config.target import Target
+from grpo_core.config.train import TrainConfig
 from grpo_core.errors import ConfigError, ExitCode
 from grpo_core.store.sources import model_config
+
+# JAX-free: the Prefect side imports this module (tasks/readiness.py: request_for); grpo_core.rl.aot,
+# which imports JAX, is imported inside the functions that use it (to compile: after _compiler_env).
 
 _VERSIONED = ("jax", "jaxlib", "libtpu", "flax", "optax")
 
@@ -136,7 +142,7 @@ def program_cache(**identity: Any):
     """grpo_core.rl.aot.ProgramCache under the cache folder's programs/, its keys salted with
     `identity` (the target, or the local backend and its devices), the compiler's versions and
     the report's format."""
-    from grpo_core.rl.aot import ProgramCache
+    from grpo_core.rl.aot import ProgramCache  # JAX: the Prefect side imports this module
 
     folder = cache_dir()
     salt = json.dumps({"format": REPORT_FORMAT, **identity, **versions()}, sort_keys=True, default=str)
@@ -154,10 +160,6 @@ def _compiler_env() -> None:
 
 def parse_request(req: Any):
     """(model, train, max_prompt_tokens, target, eval shape, lora, separate_reference), or ConfigError."""
-    from grpo_core.config.model import LoraConfig, ModelConfig
-    from grpo_core.config.target import Target
-    from grpo_core.config.train import TrainConfig
-
     if not isinstance(req, dict):
         raise ConfigError(f"the AOT request must be a JSON object, got {type(req).__name__}")
     for key in ("model", "train", "max_prompt_tokens", "target"):
@@ -192,11 +194,11 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     if cached is not None:
         return dict(cached, cached=True, seconds=round(time.perf_counter() - t, 3))
     if versions()["libtpu"] is None:
-        from grpo_core.rl.aot import INSTALL
+        from grpo_core.rl.aot import INSTALL  # JAX: the Prefect side imports this module
 
         raise ConfigError(f"checking a TPU target needs XLA's TPU compiler (libtpu), not installed here: {INSTALL}")
     _compiler_env()
-    from grpo_core.rl import aot
+    from grpo_core.rl import aot  # JAX: after _compiler_env sets JAX_PLATFORMS
 
     only = None if req.get("programs") is None else tuple(p for p in req["programs"] if p != "update")
     programs = program_cache(target=target.to_dict())

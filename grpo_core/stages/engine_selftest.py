@@ -35,6 +35,7 @@ from flax import nnx
 
 from grpo_core.config.model import ModelConfig
 from grpo_core.config.train import RolloutConfig
+from grpo_core.engines.sglang import SglangEngine
 from grpo_core.nn import lora
 from grpo_core.nn.model import create_model
 from grpo_core.rl.learner import score_completions
@@ -46,7 +47,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def policy_config(**overrides):
-
     fields = dict(
         vocab_size=64,
         hidden_size=256,
@@ -73,7 +73,6 @@ def peaked_policy(cfg, seed: int):
 
 
 def _prompts(cfg, pad_id: int):
-
     rows = [[5, 9, 11, 3], [17, 4], [30, 31, 32, 33, 34, 35]]
     return pad_prompts(rows, (8,), pad_id)
 
@@ -85,9 +84,6 @@ def _check(report: dict, name: str, ok: bool, **detail) -> None:
 
 
 def parity(report: dict, max_new_tokens: int = 12) -> None:
-
-    from grpo_core.engines.sglang import SglangEngine
-
     cfg = policy_config()
     graphdef, params_a = peaked_policy(cfg, 0)
     _, params_b = peaked_policy(cfg, 1)

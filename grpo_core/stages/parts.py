@@ -9,13 +9,22 @@ import tempfile
 import time
 from typing import Any
 
+import jax
+from flax import nnx
+
+from grpo_core.config.model import ReferencePolicy
 from grpo_core.config.run import RunConfig
+from grpo_core.data.prepare import load_prepared
 from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError
+from grpo_core.nn import lora
+from grpo_core.nn.hf import load_hf_model, save_hf_model
+from grpo_core.nn.model import create_model
 from grpo_core.rewards.functions import Reward
 from grpo_core.rewards.registry import make_rewards
+from grpo_core.rl.checkpoint import Checkpointer
 from grpo_core.store.root import RunRoot
-from grpo_core.store.sources import model_config
+from grpo_core.store.sources import model_config, resolve
 from grpo_core.store.startpoint import COPY, copy_of, source_gone
 
 
@@ -40,31 +49,23 @@ class RunParts:
         start = self.cfg.start_point
         model = self._base_policy(placement) if start is None else self._policy_of(start, placement)
         if self.cfg.model.lora is not None:
-            from grpo_core.nn import lora
-
             lora.apply(model, self.cfg.model.lora, self.cfg.model.seed)
         return model
 
     def reference_policy(self, placement=None):
         """The KL reference when it is not the starting policy: the base model (model.path or the
         preset) of a run started from another run's policy with model.reference: base; else None."""
-        from grpo_core.config.model import ReferencePolicy
-
         if self.cfg.start_point is None or self.cfg.model.reference is ReferencePolicy.START:
             return None
         return self._base_policy(placement)
 
     def policy_at(self, ckpt, step: int):
         """(graphdef, params) of the starting policy (step 0) or of checkpoint `step` of this run."""
-        from flax import nnx
-
         graphdef, params = nnx.split(self.create_policy())
         if step == 0 and 0 not in ckpt.all_steps():
             # committed to the device a restored checkpoint's arrays are on (Checkpointer.restore):
             # uncommitted, they lowered to other programs, so an evaluation of step 0 and a trained
             # step compiled (and cached) every sampler program twice
-            import jax
-
             return graphdef, jax.device_put(params, jax.local_devices()[0])
         if step not in ckpt.all_steps():
             raise ConfigError(
@@ -94,11 +95,6 @@ class RunParts:
             )
         if start.kind == "export":
             return self._load_hf(start.uri, None, placement)
-        from flax import nnx
-
-        from grpo_core.config.run import RunConfig
-        from grpo_core.rl.checkpoint import Checkpointer
-
         source_root = RunRoot(start.run_url)
         source = RunConfig.from_dict(source_root.read_json("config.json"))
         if source.train_hash != start.train_hash:
@@ -112,9 +108,7 @@ class RunParts:
             graphdef, params = parts.policy_at(ckpt, start.step)
         model = nnx.merge(graphdef, params)
         if source.model.lora is not None:
-            from grpo_core.nn.lora import merge
-
-            model = merge(model)
+            model = lora.merge(model)
         return model
 
     def keep_start(self) -> dict[str, Any] | None:
@@ -133,8 +127,6 @@ class RunParts:
                     if name != RunRoot.MARKER and not name.startswith("."):
                         source.get_file(f"{rel}/{name}", os.path.join(tmp, name))
             else:
-                from grpo_core.nn.hf import save_hf_model
-
                 save_hf_model(self._policy_of(start), tmp)  # the source's checkpoint, LoRA merged
             files = sorted(os.listdir(tmp))
             for name in files:
@@ -144,15 +136,10 @@ class RunParts:
         return dict(info, uri=self.root.uri(COPY))
 
     def _load_hf(self, source: str, revision: str | None, placement=None):
-        from grpo_core.nn.hf import load_hf_model
-        from grpo_core.store.sources import resolve
-
         overrides = {k: v for k, v in self.cfg.model.overrides.items() if k in ("dtype", "param_dtype")}
         return load_hf_model(resolve(source, revision), placement=placement, **overrides)
 
     def _base_policy(self, placement=None):
-        from grpo_core.nn.model import create_model
-
         mc = self.model_config()
         if mc.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
@@ -175,8 +162,6 @@ def _unwrap(tree):
 
 def open_run(cfg: RunConfig, root: RunRoot) -> RunParts:
     """Everything a stage needs, with the prepared data read from `data/{hash}` of the run root."""
-    from grpo_core.data.prepare import load_prepared
-
     tokenizer = make_tokenizer(cfg)
     rewards = make_rewards(cfg.rewards)
     eval_rewards = make_rewards(cfg.eval_rewards, "eval.rewards" if cfg.eval.rewards else "rewards")

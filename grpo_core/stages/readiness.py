@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib.util
 import json
 import logging
 import os
 import re
 import sys
 import time
+from importlib.metadata import version
 from typing import Any
 
 from grpo_core import tpu_chips_here
-from grpo_core.config.model import ModelConfig
+from grpo_core.config.model import LoraConfig, ModelConfig
 from grpo_core.config.train import RolloutEngineKind, TrainConfig
 from grpo_core.errors import ConfigError, ExitCode
+
+# What only some checks or the run itself need (JAX, numpy, storage, the memory plan, subprocess)
+# is imported in the function that needs it, marked `# worker start`: `--help` and a bad request
+# answer at once.
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +123,7 @@ def _tpu_lockfile_check(path: str | None) -> dict[str, Any]:
 
 
 def _device_checks(req: dict[str, Any], report: dict[str, Any]) -> list[dict[str, Any]]:
-    import jax
+    import jax  # worker start: JAX
 
     try:
         devices = jax.devices()
@@ -193,11 +199,7 @@ def _engine_check(
             f"with model.head_dim a multiple of 128); found {found}",
             instead,
         )
-    import importlib.util
-
     if importlib.util.find_spec("sgl_jax") is None:
-        import sys
-
         return check(
             "rollout_engine",
             False,
@@ -205,8 +207,6 @@ def _engine_check(
             "build the sglang-jax environment (make sglang-env) and start workers with it "
             "(GRPO_SGLANG_PYTHON or pipeline.worker_python; the pipeline picks .venv-sglang itself)",
         )
-    from importlib.metadata import version
-
     return check("rollout_engine", True, f"sglang-jax {version('sglang-jax')} in process on {where}")
 
 
@@ -215,8 +215,8 @@ def _server_check(rollout) -> dict[str, Any]:
     if rollout is None:
         return check("rollout_engine", True, "OpenAI-compatible rollout server (not probed)")
     if rollout.url:
-        import urllib.error
-        import urllib.request
+        import urllib.error  # worker start: with urllib.request
+        import urllib.request  # worker start: ssl
 
         url = rollout.url.rstrip("/") + "/v1/models"
         try:
@@ -235,7 +235,7 @@ def _server_check(rollout) -> dict[str, Any]:
                 "start the server or fix train.rollout.url",
             )
     if rollout.server == "sglang-jax":
-        from grpo_core.launch.processes import sglang_python
+        from grpo_core.launch.processes import sglang_python  # worker start: subprocess
 
         py = sglang_python()
         return check(
@@ -275,7 +275,7 @@ def _agreement_check(req: dict[str, Any], process_count: int) -> dict[str, Any]:
     when the request names `run_root`) and one collective compares them (distributed.disagreements)."""
     if process_count == 1:
         return check("config_agreement", True, "1 process")
-    from grpo_core.launch import cluster as distributed
+    from grpo_core.launch import cluster as distributed  # worker start: numpy
 
     values, unread = {"config hash": req.get("config_hash", ""), "first batch": ""}, None
     if req.get("run_root"):
@@ -305,10 +305,10 @@ def _agreement_check(req: dict[str, Any], process_count: int) -> dict[str, Any]:
 
 def _run_digests(run_url: str) -> tuple[str, str]:
     """(training hash, first batch digest) as this process reads them from the run root."""
-    from grpo_core.config.run import RunConfig
-    from grpo_core.data.prepare import DatasetPrompts, load_prepared
-    from grpo_core.launch import cluster as distributed
-    from grpo_core.store.root import RunRoot
+    from grpo_core.config.run import RunConfig  # worker start: config
+    from grpo_core.data.prepare import DatasetPrompts, load_prepared  # worker start: fsspec
+    from grpo_core.launch import cluster as distributed  # worker start: numpy
+    from grpo_core.store.root import RunRoot  # worker start: fsspec
 
     root = RunRoot(run_url)
     cfg = RunConfig.from_dict(root.read_json("config.json"))
@@ -322,7 +322,7 @@ def _device_memory(report: dict[str, Any], override: int | None) -> int | None:
     host's, shared by every CPU device."""
     if override is not None:
         return int(override)
-    from grpo_core.config import memory
+    from grpo_core.config import memory  # worker start: config
 
     return memory.device_facts()["available"]
 
@@ -331,10 +331,10 @@ def _runtime_bytes() -> int:
     """On CPU the training worker's own size counts against the host's memory: this process after
     importing what the worker imports (JAX, Flax, Optax, Orbax, the data and reward stack) is the
     same program before its first array."""
-    import grpo_core.rl.checkpoint  # noqa: F401
-    import grpo_core.rl.trainer  # noqa: F401
-    import grpo_core.stages.parts  # noqa: F401
-    from grpo_core.config import memory
+    import grpo_core.rl.checkpoint  # noqa: F401 - imported to be measured, as the worker imports it
+    import grpo_core.rl.trainer  # noqa: F401 - as above
+    import grpo_core.stages.parts  # noqa: F401 - as above
+    from grpo_core.config import memory  # worker start: config
 
     return memory.rss_bytes()
 
@@ -365,8 +365,6 @@ def parse_request(req: Any) -> dict[str, Any]:
         ) from None
     lora = None
     if req.get("lora"):
-        from grpo_core.config.model import LoraConfig
-
         lora = LoraConfig.from_value(req["lora"])
     return dict(
         req,
@@ -378,7 +376,7 @@ def parse_request(req: Any) -> dict[str, Any]:
 
 
 def run_checks(req: dict[str, Any]) -> dict[str, Any]:
-    from grpo_core.config import memory
+    from grpo_core.config import memory  # worker start: config
 
     t = time.perf_counter()
     req = parse_request(req)
@@ -425,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         help='print the report as {"event": "report", "report": ...} and exit 0 (for tasks.process)',
     )
     args = ap.parse_args(argv)
-    from grpo_core.launch import cluster as distributed
+    from grpo_core.launch import cluster as distributed  # worker start: numpy
 
     primary = True
     try:

@@ -52,8 +52,10 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -70,6 +72,10 @@ from grpo_core.errors import (
     classify,
 )
 from grpo_core.launch.processes import ENV_WATCH_PARENT
+
+# What a stage needs (JAX, the run's storage and config, numpy) is imported in the function that
+# needs it, marked `# worker start`: this module imports in ~0.1 s, so `--help` and a bad argument
+# answer at once, and main() installs the stop handlers before the seconds those imports take.
 
 _STEP_KEYS = (
     "reward",
@@ -139,12 +145,11 @@ def _emit(event: str, **fields: Any) -> None:
 
 
 def train(parts, until_step: int) -> int:
-    from grpo_core.config import memory
-    from grpo_core.data.prepare import DatasetPrompts
-    from grpo_core.errors import ConfigError
-    from grpo_core.rl.checkpoint import Checkpointer
-    from grpo_core.rl.trainer import GRPOTrainer
-    from grpo_core.runtime.mesh import Placement
+    from grpo_core.config import memory  # worker start: config
+    from grpo_core.data.prepare import DatasetPrompts  # worker start: fsspec
+    from grpo_core.rl.checkpoint import Checkpointer  # worker start: JAX
+    from grpo_core.rl.trainer import GRPOTrainer  # worker start: JAX
+    from grpo_core.runtime.mesh import Placement  # worker start: JAX
 
     cfg, root = parts.cfg, parts.root
     if until_step > cfg.train.num_steps:  # the LR schedule spans train.num_steps: never stretch it
@@ -226,10 +231,10 @@ def _compiler_choice(parts):
     """(remat, grad_accum_steps) as XLA chose them for pipeline.readiness.target in this run's
     readiness.json (grpo_core.stages.aot), when this worker runs on that target (same chips, same
     count) and the programs are this config's; else None (the memory plan chooses)."""
-    import jax
+    import jax  # worker start: JAX
 
-    from grpo_core.config.train import RematPolicy
-    from grpo_core.stages.aot import programs_key, request_for
+    from grpo_core.config.train import RematPolicy  # worker start: config
+    from grpo_core.stages.aot import programs_key, request_for  # worker start: fsspec
 
     cfg = parts.cfg
     if not cfg.pipeline.readiness.target or not parts.root.exists("readiness.json"):
@@ -249,10 +254,10 @@ def _local_choice(parts, train_cfg):
     compiler (grpo_core.rl.compiler_plan: XLA's memory_analysis of each candidate update against
     the device's memory) on an accelerator or with GRPO_DEVICE_MEMORY_BYTES set; else as given
     (the memory plan's formula chooses)."""
-    import jax
+    import jax  # worker start: JAX
 
-    from grpo_core.rl import compiler_plan
-    from grpo_core.stages.aot import program_cache
+    from grpo_core.rl import compiler_plan  # worker start: JAX
+    from grpo_core.stages.aot import program_cache  # worker start: fsspec
 
     cfg = parts.cfg
     if train_cfg.memory_resolved or compiler_plan.device_budget() is None:
@@ -322,9 +327,9 @@ def _agree(config_hash: str, trainer) -> None:
     """With several processes: stop unless every one has the same config hash and draws the same
     first batch (a host that read other data, or another config.json, would feed the shared
     programs other inputs and corrupt them silently)."""
-    import jax
+    import jax  # worker start: JAX
 
-    from grpo_core.launch import cluster as distributed
+    from grpo_core.launch import cluster as distributed  # worker start: numpy
 
     if jax.process_count() == 1:
         return
@@ -340,10 +345,10 @@ def _agree(config_hash: str, trainer) -> None:
 
 
 def evaluate_steps(parts, steps: list[int]) -> int:
-    from grpo_core.rewards.functions import TrainerState
-    from grpo_core.rl.checkpoint import Checkpointer
-    from grpo_core.rl.evaluation import evaluate
-    from grpo_core.store.report import read_eval
+    from grpo_core.rewards.functions import TrainerState  # worker start: numpy
+    from grpo_core.rl.checkpoint import Checkpointer  # worker start: JAX
+    from grpo_core.rl.evaluation import evaluate  # worker start: JAX
+    from grpo_core.store.report import read_eval  # worker start: fsspec
 
     cfg, root, h = parts.cfg, parts.root, parts.cfg.eval_hash
     sampling = cfg.train.sampling.replace(temperature=cfg.eval.temperature)
@@ -393,13 +398,11 @@ def export(parts, step: int | None) -> int:
     Hugging Face folder `export/{step}/`: config.json, model.safetensors (LoRA merged),
     the tokenizer files and generation_config.json; the marker last. A folder already exported
     from the same training config is not written again."""
-    import tempfile
+    from flax import nnx  # worker start: JAX
 
-    from flax import nnx
-
-    from grpo_core.nn.hf import save_hf_model
-    from grpo_core.rl.checkpoint import Checkpointer
-    from grpo_core.rl.sampler import stop_ids
+    from grpo_core.nn.hf import save_hf_model  # worker start: JAX
+    from grpo_core.rl.checkpoint import Checkpointer  # worker start: JAX
+    from grpo_core.rl.sampler import stop_ids  # worker start: JAX
 
     cfg, root = parts.cfg, parts.root
     with Checkpointer(root.uri("checkpoints"), max_to_keep=None) as ckpt:
@@ -416,7 +419,7 @@ def export(parts, step: int | None) -> int:
         return 0
     model = nnx.merge(graphdef, params)
     if cfg.model.lora is not None:
-        from grpo_core.nn.lora import merge
+        from grpo_core.nn.lora import merge  # worker start: JAX
 
         model = merge(model)  # W + (alpha / rank) A @ B: a plain model any HF runtime serves
     remove_dead_staging()
@@ -448,9 +451,6 @@ def remove_dead_staging(temp_dir: str | None = None) -> list[str]:
     """Delete the staging folders of exports whose process is gone (a killed export cannot clean
     up after itself); the folders deleted. A running export's folder names its live pid (on this
     machine: a temp folder shared between machines is not one to sweep)."""
-    import shutil
-    import tempfile
-
     removed = []
     base = temp_dir or tempfile.gettempdir()
     for name in os.listdir(base):
@@ -477,7 +477,7 @@ def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
     gen: dict[str, Any] = {}
     folder = getattr(parts.tokenizer, "folder", None)
     if folder:
-        from grpo_core.store.sources import generation_config
+        from grpo_core.store.sources import generation_config  # worker start: fsspec
 
         gen = generation_config(folder)
     gen.update(eos_token_id=stops[0] if len(stops) == 1 else stops, pad_token_id=int(parts.tokenizer.pad_token_id))
@@ -491,7 +491,7 @@ def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
 def _eval_placement(mesh):
     """The run's meshes over this host's devices; where train.mesh names sizes these devices do
     not have (a run trained on a slice, evaluated elsewhere), the default mesh over them."""
-    from grpo_core.runtime.mesh import Placement  # JAX: imported once the worker runs
+    from grpo_core.runtime.mesh import Placement  # worker start: JAX
 
     try:
         return Placement.from_config(mesh)
@@ -502,7 +502,7 @@ def _eval_placement(mesh):
 
 def _examples(parts, graphdef, params, sampling, placement, n: int = 4) -> list[dict[str, Any]]:
     """A few greedy completions to read next to the numbers (the demo prints them)."""
-    from grpo_core.rl.evaluation import complete
+    from grpo_core.rl.evaluation import complete  # worker start: JAX
 
     rows = parts.eval_rows[:n]
     batches = complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows), placement=placement)
@@ -512,9 +512,9 @@ def _examples(parts, graphdef, params, sampling, placement, n: int = 4) -> list[
 
 
 def _load(args):
-    from grpo_core.config.run import RunConfig
-    from grpo_core.stages.parts import open_run
-    from grpo_core.store.root import RunRoot
+    from grpo_core.config.run import RunConfig  # worker start: config
+    from grpo_core.stages.parts import open_run  # worker start: JAX
+    from grpo_core.store.root import RunRoot  # worker start: fsspec
 
     root = RunRoot(args.root)
     raw = json.loads(open(args.config).read()) if args.config else root.read_json("config.json")
@@ -528,7 +528,7 @@ def _compilation_cache() -> None:
     GRPO_COMPILATION_CACHE=0 turns it off."""
     if os.environ.get("GRPO_COMPILATION_CACHE", "1") == "0":
         return
-    import jax
+    import jax  # worker start: JAX
 
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
 def _join(requested: bool) -> int:
     """Join the other processes of a multi-host run, if the launcher started several."""
     global _PRIMARY
-    from grpo_core.launch import cluster as distributed
+    from grpo_core.launch import cluster as distributed  # worker start: numpy
 
     try:
         cluster = distributed.from_env(requested=requested)
@@ -608,12 +608,12 @@ def _run(args) -> int:
     except Exception as exc:
         failure = classify(exc)
         if failure is None and _storage_fault(exc):  # a full or read-only disk under Orbax or TensorStore
-            from grpo_core.store.root import describe_storage_error
+            from grpo_core.store.root import describe_storage_error  # worker start: fsspec
 
             _emit("error", kind="storage", message=describe_storage_error(args.root, exc))
             _exit_now(ExitCode.STORAGE_LASTING)  # each cause _storage_fault knows stays until someone acts
         if failure is None:
-            from grpo_core.config import memory
+            from grpo_core.config import memory  # worker start: config
 
             if not memory.is_out_of_memory(exc):  # XLA's allocation failures have no class of their own
                 raise  # a bug: the traceback is the report, and a crash is retried
@@ -650,7 +650,7 @@ def _exit_now(code: int) -> None:
 def _storage_fault(exc: BaseException) -> bool:
     """A storage fault that reached us as something else than StorageError: an OSError for a full,
     read-only or forbidden file system anywhere in the chain, or TensorStore's text for one."""
-    from grpo_core.store.root import exception_chain
+    from grpo_core.store.root import exception_chain  # worker start: fsspec
 
     return any(
         (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM))
@@ -660,7 +660,7 @@ def _storage_fault(exc: BaseException) -> bool:
 
 
 def _out_of_memory_message(exc: BaseException) -> str:
-    from grpo_core.config import memory
+    from grpo_core.config import memory  # worker start: config
 
     peak = memory.peak_bytes()
     where = (
