@@ -23,6 +23,9 @@ import signal
 import sys
 import time
 
+# Everything else is imported inside the command that needs it, marked `# CLI start`: `grpo --help`
+# loads the standard library alone, and `grpo check` no Prefect (tests/test_boundaries.py).
+
 
 def _prefect_defaults() -> None:
     """Local runs start Prefect's embedded server: no telemetry, and enough time to start on a
@@ -50,8 +53,8 @@ def _interruptible():
     and ends the command with RunInterrupted (a KeyboardInterrupt); a second exits at once, its
     workers killed. Without this, SIGINT raised KeyboardInterrupt somewhere inside Prefect while
     the workers, in process groups of their own, trained on."""
-    from grpo_core.errors import RunInterrupted
-    from tasks.process import kill_live_workers, request_interrupt
+    from grpo_core.errors import RunInterrupted  # CLI start
+    from tasks.process import kill_live_workers, request_interrupt  # CLI start
 
     count = 0
 
@@ -85,9 +88,9 @@ def _interruptible():
 
 def _config(args):
     """The run config from --config and --set, or None after printing the error (exit 2)."""
-    from grpo_core.config.run import load_config
-    from grpo_core.data.resolve import with_versions
-    from grpo_core.errors import ConfigError, StorageError
+    from grpo_core.config.run import load_config  # CLI start
+    from grpo_core.data.resolve import with_versions  # CLI start
+    from grpo_core.errors import ConfigError, StorageError  # CLI start
 
     try:
         # with the versions of the sources it names: the run's name depends on them (run_name: null)
@@ -105,7 +108,7 @@ def _config(args):
 def _run_url(run: str, args) -> str:
     if "://" in run or os.sep in run or run.startswith("."):
         return run if "://" in run else os.path.abspath(run)
-    from grpo_core.config.run import load_config
+    from grpo_core.config.run import load_config  # CLI start
 
     cfg = load_config(getattr(args, "config", None), getattr(args, "set", []) + [f"run_name={run}"])
     return cfg.run_url
@@ -115,8 +118,8 @@ def _run_of(args) -> str | None:
     """The URL of RUN (a folder, a URL or a run name under storage.root), or None after saying why
     it is not a run (exit 2): a name that is not one folder, a folder with no config.json (`..`
     or `../../etc` names no run, so nothing reads or writes there)."""
-    from grpo_core.errors import ConfigError, StorageError
-    from grpo_core.store.root import RunRoot
+    from grpo_core.errors import ConfigError, StorageError  # CLI start
+    from grpo_core.store.root import RunRoot  # CLI start
 
     try:
         url = _run_url(args.run, args)
@@ -162,8 +165,8 @@ def _print_summary(s: dict, wall: float) -> None:
 
 
 def _print_examples(run_url: str) -> None:
-    from grpo_core.store.report import eval_results
-    from grpo_core.store.root import RunRoot
+    from grpo_core.store.report import eval_results  # CLI start
+    from grpo_core.store.root import RunRoot  # CLI start
 
     evals = eval_results(RunRoot(run_url))
     if len(evals) < 2 or not evals[0].get("examples"):
@@ -179,8 +182,8 @@ def run_command(args) -> int:
     if cfg is None:
         return 2
     _prefect_defaults()
-    from flows.local_server import embedded_server
-    from flows.pipeline import grpo_pipeline
+    from flows.local_server import embedded_server  # CLI start: Prefect, after _prefect_defaults
+    from flows.pipeline import grpo_pipeline  # CLI start: Prefect, after _prefect_defaults
 
     t = time.perf_counter()
     print(f"run {cfg.name}: {cfg.run_url}", flush=True)
@@ -197,8 +200,8 @@ def run_command(args) -> int:
         )
         return 128 + (_SIGNALS[0] if _SIGNALS else signal.SIGINT)
     except Exception as exc:  # noqa: BLE001 - the flow logged it; say where the evidence is
-        from grpo_core.errors import StorageError
-        from grpo_core.store.lease import LeaseHeld, RunRootInUse
+        from grpo_core.errors import StorageError  # CLI start
+        from grpo_core.store.lease import LeaseHeld, RunRootInUse  # CLI start
 
         if isinstance(exc, RunRootInUse):  # another run owns the run root: its summary.json is not ours
             print(f"\nrun {'refused' if isinstance(exc, LeaseHeld) else 'stopped'}: {exc}", file=sys.stderr)
@@ -220,8 +223,8 @@ def check_command(args) -> int:
     cfg = _config(args)
     if cfg is None:
         return 2
-    from grpo_core.errors import ExitCode
-    from tasks.readiness import readiness_report
+    from grpo_core.errors import ExitCode  # CLI start
+    from tasks.readiness import readiness_report  # CLI start
 
     report = readiness_report(cfg, data=True)  # the data too: prompts its tokenizer cannot encode, before any run
     report["recipe"] = _recipe(args, cfg)
@@ -266,8 +269,8 @@ def _print_programs(aot: dict) -> None:
 def _recipe(args, cfg) -> dict:
     """Which recipe filled which fields of this config and why (grpo_core.config.recipes), with
     train.num_steps: auto as the number the data made it."""
-    from grpo_core.config.recipes import explain
-    from grpo_core.config.run import DEFAULT, read_config
+    from grpo_core.config.recipes import explain  # CLI start
+    from grpo_core.config.run import DEFAULT, read_config  # CLI start
 
     out = explain(read_config(args.config, args.set), DEFAULT)
     steps = out["filled"].get("train.num_steps")
@@ -277,7 +280,7 @@ def _recipe(args, cfg) -> dict:
 
 
 def eval_command(args) -> int:
-    from tasks.process import StageError, run_worker
+    from tasks.process import StageError, run_worker  # CLI start
 
     url = _run_of(args)
     if url is None:
@@ -310,7 +313,7 @@ def eval_command(args) -> int:
 
 
 def export_command(args) -> int:
-    from tasks.process import StageError, run_worker
+    from tasks.process import StageError, run_worker  # CLI start
 
     url = _run_of(args)
     if url is None:
@@ -336,15 +339,15 @@ def export_command(args) -> int:
 
 
 def status_command(args) -> int:
-    from grpo_core.store.report import status
-    from grpo_core.store.root import RunRoot
+    from grpo_core.store.report import status  # CLI start
+    from grpo_core.store.root import RunRoot  # CLI start
 
     url = _run_of(args)
     if url is None:
         return 2
-    import logging
+    import logging  # CLI start
 
-    from grpo_core.errors import ConfigError, ExitCode, StorageError
+    from grpo_core.errors import ConfigError, ExitCode, StorageError  # CLI start
 
     # a damaged metrics line is left out with a warning naming the file: said here, not as a traceback
     damaged = logging.StreamHandler(sys.stderr)
@@ -394,21 +397,21 @@ def serve_command(args) -> int:
         cfg = _config(args)
         if cfg is None:
             return 2
-        from flows.params import RunParams
-        from grpo_core.config.run import read_config
+        from flows.params import RunParams  # CLI start: pydantic
+        from grpo_core.config.run import read_config  # CLI start
 
         # What the user gave, not the resolved config: a form field left as the deployment shows
         # it then means the default for the config the run starts with. A key given as null
         # where null means "the default" is left out (the form's schema has no null there).
         params = RunParams.model_validate(read_config(args.config, args.set)).model_dump(exclude_unset=True)
-    from flows.serve import allow_code
+    from flows.serve import allow_code  # CLI start: Prefect
 
     try:  # what the deployments' runs may name besides the built-ins (grpo_core.rewards.trust)
         allow_code(args.allow_reward_path, args.allow_reward_module, args.allow_field, params, args.allow_root)
     except ValueError as exc:
         print(f"grpo serve: {exc}", file=sys.stderr)
         return 2
-    from flows.serve import serve
+    from flows.serve import serve  # CLI start: Prefect
 
     serve(params, cron=args.cron, interval=args.interval, limit=args.limit)
     return 0

@@ -24,6 +24,16 @@ import urllib.error
 import urllib.request
 from typing import Iterator
 
+import uvicorn
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    get_current_settings,
+    temporary_settings,
+)
+
 from grpo_core.launch.processes import free_port
 
 
@@ -31,13 +41,6 @@ from grpo_core.launch.processes import free_port
 def embedded_server(startup_timeout_s: float | None = None) -> Iterator[str | None]:
     """Start the server unless PREFECT_API_URL names one, and point Prefect at it while the
     block runs. Yields its API URL (None when the configured server is used)."""
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        get_current_settings,
-        temporary_settings,
-    )
-
     if PREFECT_API_URL.value():
         yield None
         return
@@ -83,9 +86,6 @@ def embedded_server(startup_timeout_s: float | None = None) -> Iterator[str | No
 def _drain_prefect_clients(timeout_s: float = 5.0) -> None:
     """Send the logs and events Prefect still queues in the background while the server is up:
     stopped first, Prefect's workers retried against it for over a minute at exit."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
     for worker in (APILogWorker, EventsWorker):
         try:
             worker.drain_all(timeout=timeout_s)
@@ -128,8 +128,6 @@ def _exit_at_end_of_stdin() -> None:
 
 def main(port: int) -> None:
     threading.Thread(target=_exit_at_end_of_stdin, daemon=True, name="parent-watch").start()
-    import uvicorn
-
     uvicorn.run(
         "prefect.server.api.server:create_app",
         factory=True,

@@ -27,6 +27,11 @@ import os
 import tempfile
 from typing import Any
 
+import yaml
+from prefect.logging.configuration import DEFAULT_LOGGING_SETTINGS_PATH
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_LOGGING_SETTINGS_PATH
+
 LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 FILTER = "grpo_engine_lines"
 _TERMINATED = "Execution was aborted by a termination signal."  # Prefect's message for TerminationSignal
@@ -53,8 +58,6 @@ def stop_reason() -> str:
     stopped (it leaves its reason in stop_file), or another SIGTERM."""
     if _cancelled():
         return "the flow run was cancelled (the UI's Cancel or the API)"
-    from prefect.runtime import flow_run  # the run's id, where a flow runs
-
     try:
         with open(stop_file(flow_run.id)) as f:
             return f.read().strip() or "grpo serve was stopped"
@@ -104,10 +107,6 @@ def quiet_logging_config() -> str | None:
     """A copy of the logging config Prefect uses here with the filter on its flow-run logger,
     written under the system temp folder; its path is for PREFECT_LOGGING_SETTINGS_PATH in the
     flow-run processes `grpo serve` starts. None where Prefect's config cannot be read."""
-    import yaml
-    from prefect.logging.configuration import DEFAULT_LOGGING_SETTINGS_PATH
-    from prefect.settings import PREFECT_LOGGING_SETTINGS_PATH
-
     own = PREFECT_LOGGING_SETTINGS_PATH.value()
     source = own if own.exists() else DEFAULT_LOGGING_SETTINGS_PATH
     try:

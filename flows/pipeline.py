@@ -18,19 +18,22 @@ import time
 import traceback
 from typing import Any, Optional
 
-from prefect import flow, get_run_logger, task
+import coolname  # Prefect's dependency: the words of the server's generated names
+from prefect import flow, get_client, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
+from prefect.runtime import deployment, flow_run
 
 from flows.logs import attach as _attach_log_filter
 from flows.logs import stop_level, stop_reason
 from flows.params import RunParams
-from grpo_core.config.run import RunConfig
+from grpo_core.config.run import RunConfig, check_run_name, is_template
 from grpo_core.data.resolve import with_versions
-from grpo_core.errors import RunRootInUse
+from grpo_core.errors import ConfigError, RunRootInUse
+from grpo_core.rewards.trust import TrustPolicy
 from grpo_core.store.lease import RunLease
-from grpo_core.store.report import build_summary, plot_curve
+from grpo_core.store.report import build_summary, checkpoint_steps, plot_curve
 from grpo_core.store.root import RunRoot, check_reachable, remove_stale_temp
 from tasks.readiness import readiness_report
 from tasks.stages import (
@@ -67,7 +70,6 @@ def summarize(run_url: str, status: str, extra: dict[str, Any], this: dict[str, 
     name = run_url.rsplit("/", 1)[-1]
     # The curve is embedded in the artifact (a data URI), so the UI shows it wherever the run
     # root is: a link to a local path or a gs:// object opens nothing in a browser.
-    from prefect.runtime import flow_run
 
     # The same key on every attempt: the artifact's latest version is the run's summary. Each
     # version says which attempt of the flow run wrote it, so a failed attempt's summary beside
@@ -136,9 +138,6 @@ def _set_flow_retries(log, retries: int | None = None) -> None:
     config's pipeline.flow_retries, the same on every path. None: no more retries (what this run
     has used), for an error that fails the same way every time (config, data, reward, a stage's
     non-retryable exit), which would otherwise run the whole pipeline again."""
-    from prefect import get_client
-    from prefect.runtime import flow_run
-
     try:
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(flow_run.id)
@@ -174,11 +173,6 @@ def _allowed(make_config, log: Any) -> RunConfig:
     retried) when it is invalid or, in a deployment run, names code or places the operator did not
     allow: rewards, programs, storage and sources (grpo_core.rewards.trust). A direct call (the
     CLI) is the local user's."""
-    from prefect.runtime import deployment
-
-    from grpo_core.errors import ConfigError
-    from grpo_core.rewards.trust import TrustPolicy
-
     try:
         cfg = make_config()
         if deployment.id is not None:
@@ -192,8 +186,6 @@ def _allowed(make_config, log: Any) -> RunConfig:
 def _deployed_config(deployment_id, log: Any) -> RunConfig | None:
     """The config of the deployment's own parameters, as its operator deployed it (not the run's,
     which the form or the API filled in): the places it names are allowed to its runs."""
-    from prefect import get_client
-
     try:
         with get_client(sync_client=True) as client:
             params = client.read_deployment(deployment_id).parameters or {}
@@ -211,12 +203,8 @@ def _fill_run_name(cfg: RunConfig, log: Any = None) -> RunConfig:
     scheduled time the first time, stored as {storage.root}/_flow-runs/{flow run id}.json and
     read back by every retry of that flow run, which so resumes the same run folder (a retry
     after midnight included). With `log` None nothing is written (the flow-run name)."""
-    from grpo_core.config.run import check_run_name, is_template
-
     if not cfg.run_name or not is_template(cfg.run_name):
         return cfg
-    from prefect.runtime import flow_run
-
     fid = flow_run.id
     store, rel = RunRoot(cfg.storage_url), f"{FLOW_RUNS}/{fid}.json"
     if fid and store.exists(rel):
@@ -250,8 +238,6 @@ _SUGGESTED = re.compile(
 
 @functools.lru_cache(maxsize=1)
 def _slug_words() -> frozenset[str]:
-    import coolname  # Prefect's dependency: the words of the server's generated names
-
     folder = os.path.join(os.path.dirname(coolname.__file__), "data")
     words: set[str] = set()
     for f in os.listdir(folder):
@@ -276,8 +262,6 @@ def _run_named(prefix: str = ""):
     name the user typed (the UI's Run Name, run_deployment's flow_run_name) is kept."""
 
     def name() -> str:
-        from prefect.runtime import flow_run
-
         if typed_name(flow_run.name):
             return flow_run.name
         params = flow_run.parameters or {}
@@ -311,8 +295,6 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     # the sources' current versions (a file rewritten in place is new data: a new run under
     # run_name: null, a refusal naming what changed under a fixed run_name)
     cfg = with_versions(cfg, warn=log.warning)
-    from prefect.runtime import flow_run
-
     # The run root's owner (grpo_core.store.lease): a second run of it is refused, not run beside this one.
     lease = RunLease(cfg.run_url, ttl_s=cfg.pipeline.lease_ttl_s, flow_run_id=flow_run.id, logger=log)
     try:
@@ -409,8 +391,6 @@ def grpo_evaluate(run_url: str, steps: Optional[list[int]] = None) -> dict[str, 
     """
     cfg = _allowed(lambda: load_run(run_url), get_run_logger())
     if not steps:
-        from grpo_core.store.report import checkpoint_steps
-
         found = checkpoint_steps(RunRoot(run_url))
         steps = [found[-1] if found else 0]
         get_run_logger().info(

@@ -20,13 +20,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from typing import Any
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import ObjectNotFound, TerminationSignal
+from prefect.logging import get_logger
+from prefect.runner import Runner
+from prefect.states import Cancelled, Crashed, Failed
+
+from flows.logs import quiet_logging_config, stop_file
+from flows.pipeline import grpo_evaluate, grpo_pipeline, grpo_readiness
+from grpo_core.rewards.registry import builtin_rewards
+from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, ENV_ROOTS, PROGRAM_FIELDS, TrustPolicy
 
 FLOW_ENTRYPOINT = os.path.join("flows", "pipeline.py")
 
@@ -37,8 +58,6 @@ def build_deployments(
     interval: float | None = None,
     version: str | None = None,
 ) -> list:
-    from flows.pipeline import grpo_evaluate, grpo_pipeline, grpo_readiness
-
     schedule = {"cron": cron} if cron else {"interval": interval} if interval else {}
     params = {"config": parameters} if parameters else {}
     return [
@@ -82,9 +101,6 @@ def allow_code(
     reward folders and modules and the program fields given, added to those already set, and
     the reward files and modules of the operator's own config (`parameters`, from --config/--set),
     and the roots its runs may write and read under besides the deployment's own places."""
-    from grpo_core.rewards.registry import builtin_rewards
-    from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, ENV_ROOTS, PROGRAM_FIELDS, TrustPolicy
-
     unknown = [f for f in fields if f not in PROGRAM_FIELDS]
     if unknown:
         raise ValueError(f"--allow-field {unknown[0]!r} is not one of {', '.join(PROGRAM_FIELDS)}")
@@ -120,8 +136,6 @@ def serve(
     in the API (stop_flow_runs), then pause the deployments this process still owns (not those
     a newer `grpo serve` took). On the way in, mark the runs a `grpo serve` that died left as
     Running (mark_orphaned_runs)."""
-    from prefect.exceptions import TerminationSignal
-    from prefect.runner import Runner
 
     class _Runner(Runner):
         def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:  # Prefect's runner installs it
@@ -129,8 +143,6 @@ def serve(
 
     token = owner_token()
     deployments = build_deployments(parameters, cron, interval, version=token)
-    from flows.logs import quiet_logging_config
-
     # the flow-run processes this runner starts log through Prefect's config plus flows.logs' filter
     logging_config = quiet_logging_config()
     if logging_config:
@@ -229,8 +241,6 @@ def stop_flow_runs(message: str, grace_s: float = 60.0) -> list[str]:
     with `message`, releases the run root's lease and reports Crashed. After `grace_s` a run
     still going is killed. A run whose state is not final then is set Cancelled, so the
     deployment's concurrency slot frees. Returns the flow run ids it stopped."""
-    import time
-
     runs = _flow_run_children()
     if not runs:
         return []
@@ -256,8 +266,6 @@ def stop_flow_runs(message: str, grace_s: float = 60.0) -> list[str]:
 
 def _write_stop_reason(run_id: str, message: str) -> None:
     """Who stopped the run, for its summary.json and its log (flows.logs.stop_reason reads it)."""
-    from flows.logs import stop_file
-
     try:
         with open(stop_file(run_id), "w") as f:
             f.write(message)
@@ -267,9 +275,6 @@ def _write_stop_reason(run_id: str, message: str) -> None:
 
 def _finalize(run_ids: list[str], message: str) -> None:
     """Set each run that is not in a final state Cancelled (its process is gone)."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Cancelled
-
     with get_client(sync_client=True) as client:
         for run_id in run_ids:
             try:
@@ -285,17 +290,6 @@ def mark_orphaned_runs(deployments: list) -> list[str]:
     still Running, Pending or Cancelling though that process is gone (kill -9, a crash of the
     machine): set Crashed, saying so, so the deployment's concurrency slot frees. The serving
     process is read from the run's deployment_version (owner_token). Returns their ids."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        DeploymentFilter,
-        DeploymentFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Crashed
-
     host, marked = socket.gethostname(), []
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
@@ -332,9 +326,6 @@ def _full_name(deployment) -> str:
 def _report_replaced(deployments: list) -> None:
     """Say so when serving replaces a deployment that `prefect deploy` put on a work pool (the
     names in an older deployments/prefect.yaml were the same as these)."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
     with get_client(sync_client=True) as client:
         for d in deployments:
             try:
@@ -354,9 +345,6 @@ def _report_replaced(deployments: list) -> None:
 def _pause_owned(deployments: list, token: str) -> None:
     """Pause each deployment whose version is still `token`. If another `grpo serve` takes one
     over while it is being paused, resume it: its new owner serves it unpaused."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
     with get_client(sync_client=True) as client:
         for d in deployments:
             try:
@@ -394,12 +382,6 @@ def _fail_flow_run(message: str) -> None:
     run_id = os.environ.get("PREFECT__FLOW_RUN_ID")
     if not run_id:
         return
-    import logging
-
-    from prefect.client.orchestration import get_client
-    from prefect.logging import get_logger
-    from prefect.states import Failed
-
     # the worker's process that runs pull steps sends this to the API before it exits
     get_logger("prefect.flow_runs").log(logging.ERROR, message, extra={"flow_run_id": run_id})
     with get_client(sync_client=True) as client:
