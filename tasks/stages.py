@@ -22,13 +22,22 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
+from prefect.runtime import flow_run
 
 from grpo_core.config.launch import LauncherKind
 from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import DataError
+from grpo_core.data.prepare import prepare_dataset as prepare
+from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError, RewardFunctionError, storage_cause_lasts
+from grpo_core.rewards.probe import check_prepared
+from grpo_core.rewards.registry import config_rewards
 from grpo_core.store.report import eval_results, latest_checkpoint, read_eval
 from grpo_core.store.root import RunRoot, StorageError
+from grpo_core.store.runs import init_run_root
 from grpo_core.store.tracking import Trackers
 from tasks.process import StageError, run_worker
 from tasks.readiness import readiness_markdown, readiness_report, worker_python
@@ -59,11 +68,6 @@ def _progress_artifact(key: str, pct: float, described) -> Any:
     """The id of this flow run's progress artifact `key`, set to `pct`: the one an earlier epoch
     or attempt (a task or flow retry) of this flow run made, else a new one. Before, every epoch
     and attempt made its own (15 after a flow retry)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-    from prefect.client.schemas.sorting import ArtifactSort
-    from prefect.runtime import flow_run
-
     if flow_run.id:
         try:
             with get_client(sync_client=True) as client:
@@ -118,9 +122,6 @@ def _workers_elsewhere(cfg: RunConfig) -> bool:
 def init_run(config: dict[str, Any]) -> str:
     """Validate the config and write it to {run}/config.json (refused if the run folder holds
     another training config)."""
-    from grpo_core.rewards.registry import config_rewards
-    from grpo_core.store.runs import init_run_root
-
     cfg = RunConfig.from_dict(config)
     # Resolve every reward (training and eval) now, in the first seconds: a missing file or
     # function, an import error or a signature that cannot take (prompts, completions, **columns)
@@ -147,9 +148,6 @@ def init_run(config: dict[str, Any]) -> str:
 @task(name="prepare-dataset", cache_policy=NO_CACHE)
 def prepare_dataset(run_url: str) -> dict[str, Any]:
     """Read, template, tokenize, filter and split the prompts into {run}/data/{hash}/."""
-    from grpo_core.data.prepare import prepare_dataset as prepare
-    from grpo_core.data.tokenizer import make_tokenizer
-
     cfg, log = load_run(run_url), get_run_logger()
     manifest = prepare(cfg.data, make_tokenizer(cfg), RunRoot(run_url), cfg.tokenizer_id, cfg.data_versions)
     log.info(
@@ -163,8 +161,6 @@ def prepare_dataset(run_url: str) -> dict[str, Any]:
     # A reward that can score none of these rows (math_answer without a ground_truth column)
     # would train on nothing and still "complete": try each on a few rows now (DataError, not
     # retried). On data prepared by an earlier attempt too: it costs well under a second.
-    from grpo_core.rewards.probe import check_prepared
-
     for found in check_prepared(cfg, RunRoot(run_url), skip_missing=_workers_elsewhere(cfg)):
         log.info("reward probe: %s", found.describe())
     return {k: manifest.get(k) for k in ("uri", "hash", "train_rows", "eval_rows", "dropped_too_long", "cached")}

@@ -2,11 +2,15 @@
 grpo_core) never imports JAX, and grpo_core never imports Prefect. Each import runs in a fresh
 interpreter, since this test process has long imported both."""
 
+import ast
 import functools
+import io
 import json
 import pathlib
+import re
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -83,8 +87,6 @@ def test_grpo_core_never_names_prefect():
 
 def _imports_of(path: pathlib.Path) -> set[str]:
     """The grpo_core modules `path` imports anywhere in it (a function's body included)."""
-    import ast
-
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -166,3 +168,52 @@ def test_no_circle_between_packages():
     assert _cycle({"a": {"b", "c"}, "b": {"c"}}) is None
     circle = _cycle(_package_edges())
     assert circle is None, f"grpo_core's packages import in a circle: {' -> '.join(circle)}"
+
+
+# -- an import inside a function says why it is not at the top ----------------------------------
+
+_DIRECTIVE = re.compile(r"noqa(:\s*[A-Z]+[0-9]+(\s*,\s*[A-Z]+[0-9]+)*)?|type:\s*ignore(\[[^\]]*\])?")
+
+
+def _unexplained_local_imports(source: str) -> list[int]:
+    """The lines of the imports inside a function of `source` whose line (the first line of a
+    parenthesised import) carries no comment giving a reason: a noqa or type directive alone is none."""
+    comments = {
+        tok.start[0]: tok.string
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    lines = set()
+    for func in ast.walk(ast.parse(source)):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    reason = _DIRECTIVE.sub("", comments.get(node.lineno, "").lstrip("#"))
+                    if not re.search(r"[A-Za-z]{2}", reason):
+                        lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_local_imports_say_why():
+    """An import stays inside a function only where a boundary needs it (the Prefect side never
+    loads JAX, grpo_core never Prefect, a heavy or optional package a command does not need, a
+    cycle, an environment variable set first), and its line says which: `# heavy: transformers`,
+    `# worker start: JAX`, `# CLI start: Prefect`, `# cycle`."""
+    sample = (
+        "import os\n"
+        "def f():\n"
+        "    import a\n"
+        "    import b  # noqa: F401\n"
+        "    from c import (  # cycle\n"
+        "        d,\n"
+        "    )\n"
+        "    import e  # noqa: F401 - heavy: e\n"
+    )
+    assert _unexplained_local_imports(sample) == [3, 4]  # the check itself finds them
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for package in ("grpo_core", "flows", "tasks")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line in _unexplained_local_imports(path.read_text())
+    ]
+    assert not offenders, f"{len(offenders)} imports inside a function without a reason: " + ", ".join(offenders)

@@ -67,7 +67,7 @@ class CharTokenizer:
         """The same tokenizer as Hugging Face files (a WordLevel model over single characters),
         so an exported model loads with AutoTokenizer and encodes text to the same ids."""
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy: only an export needs them
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # heavy, as tokenizers
 
         tk = Tokenizer(models.WordLevel(dict(self.stoi), unk_token=None))
         tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

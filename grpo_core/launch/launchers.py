@@ -306,9 +306,9 @@ def ray_main(argv: Sequence[str]) -> int:
 
 def _drive(args: argparse.Namespace, module_args: list[str], env: dict[str, str], resources: dict[str, Any]) -> int:
     import ray  # optional (the ray extra)
-    from ray.util.placement_group import placement_group
-    from ray.util.queue import Empty, Queue
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.placement_group import placement_group  # optional, as ray
+    from ray.util.queue import Empty, Queue  # optional, as ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # optional, as ray
 
     pg = placement_group([dict(resources) for _ in range(args.hosts)], strategy=args.strategy)
     wait_s = float(env.get(ENV_INIT_TIMEOUT, 300))

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
 from grpo_core.config import memory
@@ -78,8 +79,6 @@ class AOTUnavailableError(ConfigError):
 
 def topology_devices(target: Target) -> list:
     """The devices of `target`, as the TPU compiler sees them (no TPU needed)."""
-    from jax.experimental import topologies
-
     kw: dict[str, Any] = {"chip_config_name": "megacore"} if target.generation in MEGACORE else {}
     if target.num_slices > 1:
         kw["num_slices"] = target.num_slices

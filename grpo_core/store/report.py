@@ -156,7 +156,7 @@ def plot_curve(root: RunRoot) -> bytes | None:
     import matplotlib  # heavy (~1 s): only the summary's curve needs it
 
     matplotlib.use("Agg")  # no display: render to bytes
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, as matplotlib; after matplotlib.use
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     steps = [int(m["step"]) for m in metrics]

@@ -110,9 +110,8 @@ def _resolve(path: str, revision: str | None, weights: bool, need: _Need) -> str
 
 
 def _fetch_hub(repo_id: str, revision: str | None, weights: bool, field: str = "model.path") -> str:
-    # huggingface_hub (~0.3 s) only where a model comes from the Hub
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
+    from huggingface_hub import snapshot_download  # heavy (~0.3 s): only a model from the Hub needs it
+    from huggingface_hub.errors import (  # heavy, as above
         GatedRepoError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,

@@ -55,17 +55,17 @@ class _TensorBoard:
 
     @staticmethod
     def _event(step: int = 0, **fields: Any):
-        from tensorboard.compat.proto import event_pb2
+        from tensorboard.compat.proto import event_pb2  # optional: the tensorboard extra
 
         return event_pb2.Event(wall_time=time.time(), step=step, **fields)
 
     def _record(self, event) -> None:
-        from tensorboard.summary.writer.record_writer import RecordWriter
+        from tensorboard.summary.writer.record_writer import RecordWriter  # optional, as above
 
         RecordWriter(self.buffer).write(event.SerializeToString())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        from tensorboard.compat.proto import summary_pb2
+        from tensorboard.compat.proto import summary_pb2  # optional, as above
 
         values = [summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
         self._record(self._event(step=step, summary=summary_pb2.Summary(value=values)))
@@ -114,7 +114,7 @@ class _MLflow:
         self.run_id = state["run_id"]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional, as tensorboard
 
         now = int(time.time() * 1000)
         # MLflow keys take letters, digits and _ - . / space only

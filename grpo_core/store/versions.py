@@ -74,7 +74,7 @@ def _hub(repo_id: str, revision: str | None, kind: str) -> str:
     try:
         if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
             raise OSError("HF_HUB_OFFLINE is set")
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi  # heavy (~0.3 s): only a Hub id needs it
 
         api = HfApi()
         info = (api.dataset_info if kind == "dataset" else api.model_info)(repo_id, revision=revision, timeout=10)
