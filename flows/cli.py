@@ -54,12 +54,24 @@ def _interruptible():
     workers killed. Without this, SIGINT raised KeyboardInterrupt somewhere inside Prefect while
     the workers, in process groups of their own, trained on."""
     from grpo_core.errors import RunInterrupted  # CLI start
-    from tasks.process import kill_live_workers, request_interrupt  # CLI start
+    from tasks.process import STOP_REPORT_ENV, kill_live_workers, request_interrupt, watch_the_stop  # CLI start
 
-    count = 0
+    count, ended = 0, None
+
+    def stuck(signum: int, name: str, seconds: float) -> None:
+        try:
+            kill_live_workers()
+            _say(
+                f"\n{name}: the run has not ended {seconds:g} s after its workers stopped (is the Prefect API "
+                "reachable? its client retries each call for about a minute): exiting now, without the run's "
+                f"summary; its newest checkpoint is kept and the same command resumes from it "
+                f"({STOP_REPORT_ENV} sets the wait)"
+            )
+        finally:
+            os._exit(128 + signum)
 
     def handler(signum, _frame):
-        nonlocal count
+        nonlocal count, ended
         count += 1
         _SIGNALS.append(signum)
         name = signal.Signals(signum).name
@@ -70,6 +82,7 @@ def _interruptible():
             finally:  # whatever happens above (a closed terminal), exit
                 os._exit(128 + signum)
         live = request_interrupt()
+        ended = watch_the_stop(lambda seconds: stuck(signum, name, seconds))
         _say(
             f"\n{name}: stopping the run"
             + (" (its workers save a checkpoint at the next step boundary, within ~10 s)" if live else "")
@@ -82,6 +95,8 @@ def _interruptible():
     try:
         yield
     finally:
+        if ended is not None:  # the stopped run ended: its watch is over
+            ended.set()
         for sig, h in old.items():
             signal.signal(sig, h)
 

@@ -11,6 +11,7 @@ retry_condition_fn reads it from StageError.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import threading
@@ -51,6 +52,37 @@ def kill_live_workers() -> None:
     """SIGKILL every running worker set at once (a second Ctrl-C)."""
     for launched in list(_LIVE.values()):
         launched.stop(grace_s=0.5)
+
+
+STOP_REPORT_ENV = "GRPO_STOP_REPORT_S"  # how long a stopped run may take to report, default 60 s
+
+
+def watch_the_stop(on_stuck: Callable[[float], None]) -> threading.Event:
+    """After request_interrupt: a stopped run ends even when what it reports to cannot answer.
+
+    The stage's watcher stops its workers within STOP_GRACE_S; if that watcher is itself blocked
+    (on a Prefect API that does not answer: Prefect's client retries each call for about a
+    minute, so a run stopped then took many minutes), the workers are stopped here, the same way
+    (SIGTERM: they save a checkpoint at their step boundary). Then the flow has GRPO_STOP_REPORT_S
+    seconds to write its summary and report its states; `on_stuck(seconds)` is called if it has
+    not set the returned event by then (a daemon thread, which that event ends)."""
+    try:  # read in a signal handler: a bad value must not stop the stop
+        report_s = max(1.0, float(os.environ.get(STOP_REPORT_ENV) or 60))
+    except ValueError:
+        report_s = 60.0
+    ended = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + STOP_GRACE_S + 5
+        while _LIVE and time.monotonic() < deadline and not ended.wait(0.2):
+            pass
+        for launched in list(_LIVE.values()):  # their watcher has not stopped them: do it here
+            launched.stop(STOP_GRACE_S)
+        if not ended.wait(report_s):
+            on_stuck(report_s)
+
+    threading.Thread(target=watch, name="grpo-stop-watch", daemon=True).start()
+    return ended
 
 
 class MemoryWatch:

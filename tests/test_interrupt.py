@@ -131,6 +131,35 @@ def test_interrupt_stops_the_worker_saves_and_resumes(tmp_path, sig):
     assert sorted(steps) == list(range(STEPS)), steps[-20:]
 
 
+@pytest.mark.slow
+def test_a_stop_ends_when_the_prefect_api_is_gone(tmp_path):
+    """Ctrl-C after the run's Prefect server went away (a network cut, a server stopped). Before,
+    the CLI spent many minutes in Prefect's client retries (about a minute a call) and had to be
+    killed. Now its workers stop and save as in any stop, and after GRPO_STOP_REPORT_S the CLI
+    exits saying why, nothing left running, the checkpoint kept for the same command."""
+    from tests.prefect_server import _stop, client_env, start_server
+
+    (home := tmp_path / "prefect").mkdir()
+    server, url = start_server(home)
+    try:
+        env = dict(client_env(home, url), PYTHONUNBUFFERED="1", GRPO_STOP_REPORT_S="10")
+        args = ["--set", "train.num_steps=2000", "--set", "pipeline.checkpoint_every=20", "--set", "pipeline.epochs=1"]
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--set", f"storage.root={tmp_path}/runs", *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        _read_until(proc, "checkpoint ")
+        workers = _descendants(proc.pid)
+        assert workers, "no worker process under the CLI"
+    finally:
+        _stop(server)
+    proc.send_signal(signal.SIGINT)
+    rc, out, seconds = _finish(proc, timeout_s=150)
+    assert rc == 130, out[-3000:]
+    assert "is the Prefect API reachable?" in out and "the same command resumes from it" in out, out[-3000:]
+    assert not _alive(workers), "a worker outlived the CLI"
+    run = _run_dir(tmp_path)
+    assert [n for n in os.listdir(f"{run}/checkpoints") if n.isdigit()], "no checkpoint kept"
+
+
 def test_second_ctrl_c_exits_at_once(tmp_path):
     proc = _start(tmp_path, _api_url(), "--set", "train.sampling.max_new_tokens=64")
     _read_until(proc, "step ")
