@@ -215,6 +215,8 @@ def run_command(args) -> int:
         )
         return 128 + (_SIGNALS[0] if _SIGNALS else signal.SIGINT)
     except Exception as exc:  # noqa: BLE001 - the flow logged it; say where the evidence is
+        import httpx  # CLI start: Prefect's HTTP client, loaded with it
+
         from grpo_core.errors import StorageError  # CLI start
         from grpo_core.store.lease import LeaseHeld, RunRootInUse  # CLI start
 
@@ -223,6 +225,16 @@ def run_command(args) -> int:
             return 1
         # a storage error may mean summary.json could not be written either: then point at the log only
         where = "" if isinstance(exc, StorageError) else f"\nsee {cfg.run_url}/summary.json"
+        if isinstance(exc, httpx.TransportError):  # Prefect's client gave up on its API, after its retries
+            from prefect.settings import PREFECT_API_URL  # CLI start: Prefect, loaded by now
+
+            print(
+                f"\nrun failed: the Prefect API at {PREFECT_API_URL.value()} did not answer ({type(exc).__name__}: "
+                f"{exc}); what the workers saved is kept, and the same command resumes from the newest checkpoint "
+                f"once the API answers{where}",
+                file=sys.stderr,
+            )
+            return 1
         print(f"\nrun failed: {type(exc).__name__}: {exc}{where}", file=sys.stderr)
         return 1
     _print_summary(summary, time.perf_counter() - t)

@@ -7,7 +7,8 @@ loggers, so the UI's log and the console read the same), and who stopped a run:
   cancel, when it loads the flow to look for cancellation hooks). It becomes "Loading the flow's
   code from /path".
 - "Finished in state Running()": what the engine says last when a cancel stopped the flow run (the
-  runner, not the engine, then sets it Cancelled). It becomes "Finished: cancelled".
+  runner, not the engine, then sets it Cancelled). It becomes "Finished: cancelled"; where nobody
+  stopped the run, the engine could not record its end (its API did not answer), and says so.
 - "Crash detected! Execution was aborted by a termination signal." and "Finished in state
   Crashed('Execution was aborted by a termination signal.')", both at ERROR: what the task that
   was running says when a cancel (or `grpo serve` stopped, or another SIGTERM) stopped the flow
@@ -85,7 +86,10 @@ class EngineLines(logging.Filter):
         elif isinstance(msg, str) and msg.startswith("Downloading flow code from storage at '.'"):
             record.msg, record.args = f"Loading the flow's code from {os.getcwd()}", ()
         elif msg == "Finished in state Running()":
-            record.msg, record.args = "Finished: cancelled (the runner sets the flow run Cancelled)", ()
+            if _cancelled() or os.path.exists(stop_file(flow_run.id)):
+                record.msg, record.args = "Finished: cancelled (the runner sets the flow run Cancelled)", ()
+            else:  # nobody stopped it: the engine could not record its end (the API did not answer)
+                record.msg, record.args = "Finished without a final state: the Prefect API did not take it", ()
         elif msg == f"Crash detected! {_TERMINATED}":
             record.msg, record.args = "Stopped: %s", (stop_reason(),)
             _level(record, stop_level())

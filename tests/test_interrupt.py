@@ -160,6 +160,34 @@ def test_a_stop_ends_when_the_prefect_api_is_gone(tmp_path):
     assert [n for n in os.listdir(f"{run}/checkpoints") if n.isdigit()], "no checkpoint kept"
 
 
+@pytest.mark.slow
+def test_a_run_whose_prefect_api_goes_away_says_so(tmp_path):
+    """The run's Prefect server goes away mid-training, nobody stops the run: it fails once
+    Prefect's client gives up (no client retries here, to keep the test short), saying that the
+    API did not answer (before: "run failed: ConnectError: [Errno 111] Connection refused", after a
+    log line that called it cancelled), with its checkpoints kept and nothing left running."""
+    from tests.prefect_server import _stop, client_env, start_server
+
+    (home := tmp_path / "prefect").mkdir()
+    server, url = start_server(home)
+    try:
+        env = dict(client_env(home, url), PYTHONUNBUFFERED="1", PREFECT_CLIENT_MAX_RETRIES="0")
+        args = ["--set", "train.num_steps=2000", "--set", "pipeline.checkpoint_every=20", "--set", "pipeline.epochs=1"]
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--set", f"storage.root={tmp_path}/runs", *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        _read_until(proc, "checkpoint ")
+        workers = _descendants(proc.pid)
+    finally:
+        _stop(server)
+    rc, out, seconds = _finish(proc, timeout_s=240)
+    assert rc == 1, out[-3000:]
+    assert f"run failed: the Prefect API at {url} did not answer" in out, out[-3000:]
+    assert "Finished: cancelled" not in out, out[-3000:]
+    assert not _alive(workers), "a worker outlived the CLI"
+    run = _run_dir(tmp_path)
+    assert [n for n in os.listdir(f"{run}/checkpoints") if n.isdigit()], "no checkpoint kept"
+
+
 def test_second_ctrl_c_exits_at_once(tmp_path):
     proc = _start(tmp_path, _api_url(), "--set", "train.sampling.max_new_tokens=64")
     _read_until(proc, "step ")
