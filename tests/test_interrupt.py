@@ -131,26 +131,38 @@ def test_interrupt_stops_the_worker_saves_and_resumes(tmp_path, sig):
     assert sorted(steps) == list(range(STEPS)), steps[-20:]
 
 
+def _train_then_lose_the_api(tmp_path, **env: str) -> tuple[subprocess.Popen, set[int], str]:
+    """`grpo run` against a `prefect server start` of its own, which is stopped once the run has
+    written its first checkpoint: (the CLI's process, its workers, the API's URL)."""
+    from tests.prefect_server import _stop, client_env, start_server
+
+    (home := tmp_path / "prefect").mkdir()
+    server, url = start_server(home)
+    try:
+        env = dict(client_env(home, url), PYTHONUNBUFFERED="1", **env)
+        args = ["--set", "train.num_steps=2000", "--set", "pipeline.checkpoint_every=20", "--set", "pipeline.epochs=1"]
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--set", f"storage.root={tmp_path}/runs", *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        try:
+            _read_until(proc, "checkpoint ")
+            workers = _descendants(proc.pid)
+            assert workers, "no worker process under the CLI"
+        except BaseException:  # the run never got going: stop it (its workers follow it)
+            proc.kill()
+            proc.wait()
+            raise
+    finally:
+        _stop(server)
+    return proc, workers, url
+
+
 @pytest.mark.slow
 def test_a_stop_ends_when_the_prefect_api_is_gone(tmp_path):
     """Ctrl-C after the run's Prefect server went away (a network cut, a server stopped). Before,
     the CLI spent many minutes in Prefect's client retries (about a minute a call) and had to be
     killed. Now its workers stop and save as in any stop, and after GRPO_STOP_REPORT_S the CLI
     exits saying why, nothing left running, the checkpoint kept for the same command."""
-    from tests.prefect_server import _stop, client_env, start_server
-
-    (home := tmp_path / "prefect").mkdir()
-    server, url = start_server(home)
-    try:
-        env = dict(client_env(home, url), PYTHONUNBUFFERED="1", GRPO_STOP_REPORT_S="10")
-        args = ["--set", "train.num_steps=2000", "--set", "pipeline.checkpoint_every=20", "--set", "pipeline.epochs=1"]
-        cmd = [sys.executable, "-m", "flows.cli", "run", "--set", f"storage.root={tmp_path}/runs", *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-        _read_until(proc, "checkpoint ")
-        workers = _descendants(proc.pid)
-        assert workers, "no worker process under the CLI"
-    finally:
-        _stop(server)
+    proc, workers, _ = _train_then_lose_the_api(tmp_path, GRPO_STOP_REPORT_S="10")
     proc.send_signal(signal.SIGINT)
     rc, out, seconds = _finish(proc, timeout_s=150)
     assert rc == 130, out[-3000:]
@@ -166,19 +178,7 @@ def test_a_run_whose_prefect_api_goes_away_says_so(tmp_path):
     Prefect's client gives up (no client retries here, to keep the test short), saying that the
     API did not answer (before: "run failed: ConnectError: [Errno 111] Connection refused", after a
     log line that called it cancelled), with its checkpoints kept and nothing left running."""
-    from tests.prefect_server import _stop, client_env, start_server
-
-    (home := tmp_path / "prefect").mkdir()
-    server, url = start_server(home)
-    try:
-        env = dict(client_env(home, url), PYTHONUNBUFFERED="1", PREFECT_CLIENT_MAX_RETRIES="0")
-        args = ["--set", "train.num_steps=2000", "--set", "pipeline.checkpoint_every=20", "--set", "pipeline.epochs=1"]
-        cmd = [sys.executable, "-m", "flows.cli", "run", "--set", f"storage.root={tmp_path}/runs", *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-        _read_until(proc, "checkpoint ")
-        workers = _descendants(proc.pid)
-    finally:
-        _stop(server)
+    proc, workers, url = _train_then_lose_the_api(tmp_path, PREFECT_CLIENT_MAX_RETRIES="0")
     rc, out, seconds = _finish(proc, timeout_s=240)
     assert rc == 1, out[-3000:]
     assert f"run failed: the Prefect API at {url} did not answer" in out, out[-3000:]
