@@ -58,17 +58,22 @@ def _interruptible():
 
     count, ended = 0, None
 
-    def stuck(signum: int, name: str, seconds: float) -> None:
+    def exit_now(signum: int, message: str) -> None:
+        """Kill the workers, say why, exit: whatever happens on the way (a closed terminal)."""
         try:
             kill_live_workers()
-            _say(
-                f"\n{name}: the run has not ended {seconds:g} s after its workers stopped (is the Prefect API "
-                "reachable? its client retries each call for about a minute): exiting now, without the run's "
-                f"summary; its newest checkpoint is kept and the same command resumes from it "
-                f"({STOP_REPORT_ENV} sets the wait)"
-            )
+            _say(message)
         finally:
             os._exit(128 + signum)
+
+    def stuck(signum: int, name: str, seconds: float) -> None:
+        exit_now(
+            signum,
+            f"\n{name}: the run has not ended {seconds:g} s after its workers stopped (is the Prefect API "
+            "reachable? its client retries each call for about a minute): exiting now, without the run's "
+            f"summary; its newest checkpoint is kept and the same command resumes from it "
+            f"({STOP_REPORT_ENV} sets the wait)",
+        )
 
     def handler(signum, _frame):
         nonlocal count, ended
@@ -76,11 +81,7 @@ def _interruptible():
         _SIGNALS.append(signum)
         name = signal.Signals(signum).name
         if count > 1:
-            try:
-                kill_live_workers()
-                _say(f"\n{name} again: exiting now")
-            finally:  # whatever happens above (a closed terminal), exit
-                os._exit(128 + signum)
+            exit_now(signum, f"\n{name} again: exiting now")
         live = request_interrupt()
         ended = watch_the_stop(lambda seconds: stuck(signum, name, seconds))
         _say(

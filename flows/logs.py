@@ -59,11 +59,18 @@ def stop_reason() -> str:
     stopped (it leaves its reason in stop_file), or another SIGTERM."""
     if _cancelled():
         return "the flow run was cancelled (the UI's Cancel or the API)"
+    other = "the process running the flow was sent SIGTERM (a scheduler, a shutdown, or kill)"
+    served = _serve_stopped()
+    return other if served is None else served
+
+
+def _serve_stopped() -> str | None:
+    """Why `grpo serve` stopped this flow run (what it left in stop_file), or None if it did not."""
     try:
         with open(stop_file(flow_run.id)) as f:
             return f.read().strip() or "grpo serve was stopped"
     except OSError:
-        return "the process running the flow was sent SIGTERM (a scheduler, a shutdown, or kill)"
+        return None
 
 
 def stop_level() -> int:
@@ -86,7 +93,7 @@ class EngineLines(logging.Filter):
         elif isinstance(msg, str) and msg.startswith("Downloading flow code from storage at '.'"):
             record.msg, record.args = f"Loading the flow's code from {os.getcwd()}", ()
         elif msg == "Finished in state Running()":
-            if _cancelled() or os.path.exists(stop_file(flow_run.id)):
+            if _cancelled() or _serve_stopped() is not None:
                 record.msg, record.args = "Finished: cancelled (the runner sets the flow run Cancelled)", ()
             else:  # nobody stopped it: the engine could not record its end (the API did not answer)
                 record.msg, record.args = "Finished without a final state: the Prefect API did not take it", ()
