@@ -2,20 +2,24 @@
 preflight's estimate, the memory floor and s/step, under each rematerialisation policy.
 
     python -m bench.real_shapes [--workload a|b|gpu-0.5b|...|all] [--remat auto|none|dots|full|all]
-                                [--steps N] [--json out.json] [--profile [--profile-dir DIR]]
+                                [--accum auto|N] [--steps N] [--json out.json] [--profile [--profile-dir DIR]]
 
 Workloads (random weights, random 8-10 character prompts, completions forced to N tokens, β 0.04,
-train.grpo.grad_accum_steps: auto, log-probs in chunks of the default size):
+train.grpo.grad_accum_steps: auto unless --accum, log-probs in chunks of the default size):
   a         the `small` trunk (hidden 512, 8 layers) with Qwen's vocabulary (151,936; tied, f32,
             101 M parameters), 4 prompts x 8 completions x 128 tokens
   b         the `qwen3-0.6b` preset (bf16 parameters and compute), 2 prompts x 8 x 256 tokens
   gpu-0.5b  Qwen2.5-0.5B's shape in bf16, 8 prompts x 8 x 512 tokens: for a GPU or TPU (the
             update's MFU against the chip's bf16 peak); on CPU only with --workload gpu-0.5b
+  gpu-1.5b  the same with Qwen2.5-1.5B's shape, where memory binds on an 80 GB GPU
   a-short   shape (a) cut to 4 layers, 2 x 4 x 32 tokens; small, tiny: bench.grpo_step's workloads
             (vocabulary 384, 8 x 8 x 32): quick checks of the estimate (tests/test_memory.py)
 
-Each (workload, remat) runs in a fresh process, so its peak is its own. Reported: the memory
-plan's choice (auto) and estimate; the peak resident set of the process (VmHWM: weights,
+Each (workload, remat) runs in a fresh process, so its peak is its own. What a setting leaves at
+auto is chosen as a run's worker chooses it: on an accelerator (or under GRPO_DEVICE_MEMORY_BYTES)
+by the backend's compiler (grpo_core.rl.compiler_plan: XLA's memory_analysis of each candidate
+update against the device's memory), else by the memory plan's formula. Reported: that choice
+and the plan's estimate for it; the peak resident set of the process (VmHWM: weights,
 compiled programs, compilation itself and the runtime, everything the host must hold) and, on an
 accelerator, the device's peak bytes in use; the floor (params + gradients + optimizer state +
 reference + KV cache, the bytes no policy can avoid); estimate / peak; the first step (compilation
@@ -48,6 +52,7 @@ WORKLOADS = {
     ),
     "b": dict(preset="qwen3-0.6b", over={}, prompts=2, generations=8, new_tokens=256, steps=1),
     "gpu-0.5b": dict(preset="qwen2.5-0.5b", over={}, prompts=8, generations=8, new_tokens=512, steps=3, gpu=True),
+    "gpu-1.5b": dict(preset="qwen2.5-1.5b", over={}, prompts=8, generations=8, new_tokens=512, steps=3, gpu=True),
     "a-short": dict(
         preset="small",
         over={"vocab_size": 151936, "num_hidden_layers": 4, "dtype": "float32", "param_dtype": "float32"},
@@ -89,9 +94,12 @@ BF16_PEAK = {
 PROMPT_TOKENS = 10  # RandomPrompts draws 8-10 characters
 
 
-def run(name: str, remat: str, steps: int, profile: bool = False, profile_dir: str | None = None) -> dict:
-    """One workload under one remat setting, in this process. `profile`: one more step after the
-    timed ones, under XLA's profiler (bench.profile), its top ops in the result."""
+def run(
+    name: str, remat: str, steps: int, profile: bool = False, profile_dir: str | None = None, accum: str = "auto"
+) -> dict:
+    """One workload under one remat setting (and train.grpo.grad_accum_steps `accum`), in this
+    process. `profile`: one more step after the timed ones, under XLA's profiler (bench.profile),
+    its top ops in the result."""
     import jax
 
     from bench.grpo_step import RandomPrompts, frac_a, model_flops
@@ -101,18 +109,30 @@ def run(name: str, remat: str, steps: int, profile: bool = False, profile_dir: s
     from grpo_core.data.synthetic import CharTokenizer
     from grpo_core.nn.model import create_model
     from grpo_core.rewards.functions import Reward
+    from grpo_core.rl import compiler_plan
     from grpo_core.rl.trainer import GRPOTrainer
 
     w = WORKLOADS[name]
     facts = memory.device_facts()  # before any array: the runtime term is the process alone
     mcfg = get_preset(w["preset"], **w["over"])
     train = TrainConfig(
-        grpo=GRPOConfig(num_generations=w["generations"], prompts_per_step=w["prompts"], beta=0.04),
+        grpo=GRPOConfig(
+            num_generations=w["generations"],
+            prompts_per_step=w["prompts"],
+            beta=0.04,
+            grad_accum_steps=accum if accum == "auto" else int(accum),
+        ),
         sampling=SamplingConfig(max_new_tokens=w["new_tokens"], ignore_eos=True),
         optimizer=OptimizerConfig(learning_rate=1e-6),
         num_steps=steps + 1,
         remat=remat,
     )
+    # as the worker does: on an accelerator (or under GRPO_DEVICE_MEMORY_BYTES) what is left at
+    # auto is chosen by this backend's compiler, the formula plans the choice
+    choice = compiler_plan.choose(mcfg, train, PROMPT_TOKENS)
+    if choice is not None:
+        train = compiler_plan.resolve(train, choice)
+        print(f"memory: {choice['describe']}", file=sys.stderr, flush=True)
     plan = memory.plan_on(mcfg, train, PROMPT_TOKENS, facts)
     tok = CharTokenizer()
     prompts = RandomPrompts(tok.chars)
@@ -134,6 +154,7 @@ def run(name: str, remat: str, steps: int, profile: bool = False, profile_dir: s
     out = {
         "workload": name,
         "remat_asked": remat,
+        "accum_asked": accum,
         "remat": e.remat.value,
         "grad_accum_steps": e.grad_accum_steps,
         "logits_chunk_mib": e.chunk_mib,
@@ -156,7 +177,10 @@ def run(name: str, remat: str, steps: int, profile: bool = False, profile_dir: s
         "rollout_tokens_per_s": med("rollout_tokens_per_s"),
         "attention": os.environ.get("GRPO_ATTENTION", "auto"),
         "decode_chunk": tr.opts.decode_chunk,
+        "chosen_by": "formula" if choice is None else "xla",
     }
+    if choice is not None:
+        out["xla_choice"] = {k: choice[k] for k in ("peak_bytes", "usable_bytes", "candidates", "seconds", "describe")}
     if prof is not None:
         out["profile"] = prof
     peak = memory.peak_bytes()
@@ -191,7 +215,8 @@ def _table(rows: list[dict]) -> str:
     out = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         peak = r.get("peak_device_bytes") or r["peak_rss_bytes"]
-        remat = r["remat"] + (" (auto)" if r["remat_asked"] == "auto" else "")
+        chooser = "XLA" if r.get("chosen_by") == "xla" else "formula"
+        remat = r["remat"] + (f" (auto: {chooser})" if r["remat_asked"] == "auto" else "")
         out.append(
             " | ".join(
                 [
@@ -222,6 +247,8 @@ def _table(rows: list[dict]) -> str:
         if r.get("mfu") is not None:
             line += f"; update {r['update_tflops']:.1f} TFLOP/s = {100 * r['mfu']:.1f} % MFU"
         out.append(line)
+        if "xla_choice" in r:
+            out.append(f"  memory: {r['xla_choice']['describe']}")
     return "\n".join(out)
 
 
@@ -231,6 +258,7 @@ def main(argv=None) -> int:
         "--workload", choices=[*WORKLOADS, "all"], default="all", help="all: a and b (and gpu-0.5b on an accelerator)"
     )
     ap.add_argument("--remat", choices=[*REMATS, "all"], default="auto", help="all: auto, then each policy")
+    ap.add_argument("--accum", default="auto", help="train.grpo.grad_accum_steps: auto (default) or a number")
     ap.add_argument("--steps", type=int, help="timed steps after the first (default: per workload)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument(
@@ -240,7 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run(args.workload, args.remat, args.steps, args.profile, args.profile_dir)))
+        print(json.dumps(run(args.workload, args.remat, args.steps, args.profile, args.profile_dir, args.accum)))
         return 0
     names = [args.workload] if args.workload != "all" else ["a", "b"] + (["gpu-0.5b"] if _accelerator() else [])
     remats = REMATS if args.remat == "all" else (args.remat,)
@@ -260,6 +288,8 @@ def main(argv=None) -> int:
                     remat,
                     "--steps",
                     str(steps),
+                    "--accum",
+                    args.accum,
                 ]
                 + (["--profile"] if args.profile else [])
                 + (["--profile-dir", os.path.join(args.profile_dir, f"{name}-{remat}")] if args.profile_dir else []),

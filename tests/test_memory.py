@@ -118,6 +118,10 @@ def test_auto_takes_the_fastest_choice_that_fits():
     assert (roomy.estimate.remat, roomy.estimate.grad_accum_steps) == (RematPolicy.DOTS, 1) and roomy.fits
     tpu = memory.plan(mc, train, 16, 64 * GiB, backend="tpu")  # compute-bound: no recomputation first
     assert (tpu.estimate.remat, tpu.estimate.grad_accum_steps) == (RematPolicy.NONE, 1)
+    # on a GPU the order measured on an H100 (the memory module's doc): dots, full, then
+    # accumulation, and keeping every activation last
+    gpu = [(r.value, a) for r, a in memory.candidates(train, backend="gpu")]
+    assert gpu[:4] == [("dots", 1), ("full", 1), ("dots", 2), ("none", 1)] and gpu.index(("none", 2)) > 3
     need = {
         c: memory.estimate(mc, train, 16, remat=c[0], grad_accum_steps=c[1]).total for c in memory.candidates(train)
     }

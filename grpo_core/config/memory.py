@@ -39,17 +39,24 @@ from grpo_core.errors import ConfigError
 GiB = 2**30
 _BYTES = {DType.FLOAT32: 4, DType.BFLOAT16: 2}
 
-# Cost of each choice relative to (no remat, no accumulation), by which `plan` orders them. On
-# accelerators the update is compute-bound: full remat runs the forward pass again (~1/3 more
-# update compute), dots recomputes norms, RoPE and attention. XLA:CPU is memory-bound and dots
-# measured fastest: update seconds none / dots / full on 2 cores, same run (bench.real_shapes):
-# tiny 0.07 / 0.06 / 0.07, small 2.19 / 2.07 / 2.56, shape (a) 24.4 / 22.9 / 23.4. Each extra
-# micro-batch reads every weight once more.
+# Cost of each choice relative to the backend's fastest, by which `plan` and the compiler's choice
+# order them (the first that fits is taken). Measured update seconds at the median of 3 steps, one
+# process per choice (bench.real_shapes; bench/gpu.sh on a GPU):
+# - XLA:CPU, 2 cores, none / dots / full: tiny 0.07 / 0.06 / 0.07, small 2.19 / 2.07 / 2.56,
+#   shape (a) 24.4 / 22.9 / 23.4: memory-bound, dots fastest.
+# - H100, Qwen2.5-0.5B 8 x 8 x 512 in bf16, cuDNN attention: dots/1 0.39, full/1 0.41, dots/2
+#   0.42, none/1 0.44, none/2 0.49: saving the matmuls' outputs alone (dots) beats keeping every
+#   activation (none), which moves more bytes than recomputing norms, RoPE and the attention
+#   kernel costs; each extra micro-batch added 8-11 %.
+# - TPU: not measured yet; the compute-bound reading (full remat runs the forward again, ~1/3
+#   more update compute, dots recomputes the cheap ops) orders none first.
+# Each extra micro-batch reads every weight once more and launches every kernel again.
 _REMAT_COST = {
     "cpu": {RematPolicy.DOTS: 0.97, RematPolicy.NONE: 1.0, RematPolicy.FULL: 1.1},
-    "accelerator": {RematPolicy.NONE: 1.0, RematPolicy.DOTS: 1.1, RematPolicy.FULL: 1.33},
+    "gpu": {RematPolicy.DOTS: 1.0, RematPolicy.FULL: 1.05, RematPolicy.NONE: 1.13},
+    "tpu": {RematPolicy.NONE: 1.0, RematPolicy.DOTS: 1.1, RematPolicy.FULL: 1.33},
 }
-_ACCUM_COST = 0.05
+_ACCUM_COST = {"cpu": 0.05, "gpu": 0.1, "tpu": 0.05}
 # A plan fits when its estimate is at most this share of the memory: the estimate is held to
 # within 25% of measured peaks, and a host also runs the Prefect process and the OS.
 HEADROOM = 0.9
@@ -341,12 +348,13 @@ class Plan:
 
 def candidates(train: TrainConfig, backend: str = "cpu") -> list[tuple[RematPolicy, int]]:
     """The (remat, accumulation) choices the config leaves open, cheapest first on `backend`."""
-    cost = _REMAT_COST["cpu" if backend == "cpu" else "accelerator"]
+    kind = backend if backend in _REMAT_COST else "tpu"  # another accelerator: the compute-bound order
+    cost, per_accum = _REMAT_COST[kind], _ACCUM_COST[kind]
     remats = list(cost) if train.remat is RematPolicy.AUTO else [train.remat]
     g = train.grpo
     accums = g.accumulation_choices() if g.grad_accum_steps == "auto" else [g.grad_accum_steps]
     out = [(r, a) for r in remats for a in accums]
-    return sorted(out, key=lambda c: (cost[c[0]] * (1 + _ACCUM_COST * (c[1] - 1)), c[1]))
+    return sorted(out, key=lambda c: (cost[c[0]] * (1 + per_accum * (c[1] - 1)), c[1]))
 
 
 def plan(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, available: int | None, **kw: Any) -> Plan:
