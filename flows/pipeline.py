@@ -31,6 +31,7 @@ from flows.params import RunParams
 from grpo_core.config.run import RunConfig, check_run_name, is_template
 from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError, RunRootInUse
+from grpo_core.launch.launchers import drop_ahead
 from grpo_core.rewards.trust import TrustPolicy
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, checkpoint_steps, plot_curve
@@ -303,6 +304,7 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
         _no_flow_retry(log)
         raise
     finally:
+        drop_ahead()  # a next stage's worker started ahead that no stage took
         lease.release()  # deletes it only while it is still this run's
 
 

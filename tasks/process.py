@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from grpo_core.config.memory import host_memory_bytes
 from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, RunInterrupted, is_retryable
-from grpo_core.launch.launchers import Launched, LauncherConfig, start
+from grpo_core.launch.launchers import Launched, LauncherConfig, drop_ahead, start, start_ahead
 
 
 class StageError(RuntimeError):
@@ -45,11 +45,13 @@ def request_interrupt() -> bool:
     """Ask the running stage to stop; True if a worker set is running (it will stop within
     STOP_GRACE_S and its run_worker raise RunInterrupted), False if none is."""
     _INTERRUPT.set()
+    drop_ahead()
     return bool(_LIVE)
 
 
 def kill_live_workers() -> None:
     """SIGKILL every running worker set at once (a second Ctrl-C)."""
+    drop_ahead()
     for launched in list(_LIVE.values()):
         launched.stop(grace_s=0.5)
 
@@ -149,10 +151,13 @@ def run_worker(
     python: str | None = None,
     launcher: LauncherConfig | None = None,
     timeout_field: str = "pipeline.*_timeout_s",
+    next_stage: bool = False,
 ) -> list[dict[str, Any]]:
     """Run `python -m <args>` (`python`: another interpreter, e.g. the sglang-jax environment's;
     default this one) through `launcher` (grpo_core.launch.launchers; default: one local process); call
-    on_event for each JSON line of process 0; return all events.
+    on_event for each JSON line of process 0; return all events. `next_stage`: another worker
+    stage follows this one, so once this worker is under way (its first step, evaluation or
+    export) the next one is started ahead (launchers.start_ahead) in the same environment.
 
     Every process of the set is watched: when one fails, the others would wait for it inside a
     collective until their heartbeat timeout, so the whole set is stopped at once.
@@ -164,14 +169,22 @@ def run_worker(
     launched = start(launcher, args, env, python)
     _LIVE[id(launched)] = launched
     try:
-        return _watch(launched, timeout_s=timeout_s, on_event=on_event, what=what, timeout_field=timeout_field)
+        ahead = (lambda: start_ahead(launcher, env, python)) if next_stage else None
+        return _watch(
+            launched, timeout_s=timeout_s, on_event=on_event, what=what, timeout_field=timeout_field, ahead=ahead
+        )
     finally:
         if any(p.poll() is None for p in launched.procs):  # an exception on the way out: never leave them
             launched.stop(STOP_GRACE_S)
         _LIVE.pop(id(launched), None)
 
 
-def _watch(launched: Launched, *, timeout_s: float, on_event, what: str, timeout_field: str) -> list[dict[str, Any]]:
+_UNDER_WAY = ("step", "eval", "export", "done")  # events after a worker's own start-up
+
+
+def _watch(
+    launched: Launched, *, timeout_s: float, on_event, what: str, timeout_field: str, ahead=None
+) -> list[dict[str, Any]]:
     procs = launched.procs
     lines: queue.Queue = queue.Queue()
     tails: list[deque[str]] = [deque(maxlen=40) for _ in procs]
@@ -199,6 +212,9 @@ def _watch(launched: Launched, *, timeout_s: float, on_event, what: str, timeout
             if event is not None:
                 events.append(event)
                 on_event(event)
+                if ahead is not None and event["event"] in _UNDER_WAY and not _INTERRUPT.is_set():
+                    ahead()  # its imports run while this one works
+                    ahead = None
         watch.sample()
         if _INTERRUPT.is_set():
             interrupted = True

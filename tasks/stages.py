@@ -338,6 +338,7 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
             what=f"training epoch {epoch}" + (" and its evaluation or export" if follow_ups else ""),
             python=worker_python(cfg),
             launcher=cfg.pipeline.launcher,
+            next_stage=epoch + 1 < cfg.pipeline.epochs,  # the next epoch's worker imports while this one trains
         )
     except StageError as exc:
         if state["done"] is None or state["done"]["step"] != until:

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -193,3 +194,65 @@ def test_the_training_worker_trains_with_the_update_its_compiler_fits(tmp_path):
     line = tight["describe"]
     assert line.startswith(f"XLA (cpu) chose train.remat={tight['remat']}, train.grpo.grad_accum_steps=")
     assert "candidates: dots/1 " in line and "(does not fit)" in line
+
+
+def test_the_next_stage_runs_in_the_worker_started_ahead(tmp_path):
+    """A stage that knows another follows (run_worker next_stage=True: an epoch before the last)
+    starts the next worker once it trains, and the next stage's run_worker hands that process its
+    command line: it runs the stage as a fresh worker would. A stage with another environment gets
+    a fresh worker and the one ahead is stopped; nothing is left running."""
+    from grpo_core.launch import launchers
+    from tasks import process
+
+    root = make_run(str(tmp_path), "ahead")
+    args = lambda until: ["grpo_core.stages.worker", "train", "--root", root, "--until-step", str(until)]
+    steps = lambda events: [e["step"] for e in events if e["event"] == "step"]
+    first = process.run_worker(args(2), timeout_s=300, on_event=lambda e: None, what="epoch 0", next_stage=True)
+    assert steps(first) == [0, 1]
+    [(_, ahead)] = launchers._AHEAD
+    assert ahead.poll() is None  # imported, waiting for its stage
+
+    running = []
+
+    def on_event(e):
+        if e["event"] == "resumed":
+            running.extend(launched.procs[0].pid for launched in process._LIVE.values())
+
+    second = process.run_worker(args(4), timeout_s=300, on_event=on_event, what="epoch 1")
+    assert running == [ahead.pid] and ahead.returncode == 0 and not launchers._AHEAD
+    assert second[0]["event"] == "memory" and second[1] == {"event": "resumed", "step": 2, "until": 4}
+    assert steps(second) == [2, 3] and second[-1] == {"event": "done", "step": 4, "steps_run": 2}
+
+    process.run_worker(args(5), timeout_s=300, on_event=lambda e: None, what="epoch 2", next_stage=True)
+    [(_, other)] = launchers._AHEAD
+    third = process.run_worker(args(6), timeout_s=300, on_event=lambda e: None, what="epoch 3", env={"GRPO_X": "1"})
+    assert steps(third) == [5] and other.returncode == -signal.SIGKILL and not launchers._AHEAD
+    assert final_params(root)  # the run is whole: checkpoint 6 restores
+
+
+def test_a_worker_started_ahead_ends_with_the_process_that_started_it(tmp_path):
+    """kill -9 of the process that started a worker ahead (the CLI, a Prefect worker) leaves
+    nothing running: the worker ahead reads the end of its stdin and exits."""
+    code = (
+        "import sys, time\n"
+        "from grpo_core.launch import launchers\n"
+        "launchers.start_ahead(None)\n"
+        "print(launchers._AHEAD[0][1].pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; it only waits to be reaped
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -25,6 +25,7 @@ This module runs in the Prefect process: it never imports JAX, and Ray only in t
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import ctypes
 import dataclasses
@@ -50,7 +51,7 @@ from grpo_core.launch.cluster import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
-from grpo_core.launch.processes import ENV_WATCH_PARENT, free_port, stop_process_groups
+from grpo_core.launch.processes import ENV_WATCH_PARENT, free_port, signal_group, stop_process_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,28 +166,111 @@ def start(
     cfg: LauncherConfig | None, module_args: Sequence[str], env: dict[str, str] | None = None, python: str | None = None
 ) -> Launched:
     """Start the stage's processes, each in its own process group (so stop() reaches their
-    children too), stdout and stderr piped."""
+    children too), stdout and stderr piped. A local stage's worker is the one started ahead
+    (start_ahead) when there is one for the same interpreter, environment and folder."""
     cfg = cfg or LauncherConfig()
     specs, stop_argv = plan(cfg, module_args, env, python)
     procs: list[subprocess.Popen] = []
     launched = Launched(cfg, specs, procs, stop_argv)
+    ahead = _take_ahead(specs[0]) if cfg.kind is LauncherKind.LOCAL else None
+    if ahead is not None:
+        procs.append(ahead)
+        return launched
     try:
         for spec in specs:
-            procs.append(
-                subprocess.Popen(
-                    spec.argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                    env={**os.environ, **spec.env},
-                )
-            )
+            procs.append(_popen(spec.argv, spec.env, stdin=subprocess.DEVNULL))
     except OSError as exc:
         launched.stop()
         raise ConfigError(f"pipeline.launcher kind {cfg.kind.value}: cannot start {spec.argv[0]!r}: {exc}") from None
     return launched
+
+
+def _popen(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **env},
+    )
+
+
+# -- a worker started ahead ------------------------------------------------------------------------
+# A local stage's worker spends about a second importing JAX, flax, Orbax and the trainer. When a
+# stage knows another worker stage follows it (tasks.stages.train_epoch before the last epoch), a
+# process of grpo_core.stages.ahead does those imports while it trains, and the next stage's
+# worker is that process, given its command line on stdin. Only the same interpreter, the same
+# environment (everything it holds: JAX reads some of it at import) and the same working folder
+# qualify; anything else, or a process that is gone, is stopped and a fresh worker started.
+AHEAD_MODULE = "grpo_core.stages.ahead"
+WORKER_MODULE = "grpo_core.stages.worker"
+_AHEAD: list[tuple[tuple, subprocess.Popen]] = []  # at most one
+# reentrant: a Ctrl-C handler (tasks.process.request_interrupt) may drop it while this thread holds it
+_AHEAD_LOCK = threading.RLock()
+
+
+def _ahead_key(python: str, env: dict[str, str]) -> tuple:
+    return python, tuple(sorted({**os.environ, **env}.items())), os.getcwd()
+
+
+def start_ahead(cfg: LauncherConfig | None, env: dict[str, str] | None = None, python: str | None = None) -> bool:
+    """Start the worker of the next local stage now (stopping one started earlier); False for
+    another launcher kind, which starts its processes elsewhere."""
+    cfg = cfg or LauncherConfig()
+    if cfg.kind is not LauncherKind.LOCAL:
+        return False
+    [spec], _ = plan(cfg, [AHEAD_MODULE], env, python)
+    proc = _popen(spec.argv, spec.env, stdin=subprocess.PIPE)
+    with _AHEAD_LOCK:
+        old, _AHEAD[:] = list(_AHEAD), [(_ahead_key(spec.argv[0], spec.env), proc)]
+    _stop_ahead(old)
+    return True
+
+
+def drop_ahead() -> None:
+    """Stop the worker started ahead, if any (the pipeline ended, or was interrupted)."""
+    with _AHEAD_LOCK:
+        old, _AHEAD[:] = list(_AHEAD), []
+    _stop_ahead(old)
+
+
+def _take_ahead(spec: ProcessSpec) -> subprocess.Popen | None:
+    """The worker started ahead, given `spec`'s command line, when it can run `spec`; else None
+    (and it is stopped)."""
+    with _AHEAD_LOCK:
+        old, _AHEAD[:] = list(_AHEAD), []
+    if not old:
+        return None
+    [(key, proc)] = old
+    argv = spec.argv
+    if argv[1:3] == ["-m", WORKER_MODULE] and key == _ahead_key(argv[0], spec.env) and proc.poll() is None:
+        try:
+            proc.stdin.write(json.dumps({"argv": argv[3:]}) + "\n")
+            proc.stdin.close()
+            return proc
+        except OSError:  # it ended meanwhile
+            pass
+    _stop_ahead(old)
+    return None
+
+
+def _stop_ahead(entries: list[tuple[tuple, subprocess.Popen]]) -> None:
+    """A process started ahead has done nothing yet: it is killed, not asked to save."""
+    for _, proc in entries:
+        if proc.poll() is None:
+            signal_group(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+atexit.register(drop_ahead)
 
 
 # -- the Ray driver --------------------------------------------------------------------------------
