@@ -5,9 +5,10 @@
 #   auto         remat and accumulation left at auto: the GPU's compiler chooses, as in a run
 #   auto+prof    the same, with one more step under XLA's profiler (its top ops in the log)
 #   REMAT/ACCUM  a fixed choice, e.g. dots/1 or none/2 (REMAT/auto: accumulation chosen)
-# Default rows: auto+prof dots/auto. WORKLOAD=tiny tries the script on a CPU. Each row is a fresh process with a time limit (ROW_S, 280 s),
-# so one that fails or hangs leaves the next its time. OUT_DIR gets rows.txt (the machine, each
-# row's exit and time, the table), rows.log (the rows' output) and one JSON per row.
+# Default rows: auto+prof dots/auto. WORKLOAD=tiny tries the script on a CPU. Each row is a fresh
+# process with a time limit (ROW_S, 280 s), so one that fails or hangs leaves the next its time.
+# OUT_DIR gets rows.txt (the machine, each row's exit and time, the table), rows.log (the rows'
+# output) and one JSON per row.
 #
 #     bash bench/gpu.sh OUT_DIR [ROW ...]
 set -u

@@ -206,7 +206,7 @@ def _popen(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen
 # qualify; anything else, or a process that is gone, is stopped and a fresh worker started.
 AHEAD_MODULE = "grpo_core.stages.ahead"
 WORKER_MODULE = "grpo_core.stages.worker"
-_AHEAD: list[tuple[tuple, subprocess.Popen]] = []  # at most one
+_AHEAD: list[tuple[tuple, subprocess.Popen]] = []  # at most one: (_ahead_key, the process)
 # reentrant: a Ctrl-C handler (tasks.process.request_interrupt) may drop it while this thread holds it
 _AHEAD_LOCK = threading.RLock()
 
@@ -215,32 +215,33 @@ def _ahead_key(python: str, env: dict[str, str]) -> tuple:
     return python, tuple(sorted({**os.environ, **env}.items())), os.getcwd()
 
 
-def start_ahead(cfg: LauncherConfig | None, env: dict[str, str] | None = None, python: str | None = None) -> bool:
-    """Start the worker of the next local stage now (stopping one started earlier); False for
+def _swap_ahead(*entry: tuple[tuple, subprocess.Popen]) -> list[tuple[tuple, subprocess.Popen]]:
+    """Put `entry` (or nothing) where the worker started ahead is kept; what was there."""
+    with _AHEAD_LOCK:
+        old, _AHEAD[:] = list(_AHEAD), list(entry)
+    return old
+
+
+def start_ahead(cfg: LauncherConfig | None, env: dict[str, str] | None = None, python: str | None = None) -> None:
+    """Start the worker of the next local stage now (stopping one started earlier); nothing for
     another launcher kind, which starts its processes elsewhere."""
     cfg = cfg or LauncherConfig()
     if cfg.kind is not LauncherKind.LOCAL:
-        return False
+        return
     [spec], _ = plan(cfg, [AHEAD_MODULE], env, python)
     proc = _popen(spec.argv, spec.env, stdin=subprocess.PIPE)
-    with _AHEAD_LOCK:
-        old, _AHEAD[:] = list(_AHEAD), [(_ahead_key(spec.argv[0], spec.env), proc)]
-    _stop_ahead(old)
-    return True
+    _stop_ahead(_swap_ahead((_ahead_key(spec.argv[0], spec.env), proc)))
 
 
 def drop_ahead() -> None:
     """Stop the worker started ahead, if any (the pipeline ended, or was interrupted)."""
-    with _AHEAD_LOCK:
-        old, _AHEAD[:] = list(_AHEAD), []
-    _stop_ahead(old)
+    _stop_ahead(_swap_ahead())
 
 
 def _take_ahead(spec: ProcessSpec) -> subprocess.Popen | None:
     """The worker started ahead, given `spec`'s command line, when it can run `spec`; else None
     (and it is stopped)."""
-    with _AHEAD_LOCK:
-        old, _AHEAD[:] = list(_AHEAD), []
+    old = _swap_ahead()
     if not old:
         return None
     [(key, proc)] = old
