@@ -168,7 +168,8 @@ def test_grpo_check_target_json_then_cached(tmp_path):
     assert names["memory"]["ok"] and "XLA on v5e:2x2" in names["memory"]["detail"]
     assert names["target"]["ok"] and "no TPU here" in names["target"]["detail"]
     again, _ = check()
-    assert again["target"]["cached"] and again["target"]["seconds"] < 5
+    # read back, nothing compiled again (how fast a cached check answers is bench.aot's to say)
+    assert again["target"]["cached"] and again["target"]["programs"] == target["programs"]
     assert again["memory"]["peak_bytes"] == mem["peak_bytes"]
     # a change that touches only evaluation compiles only evaluation: the rest is read back per program
     smaller, _ = check("--set", "eval.batch_size=4")
