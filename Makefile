@@ -47,9 +47,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # The suite in TEST_JOBS processes (pytest-xdist; TEST_JOBS=0: in this one). Many tests wait on the
-# processes, servers and polls they start more than they compute, so four share two cores better
-# than two (measured on 2 cores: make test 16.9 -> 15.0 min, test-fast 4.9 -> 4.6 min); past that
-# the suite is bound by its CPU time (~25 CPU-min). Each test module goes whole to one process (its
+# processes, servers and polls they start more than they compute, so four overlap those waits (on
+# 2 cores: make test 16.9 -> 15.0 min in a warm checkout, test-fast 4.9 -> 4.6; a fresh clone gained
+# nothing, 16.7 vs 16.8 min, with more CPU): the suite is bound by its CPU time (~25-31 CPU-min). Each test module goes whole to one process (its
 # module fixtures set up once), the modules with slow tests first (tests/conftest.py).
 TEST_JOBS ?= 4
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder

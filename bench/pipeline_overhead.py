@@ -72,23 +72,19 @@ def main(argv=None) -> int:
                 f"({r['overhead_pct']:.1f} %)",
                 flush=True,
             )
-    head = (
-        "version",
-        "runs",
-        "wall s",
-        "train steps s",
-        "of which first steps",
-        "eval compute s",
-        "overhead s",
-        "overhead %",
-    )
+    columns = {
+        "wall s": "wall_s",
+        "train steps s": "train_steps_s",
+        "of which first steps": "first_steps_s",
+        "eval compute s": "eval_compute_s",
+        "overhead s": "overhead_s",
+        "overhead %": "overhead_pct",
+    }
+    head = ("version", "runs", *columns)
     print("\n" + " | ".join(head) + "\n" + " | ".join("---" for _ in head))
     med = lambda name, k: statistics.median(r[k] for r in rows[name])
     for name, _ in versions:
-        cells = [
-            med(name, k)
-            for k in ("wall_s", "train_steps_s", "first_steps_s", "eval_compute_s", "overhead_s", "overhead_pct")
-        ]
+        cells = [med(name, k) for k in columns.values()]
         print(" | ".join([name, str(len(rows[name]))] + [f"{c:.1f}" for c in cells]))
     if args.baseline:
         print(
