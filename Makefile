@@ -47,11 +47,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # The suite in TEST_JOBS processes (pytest-xdist; TEST_JOBS=0: in this one). Many tests wait on the
-# processes, servers and polls they start more than they compute, so four overlap those waits (on
-# 2 cores: make test 16.9 -> 15.0 min in a warm checkout, test-fast 4.9 -> 4.6; a fresh clone gained
-# nothing, 16.7 vs 16.8 min, with more CPU): the suite is bound by its CPU time (~25-31 CPU-min). Each test module goes whole to one process (its
-# module fixtures set up once), the modules with slow tests first (tests/conftest.py).
-TEST_JOBS ?= 4
+# processes, servers and polls they start more than they compute, so more processes than cores
+# overlap those waits, but each process also starts its own servers and compiles its own programs:
+# the suite is bound by its CPU time (~26-31 CPU-min). On 2 cores, warm checkout, make test took
+# 14.8 min in three (25.9 CPU-min), 15.2 in four (27.8), 16.9 in two (25.1). Each test module goes
+# whole to one process (its module fixtures set up once), the modules with slow tests first
+# (tests/conftest.py).
+TEST_JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 test: lint $(SGL_DEP)

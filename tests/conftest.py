@@ -27,7 +27,7 @@ pytest_plugins = ["tests.prefect_server", "tests.gcs"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: `-n 4 --dist loadfile --no-loadscope-reorder`), each module
+    """Under pytest-xdist (`make test`: `-n 3 --dist loadfile --no-loadscope-reorder`), each module
     goes whole to one test process, in collection order: the modules with slow tests come first,
     most slow tests first, so that the many short modules fill the end and no process is left
     running one long module alone. Every process computes the same order (xdist checks it)."""
