@@ -47,12 +47,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # The suite in TEST_JOBS processes (pytest-xdist; TEST_JOBS=0: in this one). Many tests wait on the
-# processes, servers and polls they start more than they compute, so more processes than cores
-# overlap those waits, but each process also starts its own servers and compiles its own programs:
-# the suite is bound by its CPU time (~26-31 CPU-min). On 2 cores, warm checkout, make test took
-# 14.8 min in three (25.9 CPU-min), 15.2 in four (27.8), 16.9 in two (25.1). Each test module goes
-# whole to one process (its module fixtures set up once), the modules with slow tests first
-# (tests/conftest.py).
+# processes, servers and polls they start, so more processes than cores overlap those waits, but
+# each also starts its own servers and compiles its own programs (README: the figures per count).
+# Each test module goes whole to one process (its module fixtures set up once), the modules with
+# slow tests first (tests/conftest.py).
 TEST_JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
