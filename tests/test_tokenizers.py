@@ -122,6 +122,33 @@ def test_the_character_tokenizer_says_what_to_set():
     assert "tokenizer.json" in msg and "model.path" in msg
 
 
+def test_the_character_tokenizers_export_is_what_transformers_reads_and_writes(tmp_path):
+    """An export's tokenizer files, written without transformers: AutoTokenizer reads them as the
+    same tokenizer (ids, <eos> as end and padding, special tokens skipped in decoding), and reads
+    them exactly as it reads the folder its own PreTrainedTokenizerFast.save_pretrained writes."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    ours = CharTokenizer()
+    ours.save_pretrained(str(tmp_path / "ours"))
+    written = sorted(os.listdir(tmp_path / "ours"))
+    assert written == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    theirs_folder = str(tmp_path / "theirs")
+    raw = Tokenizer.from_file(str(tmp_path / "ours" / "tokenizer.json"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", pad_token="<eos>").save_pretrained(
+        theirs_folder
+    )
+    hf, theirs = (transformers.AutoTokenizer.from_pretrained(f) for f in (str(tmp_path / "ours"), theirs_folder))
+    text = ours.chars + "=" + ours.chars[::-1]
+    ids = ours.encode(text)
+    for tok in (hf, theirs):
+        assert tok.encode(text, add_special_tokens=False) == ids
+        assert (tok.eos_token_id, tok.pad_token_id, tok.all_special_ids, len(tok)) == (0, 0, [0], ours.vocab_size)
+        assert tok.decode([*ids, 0, 0], skip_special_tokens=True) == text
+    batch = hf(["ab=", "abcd="], padding=True)["input_ids"]
+    assert batch == theirs(["ab=", "abcd="], padding=True)["input_ids"] == [[11, 12, 41, 0, 0], [11, 12, 13, 14, 41]]
+
+
 def test_check_finds_data_the_tokenizer_cannot_encode(tok_folder, tmp_path, capsys):
     """issue 29/30: `grpo check` reads and tokenizes the prompts as the run will; ready: false,
     the failed check naming model.tokenizer, before any run starts. With a tokenizer that covers

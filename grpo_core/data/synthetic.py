@@ -65,15 +65,27 @@ class CharTokenizer:
 
     def save_pretrained(self, folder: str) -> None:
         """The same tokenizer as Hugging Face files (a WordLevel model over single characters),
-        so an exported model loads with AutoTokenizer and encodes text to the same ids."""
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy: only an export needs them
-        from transformers import PreTrainedTokenizerFast  # heavy, as tokenizers
+        so an exported model loads with AutoTokenizer and encodes text to the same ids.
+
+        Written with `tokenizers` alone, as transformers' PreTrainedTokenizerFast.save_pretrained
+        would write them: importing transformers for two small files took about a second of every
+        export's worker (tests/test_tokenizers.py checks that transformers reads them back)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # only an export needs them
 
         tk = Tokenizer(models.WordLevel(dict(self.stoi), unk_token=None))
         tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
         tk.decoder = decoders.Fuse()
+        tk.add_special_tokens(list(self.SPECIALS))  # already in the vocabulary: marked special, ids kept
+        out = pathlib.Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        tk.save(str(out / "tokenizer.json"))
         eos = self.itos[self.eos_token_id]
-        PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, pad_token=eos).save_pretrained(folder)
+        special = {"eos_token": eos, "pad_token": eos}
+        # the class both transformers 4 and 5 load a bare tokenizer.json with
+        (out / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=2) + "\n"
+        )
+        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "CharTokenizer":
