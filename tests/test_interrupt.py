@@ -177,12 +177,16 @@ def test_a_run_whose_prefect_api_goes_away_says_so(tmp_path):
     """The run's Prefect server goes away mid-training, nobody stops the run: it fails once
     Prefect's client gives up (no client retries here, to keep the test short), saying that the
     API did not answer (before: "run failed: ConnectError: [Errno 111] Connection refused", after a
-    log line that called it cancelled), with its checkpoints kept and nothing left running."""
+    log line that called it cancelled), with its checkpoints kept and nothing left running, and
+    exits then."""
     proc, workers, url = _train_then_lose_the_api(tmp_path, PREFECT_CLIENT_MAX_RETRIES="0")
     rc, out, seconds = _finish(proc, timeout_s=240)
     assert rc == 1, out[-3000:]
     assert f"run failed: the Prefect API at {url} did not answer" in out, out[-3000:]
     assert "Finished: cancelled" not in out, out[-3000:]
+    # it exits once it has said so, not after Prefect's services tried each event they held for the
+    # gone API, seconds apart ("Still processing items: 6 items remaining..." and 43 s more, before)
+    assert "Still processing items" not in out, out[-3000:]
     assert not _alive(workers), "a worker outlived the CLI"
     run = _run_dir(tmp_path)
     assert [n for n in os.listdir(f"{run}/checkpoints") if n.isdigit()], "no checkpoint kept"
