@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from grpo_core.store.root import RunRoot  # noqa: E402
+from tests.cpu_devices import FAST_COMPILE  # noqa: E402
 from tests.hf_models import build_hf_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -166,13 +167,17 @@ def _field(cfg: dict, path: str):
     return cfg
 
 
-def test_a_users_path_qwen2_bpe_gsm8k_chat_to_an_export_transformers_generates_with(tmp_path):
+def test_a_users_path_qwen2_bpe_gsm8k_chat_to_an_export_transformers_generates_with(tmp_path, monkeypatch):
     """As a user would: a Qwen2 folder (random weights, a byte-level BPE tokenizer trained here),
     GSM8K-style JSONL with '#### N' answers for training and a test file evaluated whole, the
     chat template on, math_answer and a format reward, nothing else tuned. prepare -> train ->
     evaluate every test row -> export -> transformers loads the export and generates what our
-    sampler generated."""
+    sampler generated. The worker runs with XLA's optimisations, as a user's does: the recipe's
+    long completions compute more than they compile (52 instead of 68 CPU-s for the test)."""
     from flows.cli import main
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != FAST_COMPILE]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))  # what the worker it starts inherits
 
     folder = tmp_path / "my-qwen2"
     _, tok = build_hf_model(folder, "qwen2", bpe=True)
