@@ -12,6 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
+def optimized_flags() -> str:
+    """This process's XLA_FLAGS without FAST_COMPILE: for a child process that computes more than
+    it compiles, which then runs as a user's run does."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f != FAST_COMPILE)
+
+
 def run_with_devices(devices: int, code: str, timeout_s: float = 300, optimized: bool = False) -> None:
     """`python -c code` from the repository root with `devices` CPU devices; fails the test with
     the child's stderr when it exits non-zero. The child keeps the tests' XLA flags but the device

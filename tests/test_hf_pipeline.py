@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from grpo_core.store.root import RunRoot  # noqa: E402
-from tests.cpu_devices import FAST_COMPILE  # noqa: E402
+from tests.cpu_devices import optimized_flags  # noqa: E402
 from tests.hf_models import build_hf_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -176,8 +176,7 @@ def test_a_users_path_qwen2_bpe_gsm8k_chat_to_an_export_transformers_generates_w
     long completions compute more than they compile (52 instead of 68 CPU-s for the test)."""
     from flows.cli import main
 
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != FAST_COMPILE]
-    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))  # what the worker it starts inherits
+    monkeypatch.setenv("XLA_FLAGS", optimized_flags())  # what the worker it starts inherits
 
     folder = tmp_path / "my-qwen2"
     _, tok = build_hf_model(folder, "qwen2", bpe=True)

@@ -18,7 +18,7 @@ from grpo_core.config.train import GRPOConfig, OptimizerConfig, RematPolicy, Sam
 from grpo_core.nn.model import create_model
 from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.types import Batch
-from tests.cpu_devices import FAST_COMPILE
+from tests.cpu_devices import optimized_flags
 
 GiB = 2**30
 
@@ -159,7 +159,7 @@ def bench_child(workload: str, remat: str = "auto", steps: int = 1) -> dict:
     tests' FAST_COMPILE (6 against 12 CPU-s)."""
     env = dict(os.environ)
     if workload != "tiny":
-        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != FAST_COMPILE)
+        env["XLA_FLAGS"] = optimized_flags()
     proc = subprocess.run(
         [
             sys.executable,
