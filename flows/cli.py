@@ -35,7 +35,7 @@ def _prefect_defaults() -> None:
 
 
 _SIGNALS: list[int] = []  # what stopped the command: it exits with 128 + the first
-_API_GONE: list[str] = []  # the Prefect API this command's run lost: nothing more can be sent to it
+_API_GONE = [False]  # whether this command's run lost its Prefect API: nothing more can be sent to it
 
 
 def _exit_abandoning_prefect(code: int) -> None:
@@ -247,7 +247,7 @@ def run_command(args) -> int:
         if isinstance(exc, httpx.TransportError):  # Prefect's client gave up on its API, after its retries
             from prefect.settings import PREFECT_API_URL  # CLI start: Prefect, loaded by now
 
-            _API_GONE.append(str(PREFECT_API_URL.value()))
+            _API_GONE[0] = True
             print(
                 f"\nrun failed: the Prefect API at {PREFECT_API_URL.value()} did not answer ({type(exc).__name__}: "
                 f"{exc}); what the workers saved is kept, and the same command resumes from the newest checkpoint "
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     code = args.func(args)
-    if argv is None and _API_GONE:  # the program itself (not a caller's main([...])), its API gone
+    if argv is None and _API_GONE[0]:  # the program itself (not a caller's main([...])), its API gone
         _exit_abandoning_prefect(code)
     return code
 

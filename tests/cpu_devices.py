@@ -22,8 +22,8 @@ def run_with_devices(devices: int, code: str, timeout_s: float = 300, optimized:
     """`python -c code` from the repository root with `devices` CPU devices; fails the test with
     the child's stderr when it exits non-zero. The child keeps the tests' XLA flags but the device
     count; `optimized` drops FAST_COMPILE too (code that computes for long)."""
-    drop = ("--xla_force_host_platform_device_count=", *([FAST_COMPILE] if optimized else []))
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(drop)]
+    base = optimized_flags() if optimized else os.environ.get("XLA_FLAGS", "")
+    flags = [f for f in base.split() if not f.startswith("--xla_force_host_platform_device_count=")]
     flags.append(f"--xla_force_host_platform_device_count={devices}")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
     proc = subprocess.run(
