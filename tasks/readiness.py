@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any
 
+from grpo_core.config.launch import LauncherKind
 from grpo_core.config.run import RunConfig
 from grpo_core.config.train import RolloutEngineKind
 from grpo_core.data.prepare import DataError, EncodeError, dry_run
 from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError
+from grpo_core.launch.launchers import drop_ahead, start_ahead
 from grpo_core.launch.processes import sglang_python
 from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
 from grpo_core.store.root import RunRoot, StorageError
@@ -27,10 +31,14 @@ from grpo_core.store.sources import model_config
 from tasks.process import StageError, run_worker
 
 
-def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool = False) -> dict[str, Any]:
+def readiness_report(
+    cfg: RunConfig, timeout_s: float | None = None, data: bool = False, handover: bool = False
+) -> dict[str, Any]:
     """The storage probe and the tokenizer (here), with `data` the prompts read and tokenized as
     the run will (`grpo check`: before any run; the pipeline prepares them just before), and the
-    device checks (in a worker process), as one report."""
+    device checks (in a worker process), as one report. `handover` (the pipeline, whose training
+    follows): with a local launcher the device checks run in the first training stage's worker,
+    started ahead (grpo_core.stages.ahead), which is kept for that stage when the run is ready."""
     checks: list[dict[str, Any]] = []
     tokenizer = _tokenizer_check(cfg, checks)
     if tokenizer is None:  # the model's shape (its vocabulary) is not known: no device checks
@@ -62,17 +70,17 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool 
         "separate_reference": cfg.separate_reference,
         "run_root": cfg.run_url,
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(request, f)
     try:
-        try:
-            python = worker_python(cfg)
-        except StageError as exc:  # reported as a failed check, with the device checks run here
-            python = None
-            checks.append({"name": "worker_python", "ok": False, "detail": str(exc), "fix": "make sglang-env"})
-        report = _device_checks(f.name, timeout_s or cfg.pipeline.check_timeout_s, python, cfg.pipeline.launcher)
-    finally:
-        os.unlink(f.name)
+        python = worker_python(cfg)
+    except StageError as exc:  # reported as a failed check, with the device checks run here
+        python = None
+        checks.append({"name": "worker_python", "ok": False, "detail": str(exc), "fix": "make sglang-env"})
+    timeout_s = timeout_s or cfg.pipeline.check_timeout_s
+    launcher = cfg.pipeline.launcher
+    if handover and python is not None and launcher.kind is LauncherKind.LOCAL:
+        report = _checks_ahead(request, timeout_s, python, launcher)
+    else:
+        report = _device_checks(request, timeout_s, python, launcher)
     if "error" in report:  # the request itself was refused (exit 2): say why as a failed check
         checks.append({"name": "request", "ok": False, "detail": report["error"], "fix": "fix the config field named"})
     live = report.get("checks", [])
@@ -81,6 +89,8 @@ def readiness_report(cfg: RunConfig, timeout_s: float | None = None, data: bool 
         live = _with_target(report, live, aot)
     report["checks"] = checks + live
     report["ready"] = all(c["ok"] for c in report["checks"])
+    if not report["ready"]:
+        drop_ahead()  # no stage follows: the process that checked the devices (handover) ends
     return report
 
 
@@ -235,16 +245,59 @@ def worker_python(cfg: RunConfig) -> str:
     return sys.executable
 
 
-def _device_checks(request_path: str, timeout_s: float, python: str | None = None, launcher=None) -> dict[str, Any]:
+def _checks_ahead(request: dict[str, Any], timeout_s: float, python: str, launcher) -> dict[str, Any]:
+    """The device checks in the worker started ahead for the first training stage (launchers.
+    start_ahead with the request as its first line): its report, read from its first output line
+    within `timeout_s`. The process stays for the stage once ready (grpo_core.stages.ahead; the
+    caller drops it when a check of its own fails); a timeout or an exit without a report stops it."""
+    proc = start_ahead(launcher, None, python, first={"readiness": request})
+
+    def read() -> None:  # up to the report: what follows is the stage's, which tasks.process reads
+        while line := proc.stdout.readline():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # not the report (a library's print)
+            if isinstance(event, dict) and event.get("event") == "report":
+                reports.put(event["report"])
+                return
+        reports.put(None)
+
+    reports: queue.Queue = queue.Queue()
+    threading.Thread(target=read, daemon=True, name="readiness-ahead").start()
+    try:
+        report = reports.get(timeout=timeout_s)
+    except queue.Empty:
+        drop_ahead()
+        raise StageError(_CHECKS_TIMEOUT.format(timeout_s=timeout_s), retryable=True) from None
+    if report is None:  # it ended without one
+        code, err = proc.wait(), proc.stderr.read()
+        drop_ahead()
+        raise StageError(_no_report(code, err), retryable=True)
+    if not report.get("ready"):
+        drop_ahead()
+    return report
+
+
+_CHECKS_TIMEOUT = (
+    "the device checks did not finish within {timeout_s:g} s (a TPU held by another process can block jax.devices())"
+)
+
+
+def _no_report(code: int, stderr: str) -> str:
+    return f"the device checks exited with code {code} without a report: {stderr[-2000:]}"
+
+
+def _device_checks(
+    request: dict[str, Any], timeout_s: float, python: str | None = None, launcher=None
+) -> dict[str, Any]:
     """Run grpo_core.stages.readiness in its own process (in the training workers' interpreter): it
     initialises JAX, which the Prefect process never does (a TPU belongs to the one process that
     opened it). With a multi-host launcher, on every host as training will run, the request
     passed inline (other hosts cannot read this machine's files); process 0 reports."""
     if launcher is not None and launcher.distributed:
-        with open(request_path) as f:
-            inline = f.read()
         events = run_worker(
-            ["grpo_core.stages.readiness", "--events", "--request-json", inline],
+            ["grpo_core.stages.readiness", "--events", "--request-json", json.dumps(request)],
             timeout_s=timeout_s,
             on_event=lambda e: None,
             what="the device checks",
@@ -253,27 +306,24 @@ def _device_checks(request_path: str, timeout_s: float, python: str | None = Non
         )
         return next(e["report"] for e in events if e["event"] == "report")
 
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request, f)
     try:
         proc = subprocess.run(
-            [python or sys.executable, "-m", "grpo_core.stages.readiness", "--request", request_path],
+            [python or sys.executable, "-m", "grpo_core.stages.readiness", "--request", f.name],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
-        raise StageError(
-            f"the device checks did not finish within {timeout_s:g} s (a TPU held by another "
-            "process can block jax.devices())",
-            retryable=True,
-        ) from None
+        raise StageError(_CHECKS_TIMEOUT.format(timeout_s=timeout_s), retryable=True) from None
+    finally:
+        os.unlink(f.name)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
-        raise StageError(
-            f"the device checks exited with code {proc.returncode} without a report: {proc.stderr[-2000:]}",
-            retryable=True,
-        ) from None
+        raise StageError(_no_report(proc.returncode, proc.stderr), retryable=True) from None
 
 
 def readiness_markdown(report: dict[str, Any]) -> str:

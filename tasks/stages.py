@@ -203,7 +203,7 @@ def check_readiness(run_url: str) -> dict[str, Any]:
     if nothing_left(cfg, RunRoot(run_url)):
         log.info("every stage of this run is done: readiness not checked (no device is needed)")
         return {"ready": True, "skipped": True}
-    report = readiness_report(cfg)
+    report = readiness_report(cfg, handover=True)  # a local run's first training worker checks its devices
     RunRoot(run_url).write_json("readiness.json", report)
     for c in report["checks"]:
         log.info("readiness %-16s %s  %s", c["name"], "ok" if c["ok"] else "FAILED", c["detail"])

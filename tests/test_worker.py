@@ -230,6 +230,48 @@ def test_the_next_stage_runs_in_the_worker_started_ahead(tmp_path):
     assert final_params(root)  # the run is whole: checkpoint 6 restores
 
 
+def test_the_first_stage_trains_in_the_process_that_checked_its_devices(tmp_path, monkeypatch):
+    """The pipeline's readiness (handover) runs the device checks in the worker started ahead for
+    the first training stage: ready, that process trains the stage; not ready, or past the checks'
+    time limit, it is stopped (the limit a retryable StageError, as a check process of its own)."""
+    from grpo_core.launch import launchers
+    from tasks import process, readiness
+    from tasks.process import StageError
+
+    started = []
+    real = readiness.start_ahead
+    monkeypatch.setattr(readiness, "start_ahead", lambda *a, **kw: started.append(real(*a, **kw)) or started[-1])
+    root = make_run(str(tmp_path), "checked")
+    raw = RunRoot(root).read_json("config.json")
+    cfg = RunConfig.from_dict(raw)
+
+    report = readiness.readiness_report(cfg, handover=True)
+    assert report["ready"] and report["backend"] == "cpu", report
+    assert [c["name"] for c in report["checks"]][:3] == ["tokenizer", "storage", "tpu_lockfile"]
+    [(_, checked)] = launchers._AHEAD
+    assert started == [checked] and checked.poll() is None  # ready: waits for its stage, backend up
+    running = []
+
+    def on_event(e):
+        if e["event"] == "resumed" or e["event"] == "step" and not running:
+            running.extend(launched.procs[0].pid for launched in process._LIVE.values())
+
+    args = ["grpo_core.stages.worker", "train", "--root", root, "--until-step", "2"]
+    events = process.run_worker(args, timeout_s=300, on_event=on_event, what="epoch 0")
+    assert running == [checked.pid] and checked.returncode == 0 and not launchers._AHEAD
+    assert [e["step"] for e in events if e["event"] == "step"] == [0, 1]
+
+    tpu_only = RunConfig.from_dict(dict(raw, pipeline=dict(raw["pipeline"], require_tpu=True)))
+    not_ready = readiness.readiness_report(tpu_only, handover=True)
+    failed = [c["name"] for c in not_ready["checks"] if not c["ok"]]
+    assert not not_ready["ready"] and failed == ["tpu_required"], not_ready
+    assert started[-1].returncode is not None and not launchers._AHEAD  # nothing waits for a stage
+
+    with pytest.raises(StageError, match="did not finish within 0.3 s") as exc:
+        readiness.readiness_report(cfg, timeout_s=0.3, handover=True)  # no interpreter imports JAX that fast
+    assert exc.value.retryable and started[-1].returncode == -signal.SIGKILL and not launchers._AHEAD
+
+
 def test_a_worker_started_ahead_ends_with_the_process_that_started_it(tmp_path):
     """kill -9 of the process that started a worker ahead (the CLI, a Prefect worker) leaves
     nothing running: the worker ahead reads the end of its stdin and exits."""

@@ -222,15 +222,28 @@ def _swap_ahead(*entry: tuple[tuple, subprocess.Popen]) -> list[tuple[tuple, sub
     return old
 
 
-def start_ahead(cfg: LauncherConfig | None, env: dict[str, str] | None = None, python: str | None = None) -> None:
-    """Start the worker of the next local stage now (stopping one started earlier); nothing for
-    another launcher kind, which starts its processes elsewhere."""
+def start_ahead(
+    cfg: LauncherConfig | None,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+    first: dict | None = None,
+) -> subprocess.Popen | None:
+    """Start the worker of the next local stage now (stopping one started earlier) and return it;
+    nothing for another launcher kind, which starts its processes elsewhere. `first`: a line for
+    it to act on before it waits for its stage (the readiness checks: grpo_core.stages.ahead)."""
     cfg = cfg or LauncherConfig()
     if cfg.kind is not LauncherKind.LOCAL:
-        return
+        return None
     [spec], _ = plan(cfg, [AHEAD_MODULE], env, python)
     proc = _popen(spec.argv, spec.env, stdin=subprocess.PIPE)
     _stop_ahead(_swap_ahead((_ahead_key(spec.argv[0], spec.env), proc)))
+    if first is not None:
+        try:
+            proc.stdin.write(json.dumps(first) + "\n")
+            proc.stdin.flush()
+        except OSError:  # it ended at once: its caller reads why from its output
+            pass
+    return proc
 
 
 def drop_ahead() -> None:

@@ -413,6 +413,23 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def answer(req: Any) -> tuple[dict[str, Any], int]:
+    """The report for `req` and the exit code that says it (a request that cannot be checked:
+    {"ready": false, "error": ...}). Also what a worker started ahead runs before its stage
+    (grpo_core.stages.ahead), so that the pipeline's first stage trains in this process."""
+    from grpo_core.launch import cluster as distributed  # worker start: numpy
+
+    try:
+        report = run_checks(req)
+    except (OSError, ConfigError, TypeError, distributed.DistributedError) as exc:
+        return _refused(exc), ExitCode.CONFIG
+    return report, ExitCode.OK if report["ready"] else ExitCode.NOT_READY
+
+
+def _refused(exc: BaseException) -> dict[str, Any]:
+    return {"ready": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_core.stages.readiness", description=__doc__.split("\n")[0])
     ap.add_argument("--request", help="JSON request file")
@@ -437,10 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         cluster = distributed.from_env()  # started by a multi-host launcher: join the others first
         distributed.initialize(cluster)
         primary = cluster is None or distributed.is_primary()
-        report = run_checks(req)
-        code = ExitCode.OK if report["ready"] else ExitCode.NOT_READY
     except (OSError, json.JSONDecodeError, ConfigError, TypeError, distributed.DistributedError) as exc:
-        report, code = {"ready": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}, ExitCode.CONFIG
+        report, code = _refused(exc), ExitCode.CONFIG
+    else:
+        report, code = answer(req)
     if primary:  # one report per run, not one per host
         print(json.dumps({"event": "report", "report": report} if args.events else report), flush=True)
     return 0 if args.events else code
