@@ -11,16 +11,35 @@ library only, no JAX.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import socket
 import subprocess
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 # Set in a local worker's environment by the launcher: the worker stops when the process that
 # started it ends, however it ends (kill -9 included), i.e. when the worker is re-parented.
 ENV_WATCH_PARENT = "GRPO_STOP_WHEN_PARENT_EXITS"
+
+
+@contextlib.contextmanager
+def imports_without_gc() -> Iterator[None]:
+    """For a process's start-up imports (JAX, flax, Orbax, Prefect): they build objects that live
+    as long as the process, so the cyclic collector's passes over them free nothing and cost ~10 %
+    of the imports' CPU time (a worker's: 1.52 -> 1.36 CPU-s). Collection is off while they run;
+    what they built is then frozen out of later collections (gc.freeze), which would only walk it
+    again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def free_port() -> int:

@@ -72,7 +72,7 @@ from grpo_core.errors import (
     StorageError,
     classify,
 )
-from grpo_core.launch.processes import ENV_WATCH_PARENT
+from grpo_core.launch.processes import ENV_WATCH_PARENT, imports_without_gc
 
 # What a stage needs (JAX, the run's storage and config, numpy) is imported in the function that
 # needs it, marked `# worker start`: this module imports in ~0.1 s, so `--help` and a bad argument
@@ -563,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t = time.perf_counter()
     _install_stop_handlers()
+    preload()
     _compilation_cache()
     rc = _join(args.distributed) or _run(args)
     print(json.dumps({"event": "exit", "code": rc, "seconds": round(time.perf_counter() - t, 3)}), file=sys.stderr)
@@ -674,16 +675,17 @@ def _out_of_memory_message(exc: BaseException) -> str:
 
 def preload() -> None:
     """Import what train, eval and export import when they start (a worker started ahead,
-    grpo_core.stages.ahead, does it before its stage is known). Imports only: JAX starts its
-    backend, and takes a TPU, at the first array."""
-    import grpo_core.config.memory  # noqa: F401 - worker start: config
-    import grpo_core.data.prepare  # noqa: F401 - worker start: fsspec
-    import grpo_core.rl.checkpoint  # noqa: F401 - worker start: JAX
-    import grpo_core.rl.compiler_plan  # noqa: F401 - worker start: JAX
-    import grpo_core.rl.evaluation  # noqa: F401 - worker start: JAX
-    import grpo_core.rl.trainer  # noqa: F401 - worker start: JAX
-    import grpo_core.runtime.mesh  # noqa: F401 - worker start: JAX
-    import grpo_core.stages.parts  # noqa: F401 - worker start: JAX
+    grpo_core.stages.ahead, does it before its stage is known; a worker started for its stage,
+    first thing). Imports only: JAX starts its backend, and takes a TPU, at the first array."""
+    with imports_without_gc():
+        import grpo_core.config.memory  # noqa: F401 - worker start: config
+        import grpo_core.data.prepare  # noqa: F401 - worker start: fsspec
+        import grpo_core.rl.checkpoint  # noqa: F401 - worker start: JAX
+        import grpo_core.rl.compiler_plan  # noqa: F401 - worker start: JAX
+        import grpo_core.rl.evaluation  # noqa: F401 - worker start: JAX
+        import grpo_core.rl.trainer  # noqa: F401 - worker start: JAX
+        import grpo_core.runtime.mesh  # noqa: F401 - worker start: JAX
+        import grpo_core.stages.parts  # noqa: F401 - worker start: JAX
 
 
 def run_process(argv: list[str] | None = None) -> None:
