@@ -1,5 +1,6 @@
 import atexit
 import collections
+import gc
 import os
 import shutil
 import tempfile
@@ -35,6 +36,15 @@ def pytest_collection_modifyitems(config, items):
         return
     slow = collections.Counter(_module(item) for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[_module(item)])  # a stable sort: otherwise the files' order
+
+
+def pytest_collection_finish(session):
+    """The test process's imports and collected tests live until it ends: frozen out of the cyclic
+    collector, which would walk them at every full pass, and that collector runs less often
+    (every 10000 allocations, not 700): JAX's tracing allocates fast. Measured on
+    tests/test_logprobs.py and tests/test_loss_variants.py: 3.9 -> 1.1 CPU-s of collections."""
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 def _module(item) -> str:
