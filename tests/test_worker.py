@@ -2,6 +2,7 @@
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -270,6 +271,35 @@ def test_the_first_stage_trains_in_the_process_that_checked_its_devices(tmp_path
     with pytest.raises(StageError, match="did not finish within 0.3 s") as exc:
         readiness.readiness_report(cfg, timeout_s=0.3, handover=True)  # no interpreter imports JAX that fast
     assert exc.value.retryable and started[-1].returncode == -signal.SIGKILL and not launchers._AHEAD
+
+
+def test_the_checks_before_a_stage_never_stall_on_a_stderr_nobody_reads():
+    """A worker started ahead runs the readiness checks with its stderr piped to a task that reads
+    it only once a stage takes the process: what the checks write there (a backend's start-up
+    logs) goes aside, so 15 pipes' worth still lets the report out; a check that crashes still
+    says why on stderr."""
+    code = (
+        "import os, sys\n"
+        "from grpo_core.stages.ahead import stderr_aside\n"
+        "with stderr_aside():\n"
+        "    os.write(2, b'x' * 1_000_000)\n"
+        "print('checked', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "with stderr_aside():\n"
+        "    print('the backend said this', file=sys.stderr)\n"
+        "    raise RuntimeError('the check crashed')\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert select.select([proc.stdout], [], [], 60)[0], "stalled on its stderr"
+        assert proc.stdout.readline() == "checked\n"
+        _, err = proc.communicate("go\n", timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "xxxx" not in err
+    assert "the backend said this" in err and "RuntimeError: the check crashed" in err
 
 
 def test_a_worker_started_ahead_ends_with_the_process_that_started_it(tmp_path):

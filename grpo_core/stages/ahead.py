@@ -19,14 +19,40 @@ one TPU opening fewer per run than a check process of its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
+from typing import Iterator
 
 
 def _message() -> dict | None:
     line = sys.stdin.readline()
     return json.loads(line) if line.strip() else None
+
+
+@contextlib.contextmanager
+def stderr_aside(keep_tail: int = 4000) -> Iterator[None]:
+    """This process's stderr (fd 2: Python, XLA and libtpu alike) goes to a file meanwhile: nothing
+    reads its pipe until a stage takes the process, and a backend's start-up logs that filled the
+    pipe would stall it before its report. On an exception the file's tail is written back, so a
+    check that crashed still says why."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            f.seek(max(0, f.seek(0, os.SEEK_END) - keep_tail))
+            os.write(saved, f.read())
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def main() -> None:
@@ -37,7 +63,8 @@ def main() -> None:
     if message is not None and "readiness" in message:
         from grpo_core.stages import readiness  # worker start: with the worker's imports
 
-        report, _ = readiness.answer(message["readiness"])
+        with stderr_aside():
+            report, _ = readiness.answer(message["readiness"])
         print(json.dumps({"event": "report", "report": report}), flush=True)
         message = _message() if report["ready"] else None
     if message is None:
