@@ -89,8 +89,8 @@ def readiness_report(
         live = _with_target(report, live, aot)
     report["checks"] = checks + live
     report["ready"] = all(c["ok"] for c in report["checks"])
-    if not report["ready"]:
-        drop_ahead()  # no stage follows: the process that checked the devices (handover) ends
+    if handover and not report["ready"]:
+        drop_ahead()  # no stage follows: the process that checked the devices ends
     return report
 
 
@@ -248,8 +248,9 @@ def worker_python(cfg: RunConfig) -> str:
 def _checks_ahead(request: dict[str, Any], timeout_s: float, python: str, launcher) -> dict[str, Any]:
     """The device checks in the worker started ahead for the first training stage (launchers.
     start_ahead with the request as its first line): its report, read from its first output line
-    within `timeout_s`. The process stays for the stage once ready (grpo_core.stages.ahead; the
-    caller drops it when a check of its own fails); a timeout or an exit without a report stops it."""
+    within `timeout_s`. The process stays for the stage (grpo_core.stages.ahead ends it itself when
+    not ready; readiness_report drops it when any check failed); a timeout or an exit without a
+    report stops it."""
     proc = start_ahead(launcher, None, python, first={"readiness": request})
 
     def read() -> None:  # up to the report: what follows is the stage's, which tasks.process reads
@@ -274,8 +275,6 @@ def _checks_ahead(request: dict[str, Any], timeout_s: float, python: str, launch
         code, err = proc.wait(), proc.stderr.read()
         drop_ahead()
         raise StageError(_no_report(code, err), retryable=True)
-    if not report.get("ready"):
-        drop_ahead()
     return report
 
 
