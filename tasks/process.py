@@ -16,12 +16,14 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable
 
+from grpo_core.config.launch import LauncherKind
 from grpo_core.config.memory import host_memory_bytes
 from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, RunInterrupted, is_retryable
-from grpo_core.launch.launchers import Launched, LauncherConfig, drop_ahead, start, start_ahead
+from grpo_core.launch.launchers import Launched, LauncherConfig, drop_ahead, park, start
 
 
 class StageError(RuntimeError):
@@ -156,8 +158,9 @@ def run_worker(
     """Run `python -m <args>` (`python`: another interpreter, e.g. the sglang-jax environment's;
     default this one) through `launcher` (grpo_core.launch.launchers; default: one local process); call
     on_event for each JSON line of process 0; return all events. `next_stage`: another worker
-    stage follows this one, so once this worker is under way (its first step, evaluation or
-    export) the next one is started ahead (launchers.start_ahead) in the same environment.
+    stage follows this one, so a local worker stays for it (grpo_core.stages.ahead): once the
+    stage ended well the process is kept (launchers.park) with its backend up and its programs
+    compiled, and the next stage runs in it.
 
     Every process of the set is watched: when one fails, the others would wait for it inside a
     collective until their heartbeat timeout, so the whole set is stopped at once.
@@ -166,36 +169,58 @@ def run_worker(
     retryable for crashes, kills, storage errors and the time limit."""
     if _INTERRUPT.is_set():
         raise RunInterrupted(f"{what} not started: the run was interrupted")
-    launched = start(launcher, args, env, python)
+    stay = next_stage and (launcher is None or launcher.kind is LauncherKind.LOCAL)
+    launched = start(launcher, args, env, python, stay=stay)
     _LIVE[id(launched)] = launched
+    stayed = False
     try:
-        ahead = (lambda: start_ahead(launcher, env, python)) if next_stage else None
-        return _watch(
-            launched, timeout_s=timeout_s, on_event=on_event, what=what, timeout_field=timeout_field, ahead=ahead
-        )
+        events, stayed = _watch(launched, timeout_s=timeout_s, on_event=on_event, what=what, field=timeout_field)
+        return events
     finally:
-        if any(p.poll() is None for p in launched.procs):  # an exception on the way out: never leave them
-            launched.stop(STOP_GRACE_S)
         _LIVE.pop(id(launched), None)
+        if stayed and not _INTERRUPT.is_set():
+            park(launched)  # the next stage's worker
+        elif any(p.poll() is None for p in launched.procs):  # an exception on the way out: never leave them
+            launched.stop(STOP_GRACE_S)
 
 
-_UNDER_WAY = ("step", "eval", "export", "done")  # events after a worker's own start-up
+# Each worker process's output, read by threads started once per process: a process that stays
+# for the next stage (grpo_core.stages.ahead) is watched again by that stage, from where it was.
+_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Streams:
+    """A process's stdout lines (a queue; None once it closed) and the tail of its stderr."""
+
+    def __init__(self, proc, report: bool):
+        self.lines: queue.Queue = queue.Queue()
+        self.tail: deque[str] = deque(maxlen=40)
+        put = self.lines.put if report else (lambda _line: None)  # only process 0 reports
+        self.threads = [
+            threading.Thread(target=_pump, args=(proc.stdout, put, report), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, self.tail.append), daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+
+def _streams(proc, report: bool) -> _Streams:
+    found = _STREAMS.get(proc)
+    if found is None:
+        found = _STREAMS[proc] = _Streams(proc, report)
+    else:
+        found.tail.clear()  # the stage before's output is not this stage's
+    return found
 
 
 def _watch(
-    launched: Launched, *, timeout_s: float, on_event, what: str, timeout_field: str, ahead=None
-) -> list[dict[str, Any]]:
+    launched: Launched, *, timeout_s: float, on_event, what: str, field: str
+) -> tuple[list[dict[str, Any]], bool]:
+    """The stage's events, and whether its worker stayed for the next stage (it printed
+    stage_end and waits; it has not exited)."""
     procs = launched.procs
-    lines: queue.Queue = queue.Queue()
-    tails: list[deque[str]] = [deque(maxlen=40) for _ in procs]
-    threading.Thread(target=_pump, args=(procs[0].stdout, lines.put, True), daemon=True).start()
-    for p in procs[1:]:  # only process 0 reports; the others' output is drained so a full pipe never blocks them
-        threading.Thread(target=_pump, args=(p.stdout, lambda _line: None), daemon=True).start()
-    err_threads = [
-        threading.Thread(target=_pump, args=(p.stderr, tail.append), daemon=True) for p, tail in zip(procs, tails)
-    ]
-    for t in err_threads:
-        t.start()
+    streams = [_streams(p, i == 0) for i, p in enumerate(procs)]
+    lines, tails = streams[0].lines, [s.tail for s in streams]
     deadline = time.monotonic() + timeout_s
     watch = MemoryWatch([p.pid for p in procs])
     events: list[dict[str, Any]] = []
@@ -209,12 +234,11 @@ def _watch(
             streaming = False
         else:
             event = _parse(line)
+            if event is not None and event["event"] == "stage_end":
+                return events, True  # done, and waiting for the next stage
             if event is not None:
                 events.append(event)
                 on_event(event)
-                if ahead is not None and event["event"] in _UNDER_WAY and not _INTERRUPT.is_set():
-                    ahead()  # its imports run while this one works
-                    ahead = None
         watch.sample()
         if _INTERRUPT.is_set():
             interrupted = True
@@ -231,8 +255,8 @@ def _watch(
             launched.stop()
             break
     codes = [p.wait() for p in procs]
-    for t in err_threads:
-        t.join(timeout=5)
+    for s in streams:
+        s.threads[1].join(timeout=5)
     if interrupted:  # the events process 0 wrote while it stopped (its "interrupted" step)
         while (line := _next_line(lines, timeout_s=2.0)) is not None:
             if (event := _parse(line)) is not None:
@@ -243,13 +267,13 @@ def _watch(
         raise RunInterrupted(f"{what} was interrupted and its workers stopped; the next run resumes from {where}")
     if timed_out:
         raise StageError(
-            f"{what} passed its time limit of {timeout_s:g} s ({timeout_field}) and was stopped; raise it with "
-            f"--set {timeout_field}=SECONDS (the same field in the deployment's form); it resumes from its last "
+            f"{what} passed its time limit of {timeout_s:g} s ({field}) and was stopped; raise it with "
+            f"--set {field}=SECONDS (the same field in the deployment's form); it resumes from its last "
             "checkpoint",
             retryable=True,
         )
     if failed is None:
-        return events
+        return events, False
     rc, who = codes[failed], f" ({launched.specs[failed].name} of {len(procs)})" if len(procs) > 1 else ""
     errors = [e for e in events if e.get("event") == "error"]
     detail = errors[-1]["message"] if errors and failed == 0 else _tail(tails[failed])
@@ -289,8 +313,11 @@ def _next_line(lines: queue.Queue, timeout_s: float) -> str | None:
 
 
 def _pump(stream, put, end_marker: bool = False) -> None:
-    for line in stream:
-        put(line.rstrip("\n"))
+    try:
+        for line in stream:
+            put(line.rstrip("\n"))
+    except (OSError, ValueError):  # closed by the launcher (a worker started ahead, stopped)
+        pass
     if end_marker:
         put(None)
 

@@ -197,38 +197,61 @@ def test_the_training_worker_trains_with_the_update_its_compiler_fits(tmp_path):
     assert "candidates: dots/1 " in line and "(does not fit)" in line
 
 
-def test_the_next_stage_runs_in_the_worker_started_ahead(tmp_path):
+def test_the_next_stage_runs_in_the_worker_that_stayed(tmp_path):
     """A stage that knows another follows (run_worker next_stage=True: an epoch before the last)
-    starts the next worker once it trains, and the next stage's run_worker hands that process its
-    command line: it runs the stage as a fresh worker would. A stage with another environment gets
-    a fresh worker and the one ahead is stopped; nothing is left running."""
+    runs in a worker that stays: once the stage ended well the process waits, parked, and the next
+    stage's run_worker hands it its command line. It runs that stage as a fresh worker would
+    (resumed from the newest checkpoint, the same events), with JAX up and its programs compiled.
+    A stage with another environment gets a fresh worker and the parked one is stopped; the last
+    stage's worker exits; nothing is left running."""
     from grpo_core.launch import launchers
     from tasks import process
 
-    root = make_run(str(tmp_path), "ahead")
+    root = make_run(str(tmp_path), "stays")
     args = lambda until: ["grpo_core.stages.worker", "train", "--root", root, "--until-step", str(until)]
     steps = lambda events: [e["step"] for e in events if e["event"] == "step"]
-    first = process.run_worker(args(2), timeout_s=300, on_event=lambda e: None, what="epoch 0", next_stage=True)
-    assert steps(first) == [0, 1]
-    [(_, ahead)] = launchers._AHEAD
-    assert ahead.poll() is None  # imported, waiting for its stage
-
-    running = []
+    pids = []
 
     def on_event(e):
-        if e["event"] == "resumed":
-            running.extend(launched.procs[0].pid for launched in process._LIVE.values())
+        if e["event"] in ("start", "resumed"):
+            pids.extend(launched.procs[0].pid for launched in process._LIVE.values())
 
-    second = process.run_worker(args(4), timeout_s=300, on_event=on_event, what="epoch 1")
-    assert running == [ahead.pid] and ahead.returncode == 0 and not launchers._AHEAD
+    first = process.run_worker(args(2), timeout_s=300, on_event=on_event, what="epoch 0", next_stage=True)
+    assert steps(first) == [0, 1] and first[-1] == {"event": "done", "step": 2, "steps_run": 2}
+    assert not any(e["event"] == "stage_end" for e in first)
+    [(_, stayed)] = launchers._AHEAD
+    assert stayed.poll() is None and pids == [stayed.pid]  # its stage done, waiting for the next
+
+    second = process.run_worker(args(4), timeout_s=300, on_event=on_event, what="epoch 1", next_stage=True)
+    assert pids == [stayed.pid] * 2 and stayed.poll() is None
     assert second[0]["event"] == "memory" and second[1] == {"event": "resumed", "step": 2, "until": 4}
     assert steps(second) == [2, 3] and second[-1] == {"event": "done", "step": 4, "steps_run": 2}
 
-    process.run_worker(args(5), timeout_s=300, on_event=lambda e: None, what="epoch 2", next_stage=True)
-    [(_, other)] = launchers._AHEAD
-    third = process.run_worker(args(6), timeout_s=300, on_event=lambda e: None, what="epoch 3", env={"GRPO_X": "1"})
-    assert steps(third) == [5] and other.returncode == -signal.SIGKILL and not launchers._AHEAD
+    third = process.run_worker(args(5), timeout_s=300, on_event=on_event, what="epoch 2")  # the last: it exits
+    assert steps(third) == [4] and pids == [stayed.pid] * 3 and stayed.wait(timeout=60) == 0
+    assert not launchers._AHEAD
+
+    process.run_worker(args(5), timeout_s=300, on_event=lambda e: None, what="epoch 2 again", next_stage=True)
+    [(_, other)] = launchers._AHEAD  # a fresh worker that stays (its stage was already trained)
+    fourth = process.run_worker(args(6), timeout_s=300, on_event=on_event, what="epoch 3", env={"GRPO_X": "1"})
+    assert steps(fourth) == [5] and other.returncode == -signal.SIGKILL and not launchers._AHEAD
+    assert pids[-1] not in (stayed.pid, other.pid)
     assert final_params(root)  # the run is whole: checkpoint 6 restores
+
+
+def test_a_stage_in_a_worker_that_stayed_trains_as_in_a_fresh_one(tmp_path):
+    """The same epochs, each in a process of its own and all in one process that stays: the
+    same checkpoint, bit for bit."""
+    from tasks import process
+
+    params = []
+    for name, stay in (("fresh", False), ("stayed", True)):
+        root = make_run(str(tmp_path), name)
+        for until in (2, 4, 6):
+            args = ["grpo_core.stages.worker", "train", "--root", root, "--until-step", str(until)]
+            process.run_worker(args, timeout_s=300, on_event=lambda e: None, what=name, next_stage=stay and until < 6)
+        params.append(final_params(root))
+    jax.tree.map(np.testing.assert_array_equal, *params)
 
 
 def test_the_first_stage_trains_in_the_process_that_checked_its_devices(tmp_path, monkeypatch):

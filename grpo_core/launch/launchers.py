@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -163,20 +164,33 @@ def plan(
 
 
 def start(
-    cfg: LauncherConfig | None, module_args: Sequence[str], env: dict[str, str] | None = None, python: str | None = None
+    cfg: LauncherConfig | None,
+    module_args: Sequence[str],
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+    stay: bool = False,
 ) -> Launched:
     """Start the stage's processes, each in its own process group (so stop() reaches their
     children too), stdout and stderr piped. A local stage's worker is the one started ahead
-    (start_ahead) when there is one for the same interpreter, environment and folder."""
+    (start_ahead), or the one a stage before left waiting (park), when there is one for the same
+    interpreter, environment and folder. `stay`: another worker stage follows, so a local worker
+    stays for it once this one ended well (grpo_core.stages.ahead; see park)."""
     cfg = cfg or LauncherConfig()
     specs, stop_argv = plan(cfg, module_args, env, python)
     procs: list[subprocess.Popen] = []
     launched = Launched(cfg, specs, procs, stop_argv)
-    ahead = _take_ahead(specs[0]) if cfg.kind is LauncherKind.LOCAL else None
+    local = cfg.kind is LauncherKind.LOCAL
+    ahead = _take_ahead(specs[0], stay) if local else None
     if ahead is not None:
         procs.append(ahead)
         return launched
     try:
+        if local and stay and _is_worker(specs[0].argv):  # one that can stay: the worker of an ahead process
+            [spec] = specs
+            procs.append(_popen([*spec.argv[:2], AHEAD_MODULE], spec.env, stdin=subprocess.PIPE))
+            with contextlib.suppress(OSError):  # it ended at once: its output says why
+                _hand(procs[0], spec.argv, stay=True)
+            return launched
         for spec in specs:
             procs.append(_popen(spec.argv, spec.env, stdin=subprocess.DEVNULL))
     except OSError as exc:
@@ -251,18 +265,38 @@ def drop_ahead() -> None:
     _stop_ahead(_swap_ahead())
 
 
-def _take_ahead(spec: ProcessSpec) -> subprocess.Popen | None:
-    """The worker started ahead, given `spec`'s command line, when it can run `spec`; else None
-    (and it is stopped)."""
+def park(launched: Launched) -> None:
+    """Keep a local stage's worker that stayed (it printed stage_end) for the next stage, as a
+    worker started ahead is kept: the next local stage with the same interpreter, environment
+    and folder runs in it; anything else, or the pipeline's end, stops it (drop_ahead). Its
+    stage is over and written, so stopping it loses nothing."""
+    [spec], [proc] = launched.specs, launched.procs
+    _stop_ahead(_swap_ahead((_ahead_key(spec.argv[0], spec.env), proc)))
+
+
+def _is_worker(argv: list[str]) -> bool:
+    return argv[1:3] == ["-m", WORKER_MODULE]
+
+
+def _hand(proc: subprocess.Popen, argv: list[str], stay: bool) -> None:
+    """Give a waiting worker its stage: the worker's arguments; stdin stays open when it is to stay."""
+    proc.stdin.write(json.dumps({"argv": argv[3:], "stay": stay}) + "\n")
+    proc.stdin.flush()
+    if not stay:
+        proc.stdin.close()
+
+
+def _take_ahead(spec: ProcessSpec, stay: bool = False) -> subprocess.Popen | None:
+    """The worker started ahead (or parked), given `spec`'s command line, when it can run `spec`;
+    else None (and it is stopped)."""
     old = _swap_ahead()
     if not old:
         return None
     [(key, proc)] = old
     argv = spec.argv
-    if argv[1:3] == ["-m", WORKER_MODULE] and key == _ahead_key(argv[0], spec.env) and proc.poll() is None:
+    if _is_worker(argv) and key == _ahead_key(argv[0], spec.env) and proc.poll() is None:
         try:
-            proc.stdin.write(json.dumps({"argv": argv[3:]}) + "\n")
-            proc.stdin.close()
+            _hand(proc, argv, stay)
             return proc
         except OSError:  # it ended meanwhile
             pass
@@ -271,7 +305,8 @@ def _take_ahead(spec: ProcessSpec) -> subprocess.Popen | None:
 
 
 def _stop_ahead(entries: list[tuple[tuple, subprocess.Popen]]) -> None:
-    """A process started ahead has done nothing yet: it is killed, not asked to save."""
+    """A process started ahead has done nothing yet, and a parked one has written all its stage
+    wrote and waits: either is killed, not asked to save."""
     for _, proc in entries:
         if proc.poll() is None:
             signal_group(proc.pid, signal.SIGKILL)
@@ -279,9 +314,17 @@ def _stop_ahead(entries: list[tuple[tuple, subprocess.Popen]]) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        # a parked worker's output may still be read (tasks.process), and closing a stream blocks
+        # while a read holds it: closed aside, once that read has met the end the kill made
+        threading.Thread(target=_close_output, args=(proc,), daemon=True).start()
+
+
+def _close_output(proc: subprocess.Popen) -> None:
+    for stream in (proc.stdout, proc.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.close()
 
 
 atexit.register(drop_ahead)

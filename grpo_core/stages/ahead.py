@@ -15,11 +15,20 @@ checks as a first line, {"readiness": request} (grpo_core.stages.readiness): the
 {"event": "report", "report": ...} and, when ready, waits for its stage with its backend up and
 the devices it checked already its own; not ready, it ends. One process start, one JAX start and
 one TPU opening fewer per run than a check process of its own.
+
+A stage that another worker stage follows (an epoch before the last) is handed its command line
+with "stay": true. The process then stays for the next stage instead of exiting: once the stage
+ended well it prints {"event": "stage_end", "code": 0} and waits for the next line, which runs
+in it with JAX started, the compiled programs in memory and the chip still its own. The stage
+itself runs as a fresh worker would run it (read the run root, restore the newest checkpoint),
+so a stage in a process that stayed ends exactly as one in a new process. A stage that failed,
+or was asked to stop, ends the process with its exit code, as always.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -67,11 +76,18 @@ def main() -> None:
             report, _ = readiness.answer(message["readiness"])
         print(json.dumps({"event": "report", "report": report}), flush=True)
         message = _message() if report["ready"] else None
-    if message is None:
-        os._exit(0)  # no stage came for it
-    argv = message["argv"]
-    sys.argv = [worker.__file__, *argv]
-    worker.run_process(argv)
+    while message is not None:
+        argv = message["argv"]
+        sys.argv = [worker.__file__, *argv]
+        if not message.get("stay"):
+            worker.run_process(argv)  # the last stage of this process: it ends there
+        code = worker.main(argv)
+        if code or worker.stop_requested():
+            worker.end_process(code)
+        gc.collect()  # the stage's trainer and arrays: freed before the next one builds its own
+        print(json.dumps({"event": "stage_end", "code": 0}), flush=True)
+        message = _message()
+    os._exit(0)  # no (further) stage came for it
 
 
 if __name__ == "__main__":

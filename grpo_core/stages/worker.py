@@ -122,10 +122,22 @@ def _stop_after(grace_s: float, why: str) -> None:
 
 
 def _install_stop_handlers() -> None:
+    """Once per process (a process that stays runs main once per stage: grpo_core.stages.ahead)."""
+    if _HANDLERS:
+        return
+    _HANDLERS.append(True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: _request_stop(f"{signal.Signals(signum).name} received"))
     if os.environ.get(ENV_WATCH_PARENT) == "1":
         threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+
+
+_HANDLERS: list[bool] = []
+
+
+def stop_requested() -> bool:
+    """Whether this process was asked to stop (a signal, or its launcher gone)."""
+    return _STOP.is_set()
 
 
 def _watch_parent(parent: int) -> None:
@@ -693,7 +705,11 @@ def run_process(argv: list[str] | None = None) -> None:
     every module, array and compiled program one by one (half a second of a tiny run's worker, at
     every stage; the OS frees them at once). Everything is written by now; the exit handlers
     still run."""
-    code = main(argv)
+    end_process(main(argv))
+
+
+def end_process(code: int) -> None:
+    """The process ends with `code`: its exit handlers run, its finalisation is skipped (run_process)."""
     atexit._run_exitfuncs()
     _exit_now(code)
 
