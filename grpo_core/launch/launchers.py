@@ -211,11 +211,13 @@ def _popen(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen
     )
 
 
-# -- a worker started ahead ------------------------------------------------------------------------
-# A local stage's worker spends about a second importing JAX, flax, Orbax and the trainer. When a
-# stage knows another worker stage follows it (tasks.stages.train_epoch before the last epoch), a
-# process of grpo_core.stages.ahead does those imports while it trains, and the next stage's
-# worker is that process, given its command line on stdin. Only the same interpreter, the same
+# -- a worker started ahead, or one that stayed ----------------------------------------------------
+# A local stage's worker spends about a second importing JAX, flax, Orbax and the trainer, then
+# starts its backend and compiles. The readiness stage starts the first epoch's worker ahead
+# (grpo_core.stages.ahead, the device checks as its first line), and a stage that knows another
+# worker stage follows it (tasks.stages.train_epoch before the last epoch) runs in a worker that
+# stays once its stage ended well (park). The next stage's worker is that process, given its
+# command line on stdin. Only the same interpreter, the same
 # environment (everything it holds: JAX reads some of it at import) and the same working folder
 # qualify; anything else, or a process that is gone, is stopped and a fresh worker started.
 AHEAD_MODULE = "grpo_core.stages.ahead"
