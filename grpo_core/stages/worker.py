@@ -133,6 +133,7 @@ def _install_stop_handlers() -> None:
 
 
 _HANDLERS: list[bool] = []
+_PRELOADED: list[bool] = []
 
 
 def stop_requested() -> bool:
@@ -688,7 +689,12 @@ def _out_of_memory_message(exc: BaseException) -> str:
 def preload() -> None:
     """Import what train, eval and export import when they start (a worker started ahead,
     grpo_core.stages.ahead, does it before its stage is known; a worker started for its stage,
-    first thing). Imports only: JAX starts its backend, and takes a TPU, at the first array."""
+    first thing). Imports only: JAX starts its backend, and takes a TPU, at the first array.
+    Once per process: a worker that stays runs main once per stage, and a later freeze would keep
+    what a stage left for collection out of every collection after it."""
+    if _PRELOADED:
+        return
+    _PRELOADED.append(True)
     with imports_without_gc():
         import grpo_core.config.memory  # noqa: F401 - worker start: config
         import grpo_core.data.prepare  # noqa: F401 - worker start: fsspec
