@@ -20,7 +20,6 @@ import weakref
 from collections import deque
 from typing import Any, Callable
 
-from grpo_core.config.launch import LauncherKind
 from grpo_core.config.memory import host_memory_bytes
 from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, RunInterrupted, is_retryable
 from grpo_core.launch.launchers import Launched, LauncherConfig, drop_ahead, park, start
@@ -169,8 +168,7 @@ def run_worker(
     retryable for crashes, kills, storage errors and the time limit."""
     if _INTERRUPT.is_set():
         raise RunInterrupted(f"{what} not started: the run was interrupted")
-    stay = next_stage and (launcher is None or launcher.kind is LauncherKind.LOCAL)
-    launched = start(launcher, args, env, python, stay=stay)
+    launched = start(launcher, args, env, python, stay=next_stage)  # only a local worker stays
     _LIVE[id(launched)] = launched
     stayed = False
     try:

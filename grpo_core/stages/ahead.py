@@ -18,7 +18,7 @@ one TPU opening fewer per run than a check process of its own.
 
 A stage that another worker stage follows (an epoch before the last) is handed its command line
 with "stay": true. The process then stays for the next stage instead of exiting: once the stage
-ended well it prints {"event": "stage_end", "code": 0} and waits for the next line, which runs
+ended well it prints {"event": "stage_end"} and waits for the next line, which runs
 in it with JAX started, the compiled programs in memory and the chip still its own. The stage
 itself runs as a fresh worker would run it (read the run root, restore the newest checkpoint),
 so a stage in a process that stayed ends exactly as one in a new process. A stage that failed,
@@ -85,7 +85,7 @@ def main() -> None:
         if code or worker.stop_requested():
             worker.end_process(code)
         gc.collect()  # the stage's trainer and arrays: freed before the next one builds its own
-        print(json.dumps({"event": "stage_end", "code": 0}), flush=True)
+        print(json.dumps({"event": "stage_end"}), flush=True)
         message = _message()
     os._exit(0)  # no (further) stage came for it
 
