@@ -98,6 +98,21 @@ def test_pipeline_trains_and_exports_a_hugging_face_model(tmp_path):
     got = np.asarray(trained(jnp.asarray(x)))
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
+    # A trained step's policy (evaluation, export) is read from its checkpoint alone: model.path's
+    # weights are not read first and then overwritten (gone here, the same parameters come back).
+    from flax import nnx
+
+    from grpo_core.config.run import RunConfig
+    from grpo_core.rl.checkpoint import Checkpointer
+    from grpo_core.stages.parts import open_run
+
+    os.remove(folder / "model.safetensors")
+    parts = open_run(RunConfig.from_dict(cfg), run)
+    with Checkpointer(run.uri("checkpoints"), max_to_keep=None) as ckpt:
+        graphdef, params = parts.policy_at(ckpt, 4)
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), nnx.state(trained), params)
+    assert all(jax.tree.leaves(same))
+
 
 # -- a user's path (issue 29, item 4) ---------------------------------------------------------
 

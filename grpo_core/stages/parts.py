@@ -60,9 +60,12 @@ class RunParts:
         return self._base_policy(placement)
 
     def policy_at(self, ckpt, step: int):
-        """(graphdef, params) of the starting policy (step 0) or of checkpoint `step` of this run."""
-        graphdef, params = nnx.split(self.create_policy())
+        """(graphdef, params) of the starting policy (step 0) or of checkpoint `step` of this run.
+        Where the checkpoint holds every parameter (no LoRA: with it the checkpoint holds only the
+        adapters) the policy is built as shapes only, not initialised or read from model.path
+        first and then overwritten (a 0.5B model's weights read twice per evaluated step)."""
         if step == 0 and 0 not in ckpt.all_steps():
+            graphdef, params = nnx.split(self.create_policy())
             # committed to the device a restored checkpoint's arrays are on (Checkpointer.restore):
             # uncommitted, they lowered to other programs, so an evaluation of step 0 and a trained
             # step compiled (and cached) every sampler program twice
@@ -78,7 +81,16 @@ class RunParts:
                 f"checkpoint {step} in {ckpt.directory} was trained with another config "
                 f"({meta.get('config_hash')!r}, this run is {self.cfg.train_hash!r})"
             )
+        whole = self.cfg.model.lora is None and self.cfg.start_point is None
+        graphdef, params = nnx.split(self._base_policy(shapes_only=True) if whole else self.create_policy())
         nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
+        unfilled = [
+            jax.tree_util.keystr(p)
+            for p, v in jax.tree_util.tree_leaves_with_path(params)
+            if not isinstance(v, jax.Array)
+        ]
+        if unfilled:
+            raise ConfigError(f"checkpoint {step} in {ckpt.directory} lacks parameters {unfilled[:5]}")
         return graphdef, params
 
     def _policy_of(self, start, placement=None):
@@ -139,12 +151,16 @@ class RunParts:
         overrides = {k: v for k, v in self.cfg.model.overrides.items() if k in ("dtype", "param_dtype")}
         return load_hf_model(resolve(source, revision), placement=placement, **overrides)
 
-    def _base_policy(self, placement=None):
+    def _base_policy(self, placement=None, shapes_only: bool = False):
+        """model.path's weights or the preset initialised from model.seed; `shapes_only`: its
+        parameters' shapes and dtypes, for a checkpoint to fill (nothing read or initialised)."""
         mc = self.model_config()
         if mc.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
                 f"model.vocab_size ({mc.vocab_size}) is smaller than the tokenizer's ({self.tokenizer.vocab_size})"
             )
+        if shapes_only:  # the very config load_hf_model builds from model.path's config.json (model_config)
+            return nnx.eval_shape(lambda: create_model(mc, self.cfg.model.seed))
         if self.cfg.model_path:
             return self._load_hf(self.cfg.model_path, self.cfg.model.revision, placement)
         return create_model(mc, self.cfg.model.seed)
