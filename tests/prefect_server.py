@@ -1,10 +1,16 @@
-"""The test session's real Prefect API servers, each started once (10-40 s each on this machine).
+"""The test process's real Prefect API server: one `prefect server start` on 127.0.0.1 with basic
+auth, as an operator runs it, started once (10-40 s on this machine, ~10 CPU-s) and shared by
+every module that needs a Prefect API:
 
-- `prefect_server`: the in-process flows' server (Prefect's own test harness).
-- `server`: a `prefect server start` on 127.0.0.1 with basic auth, as an operator runs it, for the
-  deployment modules (`grpo serve`, `prefect deploy`, workers). One process serves the whole
-  session; each module gets it emptied of what the modules before it left (flow runs,
-  deployments and their concurrency slots, work pools), and empties it again when it ends.
+- `prefect_server`: the in-process flows (and the `grpo` CLIs their tests start) run against it.
+- `server`: the deployment modules (`grpo serve`, `prefect deploy`, workers); each module gets it
+  emptied of what the modules before it left (flow runs, deployments and their concurrency
+  slots, work pools), and empties it again when it ends.
+
+Between the modules that use it, the server is paused (SIGSTOP to its process group, SIGCONT
+when the next one starts): idle, its services still poll (~2 % of a core with the 2-s
+scheduler loop). A second server for the in-process flows (Prefect's test harness) cost each
+test process another start and its idle polling for the whole run (~20 CPU-s).
 
 Prefect reads its settings at import, so the environment is set when this plugin is imported
 (tests/conftest.py names it): a throwaway PREFECT_HOME, no telemetry, a generous start-up
@@ -14,6 +20,7 @@ stopped by its own handle when the session ends.
 
 import atexit
 import contextlib
+import inspect
 import os
 import shutil
 import signal
@@ -46,12 +53,46 @@ AUTH = "grpo:test-secret"
 BIN = os.path.dirname(sys.executable)
 
 
-@pytest.fixture(scope="session")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
+@pytest.fixture(scope="module")
+def prefect_server(_session_server, monkeypatch_module):
+    """The session's server, resumed, as this process's Prefect API for the module: the
+    in-process flows' settings, and the environment of the processes its tests start."""
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    url, _, _, proc = _session_server
+    _signal(proc, signal.SIGCONT)
+    monkeypatch_module.setenv("PREFECT_API_AUTH_STRING", AUTH)
+    with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
+        # and for threads a test starts, which begin with the process-global settings (as
+        # Prefect's own test harness does it): without, a flow run in one used a server of its own
+        with _temporary_global_settings_context(get_settings_context()):
+            yield
+        _drain()  # what the flows logged and emitted reaches the server before it pauses
+    _signal(proc, signal.SIGSTOP)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _drain() -> None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain():  # as Prefect's own test harness drains them
+        with contextlib.suppress(RuntimeError):  # no log worker started
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
 
 
 def _free_port() -> int:
@@ -179,12 +220,9 @@ def _session_server(tmp_path_factory):
 def server(_session_server):
     """(url, PREFECT_HOME) of the session's `prefect server start`, as empty as a new one: no
     flow run, deployment or work pool of an earlier module's (those modules' `grpo serve` and
-    workers are stopped by then: their fixtures end with their module).
-
-    Between two such modules the server is paused (SIGSTOP to its process group, SIGCONT when the
-    next one starts): idle, its services still poll (~5 % of a core with the 2-s scheduler loop),
-    and it lives from the first deployment module to the session's end, most of a test process's
-    run. Nothing talks to it meanwhile: whatever a module started against it has stopped."""
+    workers are stopped by then: their fixtures end with their module). Paused after the module
+    (see above): nothing talks to it meanwhile, whatever the module started against it has
+    stopped."""
     url, home, own_pools, proc = _session_server
     _signal(proc, signal.SIGCONT)
     empty(url, own_pools)
