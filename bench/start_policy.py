@@ -14,6 +14,10 @@ Each measurement is a fresh process that imports JAX and grpo_core first, then t
                             policies were read before (the parameters then taken from it)
   checkpoint, params only   Checkpointer.restore(step, only="params"): Orbax's partial restore
   export (HF folder)        grpo_core.nn.hf.load_hf_model(export folder)
+  policy, as evaluation     RunParts.policy_at(checkpoint, step): the policy evaluation and export
+                            take, built as shapes and filled from the checkpoint's parameters
+  policy, initialised first the same policy built as it was before: the preset initialised from
+                            its seed (with model.path: its weights read), then overwritten
 with the peak RSS above the process's RSS before reading (bench.hf_load.PeakMemory). Medians
 over N processes; the page cache is warm (the files were just written).
 """
@@ -30,19 +34,31 @@ import tempfile
 import time
 
 WORKLOADS = ("qwen3-vocab", "qwen3-0.6b", "tiny")
-MODES = ("whole", "params", "export")
-LABELS = {"whole": "checkpoint, whole state", "params": "checkpoint, params only", "export": "export (HF folder)"}
+MODES = ("whole", "params", "export", "policy", "policy-init")
+LABELS = {
+    "whole": "checkpoint, whole state",
+    "params": "checkpoint, params only",
+    "export": "export (HF folder)",
+    "policy": "policy, as evaluation",
+    "policy-init": "policy, initialised first",
+}
 MIB = 2**20
 
 
-def model_config(name: str):
-    from grpo_core.config.presets import get_preset
+def run_config(name: str):
+    """The run config whose checkpoint the build writes (a preset; f32 throughout)."""
+    from grpo_core.config.run import RunConfig
 
-    if name == "qwen3-0.6b":
-        return get_preset(name, dtype="float32", param_dtype="float32")
+    model = {"preset": "qwen3-0.6b", "vocab_size": 151936, "dtype": "float32", "param_dtype": "float32"}
     if name == "qwen3-vocab":
-        return get_preset("qwen3-0.6b", num_hidden_layers=4, dtype="float32", param_dtype="float32")
-    return get_preset("tiny", vocab_size=384, dtype="float32", param_dtype="float32")
+        model["num_hidden_layers"] = 4
+    if name == "tiny":
+        model.update(preset="tiny", vocab_size=384)
+    return RunConfig.from_dict({"model": model})
+
+
+def model_config(name: str):
+    return run_config(name).model_config()
 
 
 def build(name: str, folder: str) -> dict:
@@ -53,28 +69,37 @@ def build(name: str, folder: str) -> dict:
     from grpo_core.nn.model import create_model
     from grpo_core.rl.checkpoint import Checkpointer
 
-    cfg = model_config(name)
-    model = create_model(cfg, 0)
+    run = run_config(name)
+    cfg = run.model_config()
+    model = create_model(cfg, run.model.seed)
     params = nnx.state(model)
     moments = jax.tree.map(lambda x: x * 0.5, params), jax.tree.map(lambda x: x * x, params)
     state = {"params": params, "opt_state": {"mu": moments[0], "nu": moments[1]}, "step": jax.numpy.asarray(7)}
     t = time.perf_counter()
     with Checkpointer(os.path.join(folder, "checkpoints"), max_to_keep=None) as ckpt:
-        ckpt.save(7, state, {"seed": 0, "config_hash": "bench"})
+        ckpt.save(7, state, {"seed": run.train.seed, "config_hash": run.train_hash})
         ckpt.wait()
     save_s = time.perf_counter() - t
     save_hf_model(model, os.path.join(folder, "export"))
+    with open(os.path.join(folder, "workload"), "w") as f:
+        f.write(name)
     n = sum(x.size for x in jax.tree.leaves(params))
     return {"params_m": n / 1e6, "params_mib": 4 * n / MIB, "checkpoint_mib": 12 * n / MIB, "save_s": save_s}
 
 
 def measure(mode: str, folder: str) -> dict:
     import jax
+    from flax import nnx
 
     from bench.hf_load import PeakMemory, _release_free_heap
+    from grpo_core.data.tokenizer import make_tokenizer
     from grpo_core.nn.hf import load_hf_model
     from grpo_core.rl.checkpoint import Checkpointer
+    from grpo_core.stages.parts import RunParts, _unwrap
 
+    with open(os.path.join(folder, "workload")) as f:
+        cfg = run_config(f.read())
+    parts = RunParts(cfg, None, make_tokenizer(cfg), [], [], [], [])
     jax.devices()  # the client started before the clock
     with Checkpointer(os.path.join(folder, "checkpoints"), max_to_keep=None) as ckpt:
         ckpt.all_steps()
@@ -83,6 +108,12 @@ def measure(mode: str, folder: str) -> dict:
             t = time.perf_counter()
             if mode == "export":
                 out = load_hf_model(os.path.join(folder, "export"))
+            elif mode == "policy":
+                _, out = parts.policy_at(ckpt, 7)
+            elif mode == "policy-init":  # RunParts.policy_at as it was
+                _, out = nnx.split(parts.create_policy())
+                state, _ = ckpt.restore(7, only="params")
+                nnx.replace_by_pure_dict(out, _unwrap(state["params"]))
             else:
                 state, _ = ckpt.restore(7, only="params" if mode == "params" else None)
                 out = state["params"]
