@@ -57,10 +57,6 @@ def run_config(name: str):
     return RunConfig.from_dict({"model": model})
 
 
-def model_config(name: str):
-    return run_config(name).model_config()
-
-
 def build(name: str, folder: str) -> dict:
     import jax
     from flax import nnx

@@ -54,7 +54,7 @@ BIN = os.path.dirname(sys.executable)
 
 
 @pytest.fixture(scope="module")
-def prefect_server(_session_server, monkeypatch_module):
+def prefect_server(_session_server):
     """The session's server, resumed, as this process's Prefect API for the module: the
     in-process flows' settings, and the environment of the processes its tests start."""
     from prefect.context import _temporary_global_settings_context, get_settings_context
@@ -62,20 +62,15 @@ def prefect_server(_session_server, monkeypatch_module):
 
     url, _, _, proc = _session_server
     _signal(proc, signal.SIGCONT)
-    monkeypatch_module.setenv("PREFECT_API_AUTH_STRING", AUTH)
-    with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
-        # and for threads a test starts, which begin with the process-global settings (as
-        # Prefect's own test harness does it): without, a flow run in one used a server of its own
-        with _temporary_global_settings_context(get_settings_context()):
-            yield
-        _drain()  # what the flows logged and emitted reaches the server before it pauses
+    with pytest.MonkeyPatch.context() as env:  # for the processes the module's tests start
+        env.setenv("PREFECT_API_AUTH_STRING", AUTH)
+        with temporary_settings({PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: AUTH}):
+            # and for threads a test starts, which begin with the process-global settings (as
+            # Prefect's own test harness does it): without, a flow run in one used a server of its own
+            with _temporary_global_settings_context(get_settings_context()):
+                yield
+            _drain()  # what the flows logged and emitted reaches the server before it pauses
     _signal(proc, signal.SIGSTOP)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def _drain() -> None:
