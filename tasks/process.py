@@ -255,6 +255,15 @@ def _watch(
     codes = [p.wait() for p in procs]
     for s in streams:
         s.threads[1].join(timeout=5)
+    if streaming and not interrupted:
+        # A worker that failed is seen exiting before its last lines are read: its error event
+        # is still in the pipe or the queue. They are read up to the end of its output (bounded:
+        # a child of the worker may hold the pipe open).
+        drain_until = time.monotonic() + 5.0
+        while (left := drain_until - time.monotonic()) > 0 and (line := _next_line(lines, left)) is not None:
+            if (event := _parse(line)) is not None and event["event"] != "stage_end":
+                events.append(event)
+                on_event(event)
     if interrupted:  # the events process 0 wrote while it stopped (its "interrupted" step)
         while (line := _next_line(lines, timeout_s=2.0)) is not None:
             if (event := _parse(line)) is not None:

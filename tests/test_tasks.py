@@ -53,6 +53,24 @@ def test_exit_codes_decide_retryability():
     assert err.value.retryable
 
 
+def test_a_failed_workers_last_line_is_read_however_late_it_is_handed_over(monkeypatch):
+    """The worker prints its error event and exits at once: the watcher can see the exit before the
+    line reaches it (here each line is handed over 2 s late, past the watcher's next look, as on a
+    loaded machine), and still reports the worker's own message, not "(no output)"."""
+    import tasks.process as process
+
+    pump = process._pump
+
+    def late(stream, put, end_marker=False):
+        pump(stream, lambda line: (time.sleep(2), put(line)), end_marker)
+
+    monkeypatch.setattr(process, "_pump", late)
+    seen = []
+    with pytest.raises(StageError, match=r"failed \(config or data error\): bad field x$"):
+        run_worker(["tests.sleepy_worker", "exit=2"], timeout_s=60, on_event=seen.append, what="w")
+    assert seen == [{"event": "error", "kind": "config", "message": "bad field x"}]
+
+
 def _progress_writes(total: int, step_s: float) -> tuple[int, float]:
     """How often a training task of `total` steps of `step_s` seconds each writes its progress
     artifact to the server: the number of writes and the longest time between two."""
