@@ -1,12 +1,12 @@
 """Benchmark: reading a policy back from a run, as evaluation, export and a continual run
-(model.init_from) do, at a real vocabulary.
+(model.init_from) do, and a resumed training stage its whole train state, at a real vocabulary.
 
     python -m bench.start_policy [--workload qwen3-vocab|qwen3-0.6b|tiny] [--repeats N] [--json out.json]
 
 Workloads (random f32 weights, Qwen3-shaped): "qwen3-vocab" is qwen3-0.6b's vocabulary (151,936)
 and width (1024) with 4 decoder layers (216 M parameters, 0.86 GB); "qwen3-0.6b" the whole preset
 (596 M, 2.4 GB); "tiny" is for the tests. The build process writes one checkpoint as the trainer
-lays it out (the parameters and Adam's two moments, grpo_core.rl.checkpoint.Checkpointer) and
+lays it out (its train state: the parameters and Adam's two moments, grpo_core.rl.learner) and
 the same parameters as a Hugging Face export (grpo_core.nn.hf.save_hf_model).
 
 Each measurement is a fresh process that imports JAX and grpo_core first, then times:
@@ -18,6 +18,11 @@ Each measurement is a fresh process that imports JAX and grpo_core first, then t
                             take, built as shapes and filled from the checkpoint's parameters
   policy, initialised first the same policy built as it was before: the preset initialised from
                             its seed (with model.path: its weights read), then overwritten
+  train state, resumed      what a resumed training stage restores (the worker's train): the state
+                            built as shapes (RunParts.policy_shapes, Learner.init_state) and
+                            filled from the checkpoint, moments included
+  train state, built first  the same state built as it was before: the policy initialised, its
+                            moments zeroed, then every array overwritten
 with the peak RSS above the process's RSS before reading (bench.hf_load.PeakMemory). Medians
 over N processes; the page cache is warm (the files were just written).
 """
@@ -34,13 +39,15 @@ import tempfile
 import time
 
 WORKLOADS = ("qwen3-vocab", "qwen3-0.6b", "tiny")
-MODES = ("whole", "params", "export", "policy", "policy-init")
+MODES = ("whole", "params", "export", "policy", "policy-init", "resume", "resume-init")
 LABELS = {
     "whole": "checkpoint, whole state",
     "params": "checkpoint, params only",
     "export": "export (HF folder)",
     "policy": "policy, as evaluation",
     "policy-init": "policy, initialised first",
+    "resume": "train state, resumed",
+    "resume-init": "train state, built first",
 }
 MIB = 2**20
 
@@ -57,6 +64,16 @@ def run_config(name: str):
     return RunConfig.from_dict({"model": model})
 
 
+def learner(run, graphdef):
+    """The learner a training worker builds for this run (its optimizer fixes the state's layout)."""
+    from grpo_core.config.train import RematPolicy
+    from grpo_core.rl.learner import Learner, LossParams
+    from grpo_core.runtime.mesh import Placement
+
+    hp = LossParams.from_config(run.train.grpo.replace(grad_accum_steps=1), 16, 1.0, RematPolicy.NONE)
+    return Learner(graphdef, run.train.optimizer, hp, 100, placement=Placement.from_config(run.train.mesh))
+
+
 def build(name: str, folder: str) -> dict:
     import jax
     from flax import nnx
@@ -68,9 +85,8 @@ def build(name: str, folder: str) -> dict:
     run = run_config(name)
     cfg = run.model_config()
     model = create_model(cfg, run.model.seed)
-    params = nnx.state(model)
-    moments = jax.tree.map(lambda x: x * 0.5, params), jax.tree.map(lambda x: x * x, params)
-    state = {"params": params, "opt_state": {"mu": moments[0], "nu": moments[1]}, "step": jax.numpy.asarray(7)}
+    graphdef, params = nnx.split(model)
+    state = learner(run, graphdef).init_state(params)
     t = time.perf_counter()
     with Checkpointer(os.path.join(folder, "checkpoints"), max_to_keep=None) as ckpt:
         ckpt.save(7, state, {"seed": run.train.seed, "config_hash": run.train_hash})
@@ -79,7 +95,7 @@ def build(name: str, folder: str) -> dict:
     save_hf_model(model, os.path.join(folder, "export"))
     with open(os.path.join(folder, "workload"), "w") as f:
         f.write(name)
-    n = sum(x.size for x in jax.tree.leaves(params))
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     return {"params_m": n / 1e6, "params_mib": 4 * n / MIB, "checkpoint_mib": 12 * n / MIB, "save_s": save_s}
 
 
@@ -110,6 +126,10 @@ def measure(mode: str, folder: str) -> dict:
                 _, out = nnx.split(parts.create_policy())
                 state, _ = ckpt.restore(7, only="params")
                 nnx.replace_by_pure_dict(out, _unwrap(state["params"]))
+            elif mode in ("resume", "resume-init"):  # the training worker's restore, now and as it was
+                model = parts.policy_shapes() if mode == "resume" else parts.create_policy()
+                graphdef, params = nnx.split(model)
+                out, _ = ckpt.restore(7, learner(cfg, graphdef).init_state(params))
             else:
                 state, _ = ckpt.restore(7, only="params" if mode == "params" else None)
                 out = state["params"]

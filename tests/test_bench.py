@@ -84,7 +84,16 @@ def test_start_policy_benchmark(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "checkpoint, params only" in table and "export (HF folder)" in table
     out = json.load(open(tmp_path / "out.json"))
-    assert [r["mode"] for r in out["rows"]] == ["whole", "params", "export", "policy", "policy-init"]
+    assert [r["mode"] for r in out["rows"]] == [
+        "whole",
+        "params",
+        "export",
+        "policy",
+        "policy-init",
+        "resume",
+        "resume-init",
+    ]
+    assert "train state, resumed" in table
     assert all(r["seconds"] > 0 for r in out["rows"]) and out["built"]["params_m"] > 0.1
 
 

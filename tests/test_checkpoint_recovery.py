@@ -140,6 +140,57 @@ def test_every_checkpoint_damaged_starts_from_step_zero_saying_so(run):
     assert latest_checkpoint(RunRoot(str(run))) is None
 
 
+def shapes_trainer(steps=4):
+    """A trainer whose policy is shapes only (nnx.eval_shape), as a resuming worker builds it:
+    a checkpoint, or start_from, fills its state."""
+    from flax import nnx
+
+    from grpo_core.rl.trainer import GRPOTrainer
+
+    _, run = make(steps=steps, optimizer=LR)
+    shapes = nnx.eval_shape(lambda: run.model)
+    return GRPOTrainer(shapes, run.train, run.tokenizer, run.rewards, run.task), run
+
+
+def test_a_trainer_built_from_shapes_resumes_to_the_same_parameters(saved, run):
+    """Resuming, the policy need not be built first: its state is restored into shapes, and
+    training on reaches what the uninterrupted run reached; before a restore it refuses to train."""
+    _, final = saved
+    tr, _ = shapes_trainer()
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tr.state))
+    with pytest.raises(RuntimeError, match="built from shapes: restore a checkpoint, or start_from a model, first"):
+        tr.train_step()
+    with Checkpointer(str(run / "checkpoints")) as ckpt:
+        assert tr.restore(ckpt, config_hash=HASH) and tr.step == 3
+    tr.train()
+    assert_same_params(final, tr.params)
+
+
+def test_a_trainer_built_from_shapes_with_every_checkpoint_damaged_starts_from_its_model(run):
+    """Every checkpoint set aside, a trainer built from shapes starts from the built policy at step
+    0 (start_from) and trains as a trainer built from it does."""
+    for step in (1, 2, 3):
+        delete_metadata(run / "checkpoints" / str(step))
+    tr, built = shapes_trainer(steps=1)
+    with Checkpointer(str(run / "checkpoints")) as ckpt:
+        assert not tr.restore(ckpt, config_hash=HASH)
+    tr.start_from(built.model)
+    fresh, _ = make(steps=1, optimizer=LR)
+    tr.train(), fresh.train()
+    assert tr.step == fresh.step == 1
+    assert_same_params(fresh.params, tr.params)
+
+
+def test_a_trainer_built_from_shapes_needs_the_model_for_lora_or_a_reference():
+    from flax import nnx
+
+    from grpo_core.rl.trainer import GRPOTrainer
+
+    _, run = make(steps=1, grpo={"beta": 0.04})
+    with pytest.raises(ValueError, match="with LoRA .* or a KL reference .* it needs the built model"):
+        GRPOTrainer(nnx.eval_shape(lambda: run.model), run.train, run.tokenizer, run.rewards, run.task)
+
+
 def test_another_runs_checkpoint_is_refused_not_moved_even_when_damaged(run):
     ckpts = run / "checkpoints"
     truncate_largest(ckpts / "3")

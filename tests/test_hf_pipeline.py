@@ -5,6 +5,9 @@ the trained policy."""
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +115,17 @@ def test_pipeline_trains_and_exports_a_hugging_face_model(tmp_path):
         graphdef, params = parts.policy_at(ckpt, 4)
     same = jax.tree.map(lambda a, b: bool((a == b).all()), nnx.state(trained), params)
     assert all(jax.tree.leaves(same))
+
+    # So is a resumed training stage's: without model.path's weights, the worker resumes from
+    # checkpoint 2 and trains to the same step-4 policy.
+    shutil.rmtree(tmp_path / "runs" / "hf-run" / "checkpoints" / "4")
+    cmd = [sys.executable, "-m", "grpo_core.stages.worker", "train", "--until-step", "4", "--root", run.url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {"event": "resumed", "step": 2, "until": 4} in [json.loads(line) for line in done.stdout.splitlines()]
+    with Checkpointer(run.uri("checkpoints"), max_to_keep=None) as ckpt:
+        graphdef, again = parts.policy_at(ckpt, 4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), nnx.state(trained), again)
 
 
 # -- a user's path (issue 29, item 4) ---------------------------------------------------------

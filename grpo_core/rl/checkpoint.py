@@ -410,7 +410,10 @@ _TENSORSTORE_DUMP = "See full TensorStore details"
 
 
 def _abstract(x: Any):
-    """What to restore `x` as: its shape and dtype, and for a jax.Array where it lives."""
+    """What to restore `x` as: its shape and dtype, and for a jax.Array where it lives (shapes
+    given as jax.ShapeDtypeStruct carry theirs)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
     if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return ocp.utils.to_shape_dtype_struct(x)

@@ -321,7 +321,11 @@ class Learner:
 
     def init_state(self, params) -> TrainState:
         """The train state of `params`: with a placement, the parameters and every optimizer
-        moment laid out over the learner's mesh (runtime.mesh.partition_axes), the count replicated."""
+        moment laid out over the learner's mesh (runtime.mesh.partition_axes), the count replicated.
+        Parameters given as shapes (jax.ShapeDtypeStruct) give a state of shapes, each with the
+        sharding its array would have: what a checkpoint restores into, nothing computed."""
+        if is_shapes(params):
+            return self._state_shapes(params)
         if self.placement is None:
             return TrainState(params=params, opt_state=self.tx.init(params), step=jnp.int32(0))
         pl = self.placement
@@ -331,3 +335,31 @@ class Learner:
         )
         self.state_sharding = jax.tree.map(lambda x: x.sharding, state)
         return state
+
+    def _state_shapes(self, params) -> TrainState:
+        pl = self.placement
+        if pl is None:  # where an unplaced state's arrays live: this process's first device
+            here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            at = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=here), tree)
+            params = at(params)
+            return TrainState(
+                params=params,
+                opt_state=at(jax.eval_shape(self.tx.init, params)),
+                step=at(jax.ShapeDtypeStruct((), jnp.int32)),
+            )
+        params = pl.put_params(params)
+        moments = jax.eval_shape(self.tx.init, params)
+        state = TrainState(
+            params=params,
+            opt_state=jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), moments, pl.param_shardings(moments)
+            ),
+            step=pl.put_replicated(jax.ShapeDtypeStruct((), jnp.int32)),
+        )
+        self.state_sharding = jax.tree.map(lambda x: x.sharding, state)
+        return state
+
+
+def is_shapes(tree) -> bool:
+    """Whether `tree` holds shapes (jax.ShapeDtypeStruct) rather than arrays."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))

@@ -41,7 +41,7 @@ from grpo_core.nn.model import CausalLM
 from grpo_core.rewards import functions as rw
 from grpo_core.rl import algo
 from grpo_core.rl.checkpoint import Checkpointer, SetAside
-from grpo_core.rl.learner import Learner, LossParams
+from grpo_core.rl.learner import Learner, LossParams, is_shapes
 from grpo_core.rl.types import Batch, Completions, TrainState
 from grpo_core.runtime.mesh import Placement
 
@@ -128,11 +128,22 @@ class GRPOTrainer:
         config says auto; without one they are chosen here from this process's devices (the worker
         passes the plan it made for data.max_prompt_tokens). `reference`: the KL reference when it
         is not `model` as given (a continual run's original base, model.reference: base), a model
-        of the same architecture without adapters."""
+        of the same architecture without adapters.
+
+        `model` may be shapes only (nnx.eval_shape, no LoRA, no reference kept): a trainer that
+        resumes, whose state a checkpoint fills (`restore`), so the starting policy is never
+        initialised or read only to be overwritten. It trains once a checkpoint restored, or after
+        `start_from` a built model where none did."""
         if not rewards:
             raise ValueError("at least one reward function is needed")
         self.tokenizer, self.rewards, self.prompts = tokenizer, list(rewards), prompts
         self.graphdef, params = nnx.split(model)
+        self._unfilled = is_shapes(params)  # a state of shapes: a checkpoint, or start_from, fills it
+        if self._unfilled and (lora.has_adapters(model) or (cfg.grpo.needs_reference and reference is None)):
+            raise ValueError(
+                "a trainer built from shapes restores its whole state from a checkpoint: with LoRA (the base "
+                "weights) or a KL reference (the starting policy) it needs the built model"
+            )
         # LoRA: the state trains the adapters; the base weights are a frozen argument of the step.
         self.frozen, ref_graphdef = None, None
         if lora.has_adapters(model):
@@ -378,6 +389,8 @@ class GRPOTrainer:
 
     def train_step(self) -> dict[str, float]:
         """Run step `self.step` and return its metrics (floats)."""
+        if self._unfilled:
+            raise RuntimeError("this trainer was built from shapes: restore a checkpoint, or start_from a model, first")
         step = self.step
         self._t = dict.fromkeys(self._t, 0.0)
         t0 = time.perf_counter()
@@ -502,8 +515,16 @@ class GRPOTrainer:
             if found is None:
                 return False
             _, state, meta = found
-        self.state, self.step = state, int(meta["step"])
+        self.state, self.step, self._unfilled = state, int(meta["step"]), False
         return True
+
+    def start_from(self, model: CausalLM) -> None:
+        """Step 0 of the starting policy `model` (built: arrays) with fresh optimizer moments, for
+        a trainer built from shapes that found no checkpoint to restore after all (every one set
+        aside as unreadable)."""
+        _, params = nnx.split(model)
+        self.state = self.learner.init_state(self.placement.put_params(params))
+        self.step, self._unfilled = 0, False
 
     def train(
         self, num_steps: int | None = None, on_step: Callable[[dict[str, float]], None] | None = None

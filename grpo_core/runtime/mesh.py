@@ -97,7 +97,10 @@ def path_names(path) -> tuple[str, ...]:
 def put(x, sharding: NamedSharding):
     """`x` (a host array or a jax.Array) laid out as `sharding`; unchanged if it already is.
 
-    With several processes, every process must pass the same value (see the module doc)."""
+    With several processes, every process must pass the same value (see the module doc). Shapes
+    (a jax.ShapeDtypeStruct: a state a checkpoint will fill) get the sharding and stay shapes."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array):
         if x.sharding == sharding:
             return x

@@ -52,6 +52,15 @@ class RunParts:
             lora.apply(model, self.cfg.model.lora, self.cfg.model.seed)
         return model
 
+    def policy_shapes(self):
+        """The policy as shapes only (nothing initialised or read), where a checkpoint of this run
+        holds every parameter to fill it with: without LoRA (its checkpoints hold the adapters
+        alone) and without model.init_from (whose policy's architecture is the other run's); else
+        None, and the policy is built (create_policy) for a checkpoint to overwrite."""
+        if self.cfg.model.lora is not None or self.cfg.start_point is not None:
+            return None
+        return self._base_policy(shapes_only=True)
+
     def reference_policy(self, placement=None):
         """The KL reference when it is not the starting policy: the base model (model.path or the
         preset) of a run started from another run's policy with model.reference: base; else None."""
@@ -81,8 +90,8 @@ class RunParts:
                 f"checkpoint {step} in {ckpt.directory} was trained with another config "
                 f"({meta.get('config_hash')!r}, this run is {self.cfg.train_hash!r})"
             )
-        whole = self.cfg.model.lora is None and self.cfg.start_point is None
-        graphdef, params = nnx.split(self._base_policy(shapes_only=True) if whole else self.create_policy())
+        shapes = self.policy_shapes()
+        graphdef, params = nnx.split(self.create_policy() if shapes is None else shapes)
         nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
         unfilled = [
             jax.tree_util.keystr(p)

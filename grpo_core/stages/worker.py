@@ -189,25 +189,33 @@ def train(parts, until_step: int) -> int:
         kept = parts.keep_start()
         if kept is not None:
             _emit("start_copied", **kept)
-    trainer = GRPOTrainer(
-        parts.create_policy(placement),
-        train_cfg,
-        parts.tokenizer,
-        parts.rewards,
-        DatasetPrompts(parts.train_rows, seed=cfg.data.seed),
-        placement=placement,
-        memory_plan=plan,
-        reference=parts.reference_policy(placement) if cfg.train.grpo.needs_reference else None,
-    )
     ends = [cfg.epoch_end(e) for e in range(cfg.pipeline.epochs)] if cfg.pipeline.keep_epoch_checkpoints else []
     # The run's one writer deletes the unfinished saves a killed worker left (4.orbax-checkpoint-tmp);
     # closing(trainer) stops its rollout engine.
-    with Checkpointer(root.uri("checkpoints"), keep_steps=ends, cleanup_tmp=True) as ckpt, contextlib.closing(trainer):
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(Checkpointer(root.uri("checkpoints"), keep_steps=ends, cleanup_tmp=True))
+        # Resuming, the policy is built as shapes for the checkpoint to fill: never initialised, or
+        # read from model.path, only to be overwritten (parts.policy_shapes says where it can be).
+        needs_reference = cfg.train.grpo.needs_reference
+        shapes = parts.policy_shapes() if ckpt.all_steps() and not needs_reference else None
+        trainer = GRPOTrainer(
+            parts.create_policy(placement) if shapes is None else shapes,
+            train_cfg,
+            parts.tokenizer,
+            parts.rewards,
+            DatasetPrompts(parts.train_rows, seed=cfg.data.seed),
+            placement=placement,
+            memory_plan=plan,
+            reference=parts.reference_policy(placement) if needs_reference else None,
+        )
+        stack.enter_context(contextlib.closing(trainer))
         # A newest checkpoint that fails to restore is set aside (moved, not deleted) and the next
         # older one tried; each one says so: step, uri, moved_to, error, next_step and a message.
         resumed = trainer.restore(
             ckpt, config_hash=h, on_set_aside=lambda aside: _emit("checkpoint_set_aside", **aside.as_event())
         )
+        if not resumed and shapes is not None:  # every checkpoint was set aside: step 0 after all
+            trainer.start_from(parts.create_policy(placement))
         start = trainer.step
         _agree(h, trainer)
         _emit("resumed" if resumed else "start", step=start, until=until_step)
