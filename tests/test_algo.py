@@ -81,6 +81,29 @@ def test_excluded_rows_do_not_count():
     ]
 
 
+def test_group_statistics_in_numpy_are_the_jax_ones():
+    """The trainer computes a step's group statistics on the host in NumPy: each function answers a
+    NumPy array in kind (no device program) with JAX's float32 numbers, NaN rows included."""
+    rng = np.random.default_rng(0)
+    rewards = rng.normal(size=24).astype(np.float32)
+    rewards[[3, 10, 11]] = np.nan
+    rewards[16:20] = 1.0  # a group whose rewards are all equal
+    per = rng.normal(size=(24, 3)).astype(np.float32)
+    per[5] = np.nan  # a row no reward scored
+    per[7, 1] = np.nan
+    weights = np.asarray([1.0, 0.5, 2.0], np.float32)
+    j = jnp.asarray
+    cases = [(algo.advantages, (rewards, 4, a, sc, EPS), (j(rewards), 4, a, sc, EPS)) for a in Adv for sc in Scale]
+    cases += [
+        (algo.zero_std_groups, (rewards, 4), (j(rewards), 4)),
+        (algo.normalize_then_sum, (per, weights, 4, EPS), (j(per), j(weights), 4, EPS)),
+    ]
+    for fn, np_args, jax_args in cases:
+        got, want = fn(*np_args), np.asarray(fn(*jax_args))
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype, (fn.__name__, np_args[1:])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{fn.__name__} {np_args[1:]}")
+
+
 # Four rows of three tokens; micro-batches of two rows each for BNPO.
 LOSS = jnp.array([[1.0, 2, 3], [4, 5, 6], [1, 1, 1], [2, 2, 2]])
 MASK = jnp.array([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])

@@ -6,6 +6,10 @@ These are the functions the learner (grpo_core.rl.learner) trains with, and the 
 tests/test_algo.py pins by hand: no second copy of a formula exists for the tests alone. The
 entropy is the exception: the learner gets it from the chunked head (grpo_core.rl.logprobs),
 which never holds the full logits; the plain formula over all logits is the tests' reference.
+
+The group statistics (advantages, normalize_then_sum, zero_std_groups) take NumPy arrays as well
+as JAX ones and answer in kind: the trainer computes them for a step's (B,) rewards on the host
+in NumPy, where a JAX call would trace, compile and dispatch a program for a few dozen floats.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo_core.config.train import (
     AdvantageEstimator,
@@ -25,18 +30,26 @@ from grpo_core.config.train import (
 )
 
 
+def _xp(x):
+    """The array module of `x`: NumPy for a NumPy array, else jax.numpy."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
 def _nan_mean(x, axis=None, keepdims=False):
-    ok = ~jnp.isnan(x)
-    n = jnp.sum(ok, axis=axis, keepdims=keepdims)
-    return jnp.sum(jnp.where(ok, x, 0.0), axis=axis, keepdims=keepdims) / jnp.maximum(n, 1), n
+    """Mean over the non-NaN entries, and their count (in x's dtype)."""
+    xp = _xp(x)
+    ok = ~xp.isnan(x)
+    n = xp.sum(ok, axis=axis, keepdims=keepdims).astype(x.dtype)
+    return xp.sum(xp.where(ok, x, 0.0), axis=axis, keepdims=keepdims) / xp.maximum(n, 1), n
 
 
 def _nan_std(x, axis=None, keepdims=False):
     """Unbiased (n - 1) std over the non-NaN entries, as torch.std (and so TRL) computes it."""
+    xp = _xp(x)
     mean, n = _nan_mean(x, axis=axis, keepdims=True)
-    sq = jnp.where(jnp.isnan(x), 0.0, (x - mean) ** 2)
-    total = jnp.sum(sq, axis=axis, keepdims=keepdims)
-    return jnp.sqrt(total / jnp.maximum(n.reshape(total.shape) - 1, 1))
+    sq = xp.where(xp.isnan(x), 0.0, (x - mean) ** 2)
+    total = xp.sum(sq, axis=axis, keepdims=keepdims)
+    return xp.sqrt(total / xp.maximum(n.reshape(total.shape) - 1, 1))
 
 
 def advantages(
@@ -50,24 +63,26 @@ def advantages(
     rloo:    r - mean of the other members of the group = G/(G-1) * (r - mean_g)
     The std is the group's (scale=group), the whole batch's (scale=batch) or none.
     """
+    xp = _xp(rewards)
     r = rewards.reshape(-1, group_size)  # (P, G)
     mean, n = _nan_mean(r, axis=1, keepdims=True)
     if estimator is AdvantageEstimator.RLOO:
-        centered = (r - mean) * n / jnp.maximum(n - 1, 1)
+        centered = (r - mean) * n / xp.maximum(n - 1, 1)
     else:
         centered = r - mean
     if scale is RewardScaling.GROUP:
         centered = centered / (_nan_std(r, axis=1, keepdims=True) + eps)
     elif scale is RewardScaling.BATCH:
         centered = centered / (_nan_std(rewards) + eps)
-    return jnp.where(jnp.isnan(r), 0.0, centered).reshape(-1)
+    return xp.where(xp.isnan(r), 0.0, centered).reshape(-1)
 
 
 def zero_std_groups(rewards: jax.Array, group_size: int) -> jax.Array:
     """(B,) -> (P,) True for groups whose (non-excluded) rewards are all equal."""
+    xp = _xp(rewards)
     r = rewards.reshape(-1, group_size)
-    hi = jnp.max(jnp.where(jnp.isnan(r), -jnp.inf, r), axis=1)
-    lo = jnp.min(jnp.where(jnp.isnan(r), jnp.inf, r), axis=1)
+    hi = xp.max(xp.where(xp.isnan(r), -xp.inf, r), axis=1)
+    lo = xp.min(xp.where(xp.isnan(r), xp.inf, r), axis=1)
     return ~(hi > lo)
 
 
@@ -137,15 +152,16 @@ def normalize_then_sum(per_function: jax.Array, weights: jax.Array, group_size: 
     each reward normalised within its group ((r - mean) / (std + eps), NaN rows left out), the
     weighted sum over rewards, then that sum normalised over the batch. A row no reward scored
     gets 0."""
+    xp = _xp(per_function)
     b, k = per_function.shape
     r = per_function.reshape(-1, group_size, k)  # (P, G, K)
     mean, _ = _nan_mean(r, axis=1, keepdims=True)
     z = (r - mean) / (_nan_std(r, axis=1, keepdims=True) + eps)
-    scored = ~jnp.all(jnp.isnan(per_function), axis=1)
-    total = jnp.sum(jnp.where(jnp.isnan(z), 0.0, z * weights), axis=2).reshape(b)
-    total = jnp.where(scored, total, jnp.nan)
+    scored = ~xp.all(xp.isnan(per_function), axis=1)
+    total = xp.sum(xp.where(xp.isnan(z), 0.0, z * weights), axis=2).reshape(b)
+    total = xp.where(scored, total, xp.nan)
     m, _ = _nan_mean(total)
-    return jnp.where(scored, (total - m) / (_nan_std(total) + eps), 0.0)
+    return xp.where(scored, (total - m) / (_nan_std(total) + eps), 0.0)
 
 
 def rollout_weights(

@@ -104,8 +104,6 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
     )
 
 
-_advantages = jax.jit(algo.advantages, static_argnums=(1, 2, 3, 4))
-_gdpo = jax.jit(algo.normalize_then_sum, static_argnums=(2, 3))
 _rollout_weights = jax.jit(algo.rollout_weights, static_argnums=(3, 4))
 
 
@@ -317,7 +315,7 @@ class GRPOTrainer:
         for round_ in range(g_cfg.max_sampling_rounds if g_cfg.dynamic_sampling else 1):
             part = self._sample_round(step, round_)
             parts.append(part)
-            zero = np.asarray(algo.zero_std_groups(part.rewards, g))
+            zero = algo.zero_std_groups(np.asarray(part.rewards, np.float32), g)
             if round_ == 0:
                 first_zero = float(zero.mean())
             for j in range(p):
@@ -339,18 +337,16 @@ class GRPOTrainer:
         c = ro.completions
         if g_cfg.multi_objective_aggregation is RewardAggregation.NORMALIZE_THEN_SUM:
             per = np.stack([ro.per_function[r.name] for r in self.rewards], axis=1).astype(np.float32)
-            weights = jnp.asarray([r.weight for r in self.rewards], jnp.float32)
-            adv = np.asarray(_gdpo(jnp.asarray(per), weights, g_cfg.num_generations, g_cfg.advantage_eps))
-        else:
-            adv = np.asarray(
-                _advantages(
-                    jnp.asarray(ro.rewards, jnp.float32),
-                    g_cfg.num_generations,
-                    g_cfg.advantage,
-                    g_cfg.scale_rewards,
-                    g_cfg.advantage_eps,
-                )
-            )  # B floats: the batch goes up whole
+            weights = np.asarray([r.weight for r in self.rewards], np.float32)
+            adv = algo.normalize_then_sum(per, weights, g_cfg.num_generations, g_cfg.advantage_eps)
+        else:  # B floats, in NumPy on the host (algo): the batch goes up whole
+            adv = algo.advantages(
+                np.asarray(ro.rewards, np.float32),
+                g_cfg.num_generations,
+                g_cfg.advantage,
+                g_cfg.scale_rewards,
+                g_cfg.advantage_eps,
+            )
         mask = np.arange(n)[None, :] < c.lengths[:, None]
         if g_cfg.mask_truncated_completions:
             mask &= ~c.truncated[:, None]
