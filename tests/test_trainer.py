@@ -48,6 +48,21 @@ TRL_KEYS = [
 ]
 
 
+def test_trainers_of_one_config_share_the_learners_programs():
+    """A stage in a worker that stayed builds its trainer again: with the same config it gets the
+    learner the stage before built (its programs traced and compiled: one update program, not a
+    second) and trains as a fresh one does; another config gets a learner of its own."""
+    a, _ = make(steps=2)
+    a.train_step()
+    b, _ = make(steps=2)
+    assert b.learner is a.learner
+    b.train_step()
+    assert b.learner.update._cache_size() == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a.params), jax.device_get(b.params))
+    c, _ = make(steps=2, optimizer={"learning_rate": 0.5})
+    assert c.learner is not a.learner
+
+
 def test_metrics_and_no_reference_when_beta_is_zero():
     tr, _ = make(steps=2)
     assert tr.ref_params is None

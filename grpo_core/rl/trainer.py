@@ -11,6 +11,7 @@ PRNG key from (seed, s, round), so a run restored at step s continues exactly as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -104,6 +105,24 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
     )
 
 
+def _learner(graphdef, opt_cfg, hp: LossParams, total_updates: int, ref_graphdef, placement) -> Learner:
+    """The learner of these programs: a stage in a process that stayed for it (grpo_core.stages.ahead)
+    finds the one the stage before built, its update and scorers traced and compiled, where a new
+    Learner's would be traced and lowered again (its compilation only read back from the cache).
+    Its state is the trainer's own; the learner holds programs, the optimizer and the layouts."""
+    key = (graphdef, opt_cfg, hp, total_updates, ref_graphdef, placement)
+    try:
+        hash(key)
+    except TypeError:  # a config value that cannot be a key: a learner of its own
+        return Learner(*key)
+    return _last_learner(*key)
+
+
+@functools.lru_cache(maxsize=1)
+def _last_learner(*key) -> Learner:
+    return Learner(*key)
+
+
 _rollout_weights = jax.jit(algo.rollout_weights, static_argnums=(3, 4))
 
 
@@ -162,7 +181,7 @@ class GRPOTrainer:
         )
         hp = LossParams.from_train(cfg)
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
-        self.learner = Learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
+        self.learner = _learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
         # The reference is the starting policy, frozen (with LoRA: the base weights themselves,
         # adapters off, no copy), or the `reference` model given. With beta == 0 it is never kept
         # or scored.
