@@ -338,15 +338,8 @@ class Learner:
 
     def _state_shapes(self, params) -> TrainState:
         pl = self.placement
-        if pl is None:  # where an unplaced state's arrays live: this process's first device
-            here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            at = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=here), tree)
-            params = at(params)
-            return TrainState(
-                params=params,
-                opt_state=at(jax.eval_shape(self.tx.init, params)),
-                step=at(jax.ShapeDtypeStruct((), jnp.int32)),
-            )
+        if pl is None:
+            raise ValueError("a train state of shapes needs the learner's placement: where its arrays will live")
         params = pl.put_params(params)
         moments = jax.eval_shape(self.tx.init, params)
         state = TrainState(
