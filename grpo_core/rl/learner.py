@@ -341,12 +341,9 @@ class Learner:
         if pl is None:
             raise ValueError("a train state of shapes needs the learner's placement: where its arrays will live")
         params = pl.put_params(params)
-        moments = jax.eval_shape(self.tx.init, params)
         state = TrainState(
             params=params,
-            opt_state=jax.tree.map(
-                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), moments, pl.param_shardings(moments)
-            ),
+            opt_state=pl.put_params(jax.eval_shape(self.tx.init, params)),  # each moment laid out as its parameter
             step=pl.put_replicated(jax.ShapeDtypeStruct((), jnp.int32)),
         )
         self.state_sharding = jax.tree.map(lambda x: x.sharding, state)

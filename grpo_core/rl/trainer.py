@@ -105,22 +105,14 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
     )
 
 
+@functools.lru_cache(maxsize=1)
 def _learner(graphdef, opt_cfg, hp: LossParams, total_updates: int, ref_graphdef, placement) -> Learner:
     """The learner of these programs: a stage in a process that stayed for it (grpo_core.stages.ahead)
     finds the one the stage before built, its update and scorers traced and compiled, where a new
     Learner's would be traced and lowered again (its compilation only read back from the cache).
-    Its state is the trainer's own; the learner holds programs, the optimizer and the layouts."""
-    key = (graphdef, opt_cfg, hp, total_updates, ref_graphdef, placement)
-    try:
-        hash(key)
-    except TypeError:  # a config value that cannot be a key: a learner of its own
-        return Learner(*key)
-    return _last_learner(*key)
-
-
-@functools.lru_cache(maxsize=1)
-def _last_learner(*key) -> Learner:
-    return Learner(*key)
+    Its state is the trainer's own; the learner holds programs, the optimizer and the layouts.
+    Every argument is hashable: graphs, frozen config sections, the frozen placement."""
+    return Learner(graphdef, opt_cfg, hp, total_updates, ref_graphdef, placement)
 
 
 _rollout_weights = jax.jit(algo.rollout_weights, static_argnums=(3, 4))
@@ -155,8 +147,7 @@ class GRPOTrainer:
             raise ValueError("at least one reward function is needed")
         self.tokenizer, self.rewards, self.prompts = tokenizer, list(rewards), prompts
         self.graphdef, params = nnx.split(model)
-        self._unfilled = is_shapes(params)  # a state of shapes: a checkpoint, or start_from, fills it
-        if self._unfilled and (lora.has_adapters(model) or (cfg.grpo.needs_reference and reference is None)):
+        if is_shapes(params) and (lora.has_adapters(model) or (cfg.grpo.needs_reference and reference is None)):
             raise ValueError(
                 "a trainer built from shapes restores its whole state from a checkpoint: with LoRA (the base "
                 "weights) or a KL reference (the starting policy) it needs the built model"
@@ -404,7 +395,7 @@ class GRPOTrainer:
 
     def train_step(self) -> dict[str, float]:
         """Run step `self.step` and return its metrics (floats)."""
-        if self._unfilled:
+        if is_shapes(self.state):  # built from shapes: a checkpoint, or start_from, fills it first
             raise RuntimeError("this trainer was built from shapes: restore a checkpoint, or start_from a model, first")
         step = self.step
         self._t = dict.fromkeys(self._t, 0.0)
@@ -530,7 +521,7 @@ class GRPOTrainer:
             if found is None:
                 return False
             _, state, meta = found
-        self.state, self.step, self._unfilled = state, int(meta["step"]), False
+        self.state, self.step = state, int(meta["step"])
         return True
 
     def start_from(self, model: CausalLM) -> None:
@@ -539,7 +530,7 @@ class GRPOTrainer:
         aside as unreadable)."""
         _, params = nnx.split(model)
         self.state = self.learner.init_state(self.placement.put_params(params))
-        self.step, self._unfilled = 0, False
+        self.step = 0
 
     def train(
         self, num_steps: int | None = None, on_step: Callable[[dict[str, float]], None] | None = None
