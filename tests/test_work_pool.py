@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import subprocess
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -117,10 +118,14 @@ def test_worker_without_project_dir_fails_naming_it(deployed, tmp_path):
     run = run_deployment("grpo-pipeline/pool", parameters={"config": tiny(tmp_path, "no-dir")}, timeout=0)
     with worker(bare, env, tmp_path / "worker.log"):
         run = _wait(client, run.id, timeout=120)
-    assert run.state.is_failed(), (run.state, (tmp_path / "worker.log").read_text()[-3000:])
-    assert "GRPO_PROJECT_DIR" in run.state.message and "prefect worker start" in run.state.message
-    logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-    assert any("GRPO_PROJECT_DIR" in log.message and log.level >= 40 for log in logs)
+        assert run.state.is_failed(), (run.state, (tmp_path / "worker.log").read_text()[-3000:])
+        assert "GRPO_PROJECT_DIR" in run.state.message and "prefect worker start" in run.state.message
+        deadline, logs = time.monotonic() + 30, []
+        while not [log for log in logs if "GRPO_PROJECT_DIR" in log.message and log.level >= 40]:
+            # the run's log lines reach the API in batches, possibly after its Failed state
+            assert time.monotonic() < deadline, [(log.level, log.message[:200]) for log in logs]
+            time.sleep(1)
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
     assert not (tmp_path / "no-dir").exists()
 
 
