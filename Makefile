@@ -43,7 +43,7 @@ sglang-env: $(SGL_STAMP)
 # and where PYTHONDONTWRITEBYTECODE is set every process (each stage's worker, each test's child)
 # would compile what it imports again (~0.2 CPU-s a worker). Only what changed is compiled again.
 bytecode: $(STAMP)
-	$(BIN)/python -m compileall -q grpo_core flows tasks bench tests >/dev/null
+	$(BIN)/python -m compileall -q grpo_core flows tasks bench tests
 
 demo: bytecode
 	$(BIN)/grpo demo
@@ -66,7 +66,7 @@ test: lint bytecode $(SGL_DEP)
 test-fast: lint bytecode
 	$(PYTEST) -m "not slow"
 
-bench: $(STAMP) $(SGL_DEP)  # one after another: each measures this machine, so never two at once
+bench: bytecode $(SGL_DEP)  # one after another: each measures this machine, so never two at once
 	$(BIN)/python -m bench.grpo_step
 	$(BIN)/python -m bench.hf_load
 	$(BIN)/python -m bench.generate
