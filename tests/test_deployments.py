@@ -119,6 +119,19 @@ def _wait(client, run_id, timeout=300):
         time.sleep(1)
 
 
+def wait_logs(client, run_id, done, timeout=30):
+    """The flow run's logs once `done(logs)` holds, or as they are after `timeout` s: a run's lines
+    reach the API in batches, and the last ones can land after its final state."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        if done(logs) or time.monotonic() >= deadline:
+            return logs
+        time.sleep(1)
+
+
 def test_server_listens_on_loopback_with_basic_auth(server):
     url, _ = server
     assert _get(f"{url}/version", None) == 401 and _get(f"{url}/version", "grpo:wrong") == 401

@@ -13,7 +13,7 @@ import pytest
 
 from grpo_core.store.lease import LEASE
 from grpo_core.store.root import RunRoot
-from tests.test_deployments import BIN, _flatten, _stop, _wait, client_env, served_client, tiny
+from tests.test_deployments import BIN, _flatten, _stop, _wait, client_env, served_client, tiny, wait_logs
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,6 @@ def test_sigterm_to_serve_stops_its_run_as_a_cancel_does(server, tmp_path):  # n
 def cancelled_cleanly(client, root) -> None:
     """issue 30, item 6: a run cancelled as the UI's Cancel does: its log said "Downloading flow
     code from storage at '.'" (nothing is downloaded) and ended "Finished in state Running()"."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
@@ -94,11 +93,8 @@ def cancelled_cleanly(client, root) -> None:
     client.set_flow_run_state(run.id, Cancelling(), force=True)  # the UI's Cancel
     state = _wait(client, run.id, timeout=120).state
     assert state.is_cancelled(), state
-    deadline, messages = time.monotonic() + 30, []
-    while not any(m.startswith("Finished") for m in messages) and time.monotonic() < deadline:
-        time.sleep(1)  # the run's last lines reach the API in the next batch
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-        messages = [log.message for log in logs]
+    logs = wait_logs(client, run.id, lambda logs: any(log.message.startswith("Finished") for log in logs))
+    messages = [log.message for log in logs]
     assert "Flow run was cancelled." in messages, messages[-10:]
     assert not [m for m in messages if "Finished in state Running()" in m or "storage at '.'" in m], messages
     assert "Finished: cancelled (the runner sets the flow run Cancelled)" in messages, messages[-10:]

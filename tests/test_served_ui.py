@@ -13,7 +13,17 @@ import time
 import pytest
 
 from grpo_core.store.root import RunRoot
-from tests.test_deployments import AUTH, BIN, _flatten, _stop, _wait, client_env, served_client, tiny
+from tests.test_deployments import (
+    AUTH,
+    BIN,
+    _flatten,
+    _stop,
+    _wait,
+    client_env,
+    served_client,
+    tiny,
+    wait_logs,
+)
 from tests.test_serve_stop import long_run, wait_training
 
 pytestmark = pytest.mark.slow
@@ -43,7 +53,6 @@ def test_a_cancelled_run_logs_nothing_at_error(serving):
     """issue 30, item 6: after the UI's Cancel the running task logged Prefect's "Crash
     detected! Execution was aborted by a termination signal." and "Finished in state
     Crashed(...)" at ERROR, and the flow "run interrupted: prefect.exceptions.TerminationSignal"."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
@@ -52,10 +61,7 @@ def test_a_cancelled_run_logs_nothing_at_error(serving):
     wait_training(client, run.id, root / "cancel-me")
     client.set_flow_run_state(run.id, Cancelling(), force=True)  # the UI's Cancel
     assert _wait(client, run.id, timeout=120).state.is_cancelled()
-    deadline, logs = time.monotonic() + 30, []
-    while not any(log.message.startswith("Finished: cancelled") for log in logs) and time.monotonic() < deadline:
-        time.sleep(1)  # the run's last lines reach the API in the next batch
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    logs = wait_logs(client, run.id, lambda logs: any(log.message.startswith("Finished: cancelled") for log in logs))
     lines = [(log.level, log.message) for log in logs]
     assert not [line for line in lines if line[0] >= 40], lines  # nothing at ERROR or above
     cancelled = "the flow run was cancelled (the UI's Cancel or the API)"

@@ -9,14 +9,13 @@ import os
 import pathlib
 import re
 import subprocess
-import time
 from contextlib import contextmanager
 
 import pytest
 
 from grpo_core.store.root import RunRoot
 from tests.prefect_server import api_client
-from tests.test_deployments import AUTH, BIN, _stop, _wait, tiny
+from tests.test_deployments import AUTH, BIN, _stop, _wait, tiny, wait_logs
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +110,6 @@ def test_recipe_deploys_the_pool_and_nothing_else(deployed):
 
 def test_worker_without_project_dir_fails_naming_it(deployed, tmp_path):
     client, env, worker_line = deployed
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.deployments import run_deployment
 
     bare = re.sub(r"^(\w+=\S*\s+)+", "", worker_line)  # the documented worker line, less GRPO_PROJECT_DIR=...
@@ -120,12 +118,9 @@ def test_worker_without_project_dir_fails_naming_it(deployed, tmp_path):
         run = _wait(client, run.id, timeout=120)
         assert run.state.is_failed(), (run.state, (tmp_path / "worker.log").read_text()[-3000:])
         assert "GRPO_PROJECT_DIR" in run.state.message and "prefect worker start" in run.state.message
-        deadline, logs = time.monotonic() + 30, []
-        while not [log for log in logs if "GRPO_PROJECT_DIR" in log.message and log.level >= 40]:
-            # the run's log lines reach the API in batches, possibly after its Failed state
-            assert time.monotonic() < deadline, [(log.level, log.message[:200]) for log in logs]
-            time.sleep(1)
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        named = lambda log: "GRPO_PROJECT_DIR" in log.message and log.level >= 40
+        logs = wait_logs(client, run.id, lambda logs: any(map(named, logs)))
+        assert any(map(named, logs)), [(log.level, log.message[:200]) for log in logs]
     assert not (tmp_path / "no-dir").exists()
 
 

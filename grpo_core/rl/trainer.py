@@ -529,7 +529,7 @@ class GRPOTrainer:
         a trainer built from shapes that found no checkpoint to restore after all (every one set
         aside as unreadable)."""
         _, params = nnx.split(model)
-        self.state = self.learner.init_state(self.placement.put_params(params))
+        self.state = self.learner.init_state(params)  # laid out over the learner's mesh there
         self.step = 0
 
     def train(
