@@ -8,11 +8,19 @@ import tempfile
 from tests.cpu_devices import FAST_COMPILE
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Worker processes share JAX's persistent compilation cache; the tests keep theirs to themselves.
-# Under pytest-xdist the controller imports this first and its test processes inherit the folder.
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-test-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+# The project's caches live in one folder of the session's, never in the host's ~/.cache: worker
+# processes share JAX's persistent compilation cache (the tests keep theirs to themselves), and
+# `grpo check`'s XLA figures (grpo_core.stages.aot) and the models copied from URLs
+# (grpo_core.store.sources) start empty, so that no result depends on what an earlier run left.
+# Under pytest-xdist the controller imports this first and its test processes inherit the folders.
+_CACHES = {"JAX_COMPILATION_CACHE_DIR": "jax", "GRPO_AOT_CACHE_DIR": "aot", "GRPO_MODEL_CACHE": "models"}
+if not all(os.environ.get(var) for var in _CACHES):
+    _cache = tempfile.mkdtemp(prefix="grpo-test-cache-")
+    atexit.register(shutil.rmtree, _cache, True)
+    for var, name in _CACHES.items():
+        if not os.environ.get(var):
+            os.environ[var] = os.path.join(_cache, name)
+            os.makedirs(os.environ[var])
 
 # XLA:CPU compiles the tests' programs without LLVM's optimisation passes (XLA's own HLO passes
 # still run): nearly every test compiles more than it computes, and LLVM's passes are most of a

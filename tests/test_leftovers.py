@@ -103,3 +103,16 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"grpo-export-{os.getpid()}-def", "grpo-export-xyz", "other"]
     )
+
+
+def test_the_suites_caches_are_its_own_not_the_hosts():
+    """The project's caches (XLA's figures of `grpo check`, models copied from URLs, the workers'
+    compilation cache) are one folder of this session's (tests/conftest.py): a report an earlier
+    run left in ~/.cache can neither pass a check nor hide what a compile costs."""
+    from grpo_core.stages.aot import cache_dir as aot_cache
+    from grpo_core.store.sources import cache_dir as model_cache
+
+    folders = {aot_cache(), model_cache(), os.environ["JAX_COMPILATION_CACHE_DIR"]}
+    hosts = {os.path.expanduser("~/.cache"), os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")}
+    assert len(folders) == 3 and all(os.path.isdir(f) for f in folders), folders
+    assert not [f for f in folders for h in hosts if os.path.realpath(f).startswith(os.path.realpath(h) + os.sep)]
