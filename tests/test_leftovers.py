@@ -107,12 +107,14 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next(tmp_path):
 
 def test_the_suites_caches_are_its_own_not_the_hosts():
     """The project's caches (XLA's figures of `grpo check`, models copied from URLs, the workers'
-    compilation cache) are one folder of this session's (tests/conftest.py): a report an earlier
-    run left in ~/.cache can neither pass a check nor hide what a compile costs."""
+    compilation cache) are folders of this session's (tests/conftest.py), outside the host's
+    cache: a report an earlier run left there can neither pass a check nor hide what a compile costs."""
     from grpo_core.stages.aot import cache_dir as aot_cache
     from grpo_core.store.sources import cache_dir as model_cache
 
     folders = {aot_cache(), model_cache(), os.environ["JAX_COMPILATION_CACHE_DIR"]}
-    hosts = {os.path.expanduser("~/.cache"), os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")}
+    hosts = {
+        os.path.realpath(h) + os.sep for h in (os.path.expanduser("~/.cache"), os.environ.get("XDG_CACHE_HOME")) if h
+    }
     assert len(folders) == 3 and all(os.path.isdir(f) for f in folders), folders
-    assert not [f for f in folders for h in hosts if os.path.realpath(f).startswith(os.path.realpath(h) + os.sep)]
+    assert not [f for f in folders if os.path.realpath(f).startswith(tuple(hosts))], folders
