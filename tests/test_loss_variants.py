@@ -2,6 +2,7 @@
 by hand from the reference formula: CISPO, SAPO, the entropy bonus, TRL's top_entropy_quantile
 mask, GDPO's normalize_then_sum, and the warning for GSPO with a token-level aggregation."""
 
+import dataclasses
 import math
 
 import jax
@@ -160,13 +161,51 @@ def test_rollout_weights_truncate_or_mask_per_token_or_sequence():
     assert float(m["rollout_is/mismatch_kl"]) == pytest.approx(np.mean([math.exp(x) - x - 1 for x in xs]), rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    "mode, accum", [(ISCorrection.TOKEN_TRUNCATE, 1), (ISCorrection.SEQUENCE_MASK, 2), (ISCorrection.OFF, 2)]
+)
+def test_rescoring_in_the_update_is_the_update_after_a_pass_of_its_own(mode, accum):
+    """With one update per rollout the learner rescores old_logp in the update's own forward
+    (TrainConfig.rescores_in_update): the same new parameters, loss, gradient norm and mismatch
+    metrics as rescoring in a pass of its own, then weighing the batch. The sampler's log-probs
+    are moved away from the policy's (noise of 0.3 nats) so that the correction caps and masks;
+    two micro-batches add their sums (gap_max: the larger)."""
+    tr, _ = make(steps=1)
+    batch = _learner_batch(tr)
+    sampler = batch.old_logp + 0.3 * jax.random.normal(jax.random.key(1), batch.old_logp.shape)
+    batch = batch._replace(old_logp=sampler * batch.mask)
+    cap, opt = 1.3, OptimizerConfig(learning_rate=1e-3, eps=1e-3)  # Adam's eps: see test_gradient_accumulation_...
+    base = LossParams.from_config(GRPOConfig(grad_accum_steps=accum), 6, 1.0)
+    fused = Learner(tr.graphdef, opt, dataclasses.replace(base, rescore_in_update=True, is_mode=mode, is_cap=cap), 10)
+    apart = Learner(tr.graphdef, opt, base, 10)
+    fresh = lambda lr: lr.init_state(jax.tree.map(jnp.copy, tr.params))
+    s_in, m_in = fused.update(fresh(fused), batch)
+    behaviour = apart.score_policy(tr.params, batch)
+    w, metrics = algo.rollout_weights(behaviour, batch.old_logp, batch.mask, mode, cap)
+    weighed = batch._replace(old_logp=behaviour, rollout_weight=None if mode is ISCorrection.OFF else w)
+    s_apart, m_apart = apart.update(fresh(apart), weighed)
+    assert set(metrics) <= set(m_in)
+    assert ("rollout_is/frac_capped" in m_in) is (mode is not ISCorrection.OFF)
+    for k in ("loss", "grad_norm", "kl", "entropy", "ratio_mean", *metrics):
+        want = metrics[k] if k in metrics else m_apart[k]
+        assert float(m_in[k]) == pytest.approx(float(want), rel=1e-4, abs=1e-6), k
+    assert float(m_in["ratio_mean"]) == 1.0  # exactly on-policy: the update's own log-probs
+    if mode is not ISCorrection.OFF:
+        assert 0 < float(metrics["rollout_is/frac_capped"]) < 1  # the correction acted on some, not all
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_in["params"], s_apart["params"])
+
+
 def test_mismatch_correction_is_on_where_the_learner_rescores():
     assert RolloutConfig().is_mode(DType.FLOAT32) is ISCorrection.OFF  # f32 built-in sampler: the same numbers
     assert RolloutConfig().is_mode(DType.BFLOAT16) is ISCorrection.TOKEN_TRUNCATE
     assert RolloutConfig(engine="http", server="sglang-jax").is_mode() is ISCorrection.TOKEN_TRUNCATE
     with pytest.raises(ConfigError, match=r"is_correction=sequence_mask weighs the rollout engine's log-probs"):
         RunConfig.from_dict({"train": {"rollout": {"is_correction": "sequence_mask"}}})
-    tr, _ = make(steps=1, rollout={"recompute_logprobs": True, "is_correction": "token_mask", "is_cap": 1.5})
+    # two iterations over the rollout: rescored in a pass of its own, before the first update
+    rollout = {"recompute_logprobs": True, "is_correction": "token_mask", "is_cap": 1.5}
+    tr, _ = make(steps=1, rollout=rollout, grpo={"num_iterations": 2})
+    assert tr.rescore and not tr.rescore_in_update
     m = tr.train_step()
+    assert m["time/rescore"] > 0
     assert m["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-3)  # f32 sampler: ratios ~1, nothing masked
     assert m["rollout_is/frac_capped"] == 0.0 and m["rollout_is/mismatch_kl"] < 1e-6

@@ -224,10 +224,12 @@ def test_mixed_precision_keeps_f32_master_weights_and_rescores_old_logprobs():
     mu, nu = (optax.tree_utils.tree_get(tr.state["opt_state"], k) for k in ("mu", "nu"))
     assert dtypes(mu) == {"bfloat16"} and dtypes(nu) == {"float32"}
     assert dtypes(tr.ref_params) == {"bfloat16"}  # the reference as the matmuls read it: half the memory
+    assert tr.rescore_in_update  # one update per rollout: in the update's own forward, no pass of its own
     for m in hist:
-        assert np.isfinite(m["loss"]) and m["time/rescore"] > 0
+        assert np.isfinite(m["loss"]) and m["time/rescore"] == 0
         # the engine's bf16 log-probs against the learner's, on the same tokens: close, not equal
         assert 0 < m["logprobs/sampler_gap_mean"] <= m["logprobs/sampler_gap_max"] < 0.5
+        assert m["rollout_is/weight_mean"] == pytest.approx(1.0, abs=0.05) and m["ratio_mean"] == 1.0
     # float32 end to end: the sampler's own log-probs are kept (they agree to ~1e-6, tests/test_sampler.py)
     f32 = make(steps=1)[0]
     assert not f32.rescore and "logprobs/sampler_gap_mean" not in f32.train()[0]

@@ -617,6 +617,15 @@ class TrainConfig(Section):
                 del out["grpo"][k]
         return out
 
+    def rescores_in_update(self, compute_dtype: DType = DType.FLOAT32) -> bool:
+        """Whether the learner's rescoring of old_logp (RolloutConfig.learner_logprobs) happens in the
+        update's own forward pass, not in a pass of its own: with one optimizer update per rollout
+        (one iteration, one minibatch) the policy that scores the samples is the one the update
+        differentiates, so old_logp is its own log-probs held constant (stop_gradient), as TRL takes
+        them when num_iterations is 1. The same numbers, one forward pass and one program fewer."""
+        g = self.grpo
+        return self.rollout.learner_logprobs(compute_dtype) and g.num_iterations == 1 and g.minibatches_per_rollout == 1
+
     @property
     def memory_resolved(self) -> bool:
         """Whether remat and grad_accum_steps are chosen (not auto): what the learner needs."""

@@ -164,34 +164,87 @@ def normalize_then_sum(per_function: jax.Array, weights: jax.Array, group_size: 
     return xp.where(scored, (total - m) / (_nan_std(total) + eps), 0.0)
 
 
-def rollout_weights(
+class MismatchSums(NamedTuple):
+    """The sampler/learner log-prob mismatch of some rows, as sums over their masked tokens (the
+    micro-batches of an update add up, `gap_max` takes their largest): mismatch_means turns an
+    update batch's into the reported metrics."""
+
+    gap: jax.Array  # |learner - sampler| (verl's rollout_probs_diff)
+    gap_max: jax.Array
+    kl: jax.Array  # k3 terms of KL(sampler || learner) on the sampled tokens
+    weight: jax.Array  # the importance weights
+    capped: jax.Array  # tokens (token_*) or sequences (sequence_*) capped or masked
+    units: jax.Array  # tokens or sequences that `capped` counts among
+
+    def add(self, other: "MismatchSums") -> "MismatchSums":
+        both = zip(self._fields, self, other)
+        return MismatchSums(*(jnp.maximum(a, b) if k == "gap_max" else a + b for k, a, b in both))
+
+    @classmethod
+    def zeros(cls) -> "MismatchSums":
+        return cls(*(jnp.float32(0) for _ in cls._fields))
+
+
+def rollout_mismatch(
     learner_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array, mode: ISCorrection, cap: float
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The sampler/learner mismatch correction, (B, N) weights and their metrics. w = pi_learner /
-    pi_sampler of each token (token_*), or of the whole sequence, exp(sum of the token log
-    ratios), for every token of it (sequence_*); *_truncate caps w at `cap`, *_mask zeroes it
-    above. Metrics: the mismatch KL(sampler || learner) estimated on the sampled tokens (k3), and
-    the fraction of tokens (token_*) or sequences (sequence_*) capped or masked."""
+) -> tuple[jax.Array, MismatchSums]:
+    """The sampler/learner mismatch correction: (B, N) weights, and the mismatch's sums. w =
+    pi_learner / pi_sampler of each token (token_*), or of the whole sequence, exp(sum of the
+    token log ratios), for every token of it (sequence_*); *_truncate caps w at `cap`, *_mask
+    zeroes it above (`off`: the uncapped token ratios, for the metrics alone). The sums: |log-prob
+    difference|, the mismatch KL(sampler || learner) estimated on the sampled tokens (k3), the
+    weights, and the tokens (token_*) or sequences (sequence_*) capped or masked."""
     log_w = (learner_logp - sampler_logp) * mask
+    gap = jnp.abs(log_w)
     if mode in (ISCorrection.SEQUENCE_TRUNCATE, ISCorrection.SEQUENCE_MASK):
         seq = jnp.sum(log_w, axis=-1, keepdims=True)
         log_w = jnp.broadcast_to(seq, mask.shape)
-        units = jnp.maximum(jnp.sum(jnp.any(mask > 0, axis=-1)), 1)
-        over = jnp.sum((seq[:, 0] > jnp.log(cap)) & jnp.any(mask > 0, axis=-1)) / units
+        rows = jnp.any(mask > 0, axis=-1)
+        units, capped = jnp.sum(rows), jnp.sum((seq[:, 0] > jnp.log(cap)) & rows)
     else:
-        over = jnp.sum((log_w > jnp.log(cap)) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        units, capped = jnp.sum(mask), jnp.sum((log_w > jnp.log(cap)) * mask)
     w = jnp.exp(jnp.minimum(log_w, 60.0))  # exp of a long sequence's sum stays finite before the cap
     if mode in (ISCorrection.TOKEN_TRUNCATE, ISCorrection.SEQUENCE_TRUNCATE):
         w = jnp.minimum(w, cap)
-    else:
+    elif mode in (ISCorrection.TOKEN_MASK, ISCorrection.SEQUENCE_MASK):
         w = jnp.where(w > cap, 0.0, w)
     x = sampler_logp - learner_logp  # k3 estimate of KL(sampler || learner) from the sampler's tokens
-    kl = jnp.sum((jnp.exp(x) - x - 1.0) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    return w * mask, {
-        "rollout_is/mismatch_kl": kl,
-        "rollout_is/frac_capped": over,
-        "rollout_is/weight_mean": (jnp.sum(w * mask) / jnp.maximum(jnp.sum(mask), 1.0)),
-    }
+    f32 = lambda v: jnp.asarray(v, jnp.float32)
+    sums = MismatchSums(
+        gap=f32(jnp.sum(gap)),
+        gap_max=f32(jnp.max(gap)),
+        kl=f32(jnp.sum((jnp.exp(x) - x - 1.0) * mask)),
+        weight=f32(jnp.sum(w * mask)),
+        capped=f32(capped),
+        units=f32(units),
+    )
+    return w * mask, sums
+
+
+def mismatch_means(sums: MismatchSums, mask: jax.Array, correction: bool) -> dict[str, jax.Array]:
+    """The metrics of an update batch's mismatch sums: the log-prob gap (mean and max per token),
+    and with a `correction` on, its KL, the fraction capped and the mean weight."""
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    out = {"logprobs/sampler_gap_mean": sums.gap / n, "logprobs/sampler_gap_max": sums.gap_max}
+    if correction:
+        out.update(
+            {
+                "rollout_is/mismatch_kl": sums.kl / n,
+                "rollout_is/frac_capped": sums.capped / jnp.maximum(sums.units, 1.0),
+                "rollout_is/weight_mean": sums.weight / n,
+            }
+        )
+    return out
+
+
+def rollout_weights(
+    learner_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array, mode: ISCorrection, cap: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """rollout_mismatch's weights and metrics over a whole batch (the trainer's, where the learner
+    rescores old_logp in a pass of its own): the log-prob gap, the mismatch KL, the fraction capped
+    and the mean weight."""
+    w, sums = rollout_mismatch(learner_logp, sampler_logp, mask, mode, cap)
+    return w, mismatch_means(sums, mask, mode is not ISCorrection.OFF)
 
 
 def clip_counts(log_r, adv, mask, eps_low, eps_high) -> tuple[jax.Array, jax.Array]:

@@ -12,7 +12,8 @@ same code with the same meshes (grpo_core.runtime.mesh.Placement) and shardings:
 
     update        Learner.update: one optimizer update over a minibatch, accumulation inside
     reference     the KL reference's log-probs (beta > 0)
-    old_logprobs  the policy's log-probs of its own samples (when the learner rescores them)
+    old_logprobs  the policy's log-probs of its own samples (when the learner rescores them in a pass of
+                  their own: with one update per rollout the update's forward scores them)
     prefill       the sampler's prompt pass and first token, KV cache laid out on the rollout mesh
     decode        the sampler's decode loop over that cache
     eval_prefill, eval_decode   evaluation's generate (eval.batch_size prompts x eval.num_samples),
@@ -332,7 +333,8 @@ class RunPrograms:
                     params if lora is None else frozen,
                 )
                 self.ref_copy = self.ref_params = _laid(cast, pl.param_shardings(cast, pl.reference))
-        self.rescore = train.rollout.learner_logprobs(model.dtype)
+        # old_logp rescored by the learner: in a program of its own, or inside the update (as GRPOTrainer does)
+        self.rescore = train.rollout.learner_logprobs(model.dtype) and not train.rescores_in_update(model.dtype)
         self.is_mode = train.rollout.is_mode(model.dtype) if self.rescore else ISCorrection.OFF
 
     # -- arrays ---------------------------------------------------------------------------------
@@ -360,7 +362,7 @@ class RunPrograms:
         out like their parameters, as Placement.init_opt_state makes them)."""
         pl, g = self.placement, self.train.grpo
         train = self.train.replace(remat=remat, grpo=g.replace(grad_accum_steps=accum))
-        hp = LossParams.from_train(train)
+        hp = LossParams.from_train(train, self.mc.dtype)
         total = train.num_steps * g.num_iterations * g.minibatches_per_rollout
         lr = Learner(self.graphdef, train.optimizer, hp, total, self.ref_graphdef, pl)
         opt = jax.eval_shape(lr.tx.init, self.params)

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from grpo_core.config.model import DType
 from grpo_core.config.train import (
     GRPOConfig,
+    ISCorrection,
     KLEstimator,
     LossAggregation,
     OptimizerConfig,
@@ -59,6 +60,11 @@ class LossParams:
     sapo_tau: tuple[float, float] = (1.0, 1.05)  # (A > 0, A <= 0)
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
+    # old_logp rescored in the update's own forward (TrainConfig.rescores_in_update): the batch's
+    # old_logp is then the sampler's, weighed by the mismatch correction is_mode at is_cap
+    rescore_in_update: bool = False
+    is_mode: ISCorrection = ISCorrection.OFF
+    is_cap: float = 2.0
     backend: str = "cpu"  # the platform compiled for, which rounds the chunk count (set by the Learner)
     mesh: Mesh | None = None  # the learner's mesh, when it has more than one device: activations laid out over its rows
 
@@ -70,7 +76,9 @@ class LossParams:
         temperature: float,
         remat: RematPolicy = RematPolicy.NONE,
         chunk_mib: int = DEFAULT_CHUNK_MIB,
+        rescore: tuple[ISCorrection, float] | None = None,
     ) -> "LossParams":
+        """`rescore`: (the mismatch correction, its cap) where old_logp is rescored in the update, else None."""
         if g.grad_accum_steps == "auto" or remat is RematPolicy.AUTO:
             raise ValueError(
                 "grad_accum_steps and remat must be chosen before the learner is built "
@@ -93,11 +101,19 @@ class LossParams:
             sapo_tau=(g.sapo_temperature_pos, g.sapo_temperature_neg),
             entropy_coef=g.entropy_coef,
             top_entropy_quantile=g.top_entropy_quantile,
+            rescore_in_update=rescore is not None,
+            is_mode=ISCorrection.OFF if rescore is None else rescore[0],
+            is_cap=2.0 if rescore is None else rescore[1],
         )
 
     @classmethod
-    def from_train(cls, t: TrainConfig) -> "LossParams":
-        return cls.from_config(t.grpo, t.sampling.max_new_tokens, t.sampling.temperature, t.remat, t.logits_chunk_mib)
+    def from_train(cls, t: TrainConfig, compute_dtype: DType = DType.FLOAT32) -> "LossParams":
+        """The loss of `t` for a policy computing in `compute_dtype` (which decides where old_logp comes from)."""
+        r = t.rollout
+        rescore = (r.is_mode(compute_dtype), r.is_cap) if t.rescores_in_update(compute_dtype) else None
+        return cls.from_config(
+            t.grpo, t.sampling.max_new_tokens, t.sampling.temperature, t.remat, t.logits_chunk_mib, rescore
+        )
 
 
 def completion_logprobs(
@@ -170,15 +186,22 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
         backend=hp.backend,
         mesh=hp.mesh,
     )
-    log_r = algo.log_ratio(logp, micro.old_logp, micro.mask, hp.ratio_level)
+    mismatch, is_weights = None, micro.rollout_weight
+    if hp.rescore_in_update:  # old_logp is this pass's own, held constant; the batch's, the sampler's
+        old_logp = jax.lax.stop_gradient(logp)
+        w, mismatch = algo.rollout_mismatch(old_logp, micro.old_logp, micro.mask, hp.is_mode, hp.is_cap)
+        is_weights = None if hp.is_mode is ISCorrection.OFF else jax.lax.stop_gradient(w)
+    else:
+        old_logp = micro.old_logp
+    log_r = algo.log_ratio(logp, old_logp, micro.mask, hp.ratio_level)
     if hp.policy_loss is PolicyLoss.CISPO:
         per_token = algo.cispo_loss(logp, log_r, micro.advantages, hp.epsilon_high)
     elif hp.policy_loss is PolicyLoss.SAPO:
         per_token = algo.sapo_loss(log_r, micro.advantages, *hp.sapo_tau)
     else:
         per_token = algo.clipped_surrogate(log_r, micro.advantages, hp.epsilon_low, hp.epsilon_high, hp.dual_clip)
-    if micro.rollout_weight is not None:  # the sampler/learner mismatch correction (train.rollout.is_correction)
-        per_token = per_token * micro.rollout_weight
+    if is_weights is not None:  # the sampler/learner mismatch correction (train.rollout.is_correction)
+        per_token = per_token * is_weights
     if hp.top_entropy_quantile < 1.0:  # the policy loss on the high-entropy "forking" tokens only (TRL)
         per_token = per_token * algo.high_entropy_mask(ent, micro.mask, hp.top_entropy_quantile)
     kl = algo.kl_penalty(logp, micro.ref_logp, hp.kl_estimator) if hp.beta > 0 else jnp.zeros_like(logp)
@@ -188,7 +211,7 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
     loss = algo.weighted_sum(per_token, weights)
     # token sums; divided by the update batch's token count after accumulation
     sums = algo.token_sums(log_r, micro.advantages, kl, ent, micro.mask, hp.epsilon_low, hp.epsilon_high)
-    return loss, jax.tree.map(jax.lax.stop_gradient, sums)
+    return loss, jax.tree.map(jax.lax.stop_gradient, (sums, mismatch))
 
 
 def accumulator_dtype(dtype):
@@ -206,13 +229,17 @@ def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedu
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
 
     def accumulate(carry, mb):
-        grads, loss, sums = carry
+        grads, loss, (sums, mismatch) = carry
         mb_batch, mb_weights = mb
-        (mb_loss, s), g = grad_fn(state["params"], graphdef, mb_batch, mb_weights, hp, frozen)
+        (mb_loss, (s, m)), g = grad_fn(state["params"], graphdef, mb_batch, mb_weights, hp, frozen)
         grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), grads, g)
-        return (grads, loss + mb_loss, jax.tree.map(jnp.add, sums, s)), None
+        mismatch = None if m is None else mismatch.add(m)
+        return (grads, loss + mb_loss, (jax.tree.map(jnp.add, sums, s), mismatch)), None
 
-    zero_sums = algo.TokenSums(**{k: jnp.float32(0) for k in algo.TokenSums._fields})
+    zero_sums = (
+        algo.TokenSums(**{k: jnp.float32(0) for k in algo.TokenSums._fields}),
+        algo.MismatchSums.zeros() if hp.rescore_in_update else None,
+    )
     if a == 1:  # no loop: lets XLA fuse the whole step
         init = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.float32(0), zero_sums)
         (grads, loss, sums), _ = accumulate(init, jax.tree.map(lambda x: x[0], micro))
@@ -223,7 +250,10 @@ def update(state: TrainState, batch: Batch, frozen=None, *, graphdef, tx, schedu
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    sums, mismatch = sums
     metrics = algo.token_means(sums, batch.mask)._asdict()
+    if mismatch is not None:  # old_logp rescored here: the sampler's gap (and its correction's metrics)
+        metrics.update(algo.mismatch_means(mismatch, batch.mask, hp.is_mode is not ISCorrection.OFF))
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state["step"]))
     return TrainState(params=params, opt_state=opt_state, step=state["step"] + 1), metrics
 

@@ -170,7 +170,7 @@ class GRPOTrainer:
         self.opts = SamplerOptions.from_config(
             cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer), tokenizer.pad_token_id
         )
-        hp = LossParams.from_train(cfg)
+        hp = LossParams.from_train(cfg, model.config.dtype)
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
         self.learner = _learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
         # The reference is the starting policy, frozen (with LoRA: the base weights themselves,
@@ -191,6 +191,9 @@ class GRPOTrainer:
         self.rescore = cfg.rollout.learner_logprobs(model.config.dtype)
         # the mismatch correction needs both log-probs: the engine's and the learner's rescoring
         self.is_mode = cfg.rollout.is_mode(model.config.dtype) if self.rescore else ISCorrection.OFF
+        # with one update per rollout, in the update's own forward (its metrics come with the update's);
+        # else in a pass of its own before the updates, which weigh the batch by its rollout_weight
+        self.rescore_in_update = cfg.rescores_in_update(model.config.dtype)
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
         self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
@@ -258,7 +261,7 @@ class GRPOTrainer:
                 advantages=jax.ShapeDtypeStruct((b,), jnp.float32),
                 old_logp=per_token(jnp.float32),
                 ref_logp=per_token(jnp.float32),
-                rollout_weight=per_token(jnp.float32) if self.is_mode is not ISCorrection.OFF else None,
+                rollout_weight=per_token(jnp.float32) if self._weighs_batch else None,
             )
         )
         sampler_jobs = self.engine.compile_jobs(ptok, pval, key, g_cfg.num_generations)
@@ -404,18 +407,14 @@ class GRPOTrainer:
         self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"] - self._t["sync"]
         batch = self._batch(ro)
         self._wait_compiled()
-        if self.rescore:
+        if self.rescore and not self.rescore_in_update:
             t = time.perf_counter()
-            sampler_logp = batch.old_logp
             behaviour = self.learner.score_policy(self.params, batch).block_until_ready()  # the current policy's
-            batch = batch._replace(old_logp=behaviour)
-            info.update(_logprob_gap(sampler_logp, batch.old_logp, batch.mask))
-            if self.is_mode is not ISCorrection.OFF:
-                weights, is_metrics = _rollout_weights(
-                    batch.old_logp, sampler_logp, batch.mask, self.is_mode, self.cfg.rollout.is_cap
-                )
-                batch = batch._replace(rollout_weight=weights)
-                info.update(is_metrics)  # read with the step's metrics: no sync here
+            weights, mismatch = _rollout_weights(
+                behaviour, batch.old_logp, batch.mask, self.is_mode, self.cfg.rollout.is_cap
+            )
+            batch = batch._replace(old_logp=behaviour, rollout_weight=weights if self._weighs_batch else None)
+            info.update(mismatch)  # read with the step's metrics: no sync here
             self._t["rescore"] = time.perf_counter() - t
         if self.ref_params is not None:
             t = time.perf_counter()
@@ -429,6 +428,11 @@ class GRPOTrainer:
         metrics["time/step"] = time.perf_counter() - t0
         self.step += 1
         return metrics
+
+    @property
+    def _weighs_batch(self) -> bool:
+        """Whether the update reads the mismatch correction's weights from the batch (rescored in a pass of its own)."""
+        return self.is_mode is not ISCorrection.OFF and not self.rescore_in_update
 
     def _sync_engine(self, version: int) -> None:
         """Send the policy after `version` updates to the rollout engine (bounded by
@@ -553,19 +557,6 @@ def _in_compute_dtype(params, dtype: DType):
     if dtype is not DType.BFLOAT16:
         return params
     return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 and x.dtype == jnp.float32 else x, params)
-
-
-@jax.jit
-def _gap(a, b, mask):
-    d = jnp.abs(a - b) * mask
-    return jnp.sum(d) / jnp.maximum(jnp.sum(mask), 1.0), jnp.max(d)
-
-
-def _logprob_gap(sampler_logp, learner_logp, mask) -> dict[str, float]:
-    """How far the engine's log-probs are from the learner's on the same tokens (verl's
-    rollout_probs_diff): mean and max |difference| over the completion tokens."""
-    mean, top = _gap(sampler_logp, learner_logp, mask)  # read with the step's metrics: no sync here
-    return {"logprobs/sampler_gap_mean": mean, "logprobs/sampler_gap_max": top}
 
 
 def _mean(x):
