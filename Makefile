@@ -73,6 +73,7 @@ bench: bytecode $(SGL_DEP)  # one after another: each measures this machine, so 
 	$(BIN)/python -m bench.real_shapes
 	$(BIN)/python -m bench.rollout_engines
 	$(BIN)/python -m bench.start_policy
+	$(BIN)/python -m bench.rescore
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) *.egg-info

@@ -121,3 +121,16 @@ def test_profile_summary_names_the_programs_and_ops_that_took_the_time(tmp_path)
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))
     table = profile.table(s)
     assert "XLA profile" in table and "heavy" in table
+
+
+def test_rescore_benchmark_times_both_ways_to_the_same_loss(tmp_path, capsys):
+    from bench import rescore
+
+    assert rescore.main(["--workload", "tiny", "--reps", "1", "--json", str(tmp_path / "out.json")]) == 0
+    table = capsys.readouterr().out
+    assert "apart / in_update:" in table
+    (row,) = json.load(open(tmp_path / "out.json"))
+    for v in ("apart", "in_update"):
+        assert 0 < row[v]["median_s"] and 0 < row[v]["first_s"]
+    assert row["in_update"]["loss"] == pytest.approx(row["apart"]["loss"], rel=1e-4, abs=1e-6)
+    assert row["ratio"] > 0
