@@ -305,10 +305,10 @@ def test_each_recipe_resolves_and_passes_its_check(recipe, hub):
 @pytest.mark.slow
 def test_the_v5e_lora_recipe_fits_its_chip_as_xla_compiles_it(hub):
     """The recipe that names its target (pipeline.readiness.target: v5e:1x1): every program
-    compiled for one v5e chip by XLA's TPU compiler, from this CPU host, within its HBM. ~9 min
-    of compiling on 2 cores."""
+    compiled for one v5e chip by XLA's TPU compiler, from this CPU host, within its HBM. ~3
+    CPU-min of compiling (~100 s alone on 2 cores, 3-4 min beside the rest of the suite)."""
     pytest.importorskip("libtpu")
-    # the compile takes ~9 min alone on 2 busy cores: past pipeline.check_timeout_s's 600 s default
+    # on 2 cores busy with other work the compile can pass pipeline.check_timeout_s's 600 s default
     _, report = resolve_and_check(hub, "gsm8k-qwen2.5-1.5b-instruct-lora-v5e.yaml", "pipeline.check_timeout_s=2400")
     assert report["ready"], [c for c in report["checks"] if not c["ok"]]
     checks = {c["name"]: c for c in report["checks"]}
