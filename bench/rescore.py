@@ -53,9 +53,8 @@ def run(name: str, reps: int) -> dict:
     from grpo_core.data.synthetic import CharTokenizer
     from grpo_core.nn.model import create_model
     from grpo_core.rewards.functions import Reward
-    from grpo_core.rl import algo
     from grpo_core.rl.learner import Learner
-    from grpo_core.rl.trainer import GRPOTrainer
+    from grpo_core.rl.trainer import GRPOTrainer, _rollout_weights
 
     w = WORKLOADS[name]
     mcfg = get_preset(w["preset"], dtype="float32", param_dtype="float32", **w["over"])
@@ -75,12 +74,11 @@ def run(name: str, reps: int) -> dict:
     inside = tr.learner
     hp = dataclasses.replace(inside.hp, rescore_in_update=False, is_mode=ISCorrection.OFF)
     apart = Learner(tr.graphdef, train.optimizer, hp, 2, None, tr.placement)
-    weigh = jax.jit(algo.rollout_weights, static_argnums=(3, 4))
     fresh = lambda: jax.tree.map(jnp.copy, tr.state)
 
     def call_apart(state):
         behaviour = apart.score_policy(tr.params, batch)
-        weights, _ = weigh(behaviour, batch.old_logp, batch.mask, tr.is_mode, train.rollout.is_cap)
+        weights, _ = _rollout_weights(behaviour, batch.old_logp, batch.mask, tr.is_mode, train.rollout.is_cap)
         return apart.update(state, batch._replace(old_logp=behaviour, rollout_weight=weights))
 
     def call_inside(state):

@@ -190,7 +190,7 @@ def _loss(params, graphdef, micro: Batch, weights, hp: LossParams, frozen=None):
     if hp.rescore_in_update:  # old_logp is this pass's own, held constant; the batch's, the sampler's
         old_logp = jax.lax.stop_gradient(logp)
         w, mismatch = algo.rollout_mismatch(old_logp, micro.old_logp, micro.mask, hp.is_mode, hp.is_cap)
-        is_weights = None if hp.is_mode is ISCorrection.OFF else jax.lax.stop_gradient(w)
+        is_weights = None if hp.is_mode is ISCorrection.OFF else w  # of constants: no gradient
     else:
         old_logp = micro.old_logp
     log_r = algo.log_ratio(logp, old_logp, micro.mask, hp.ratio_level)
