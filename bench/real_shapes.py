@@ -173,6 +173,8 @@ def run(
         "step_s": med("time/step"),
         "rollout_s": med("time/rollout"),
         "reference_s": med("time/reference"),
+        # the learner's scoring pass of its own (0 where old_logp is scored in the update's forward)
+        "rescore_s": statistics.median(m.get("time/rescore", 0.0) for m in per),
         "update_s": med("time/update"),
         "rollout_tokens_per_s": med("rollout_tokens_per_s"),
         "attention": os.environ.get("GRPO_ATTENTION", "auto"),
@@ -209,6 +211,7 @@ def _table(rows: list[dict]) -> str:
         "s/step",
         "rollout",
         "ref",
+        "rescore",
         "update",
         "roll tok/s",
     )
@@ -231,6 +234,7 @@ def _table(rows: list[dict]) -> str:
                     f"{r['step_s']:.2f}",
                     f"{r['rollout_s']:.2f}",
                     f"{r['reference_s']:.2f}",
+                    f"{r.get('rescore_s', 0.0):.2f}",
                     f"{r['update_s']:.2f}",
                     f"{r['rollout_tokens_per_s']:.0f}",
                 ]
