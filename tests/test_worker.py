@@ -351,3 +351,29 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+CACHE_CHECK = """
+import os, sys
+import jax, jax.numpy as jnp
+from grpo_core.stages.worker import _compilation_cache
+_compilation_cache()
+print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+if "://" not in jax.config.jax_compilation_cache_dir:
+    jax.block_until_ready(jax.random.normal(jax.random.key(0), (3, 5)))  # op by op, each a small program
+"""
+
+
+@pytest.mark.parametrize("folder", ["local", "gs://bucket/jax"])
+def test_a_local_compilation_cache_keeps_every_program_a_remote_one_the_slow_ones(tmp_path, folder):
+    """The worker's compilation cache: in a local folder even the eager initialisers' tiny
+    programs (loading them costs less than compiling them); in a bucket only programs that took
+    0.1 s or more to compile (a read there costs more than a small compile)."""
+    where = str(tmp_path / "jax") if folder == "local" else folder
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=where)
+    env.pop("GRPO_COMPILATION_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", CACHE_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [where, "0.0" if folder == "local" else "0.1"]
+    if folder == "local":
+        assert len(os.listdir(where)) >= 3  # the draw's programs, each under 0.1 s to compile
