@@ -504,9 +504,9 @@ def check(
     whose update XLA fits. A fixed choice that does not fit is kept (and reported as not fitting),
     with up to `max_extra` other candidates compiled to name one that would. `only`: the programs
     besides the update to compile (default: all of them). `cache`: XLA's figures per program
-    (default: this call's only, which still compiles a program met twice once). `threads`:
-    programs compiled at once (XLA releases the GIL while it compiles); the update's candidates
-    run one after another in one of them."""
+    (default: this call's only, which still compiles a program met twice once). `threads`: the
+    programs other than the update compiled at once (XLA releases the GIL while it compiles),
+    beside the update's candidates, which run one after another in the calling thread."""
     t0 = time.perf_counter()
     devices = topology_devices(target)
     t_topo = time.perf_counter() - t0

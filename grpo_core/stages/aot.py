@@ -16,7 +16,8 @@ check of the same programs reads the report back in well under a second, before 
 imported. Each program's figures are cached too (under programs/, by its lowered module): a
 config that changes only evaluation compiles only evaluation. The folder is GRPO_AOT_CACHE_DIR,
 else ~/.cache/grpo-pipeline/aot (XDG_CACHE_HOME); GRPO_AOT_CACHE=0 turns both off.
-GRPO_AOT_THREADS: programs compiled at once (default 2, at most the host's cores).
+GRPO_AOT_THREADS: programs other than the update compiled at once, beside the update's candidates
+(default 2, at most the host's cores).
 
 This process never opens a TPU, not even on a TPU VM whose chips a training worker holds: it
 runs JAX on the CPU and loads libtpu's compiler without its lockfile (ALLOW_MULTIPLE_LIBTPU_LOAD).
