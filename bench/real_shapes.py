@@ -173,8 +173,7 @@ def run(
         "step_s": med("time/step"),
         "rollout_s": med("time/rollout"),
         "reference_s": med("time/reference"),
-        # the learner's scoring pass of its own (0 where old_logp is scored in the update's forward)
-        "rescore_s": statistics.median(m.get("time/rescore", 0.0) for m in per),
+        "rescore_s": med("time/rescore"),  # a pass of its own; 0 where the update's forward scores old_logp
         "update_s": med("time/update"),
         "rollout_tokens_per_s": med("rollout_tokens_per_s"),
         "attention": os.environ.get("GRPO_ATTENTION", "auto"),

@@ -354,8 +354,7 @@ def _alive(pid: int) -> bool:
 
 
 CACHE_CHECK = """
-import os, sys
-import jax, jax.numpy as jnp
+import jax
 from grpo_core.stages.worker import _compilation_cache
 _compilation_cache()
 print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
