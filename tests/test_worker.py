@@ -40,10 +40,10 @@ def make_run(root: str, name: str, **extra) -> str:
     return cfg.run_url
 
 
-def worker(root, until=None, steps=None, env=None):
+def worker(root, until=None, steps=None, env=None, then=()):
     args = ["train", "--until-step", str(until)] if steps is None else ["eval", "--steps", steps]
     return subprocess.Popen(
-        [sys.executable, "-m", "grpo_core.stages.worker", *args, "--root", root],
+        [sys.executable, "-m", "grpo_core.stages.worker", *args, *then, "--root", root],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -117,6 +117,24 @@ def test_epoch_boundary_and_finished_runs(tmp_path):
     assert 0 <= stored["accuracy"] <= 1 and set(stored) >= {"pass@1", "pass@2", "greedy", "sampled", "examples"}
     ev = events(worker(root, steps="6"))  # evaluated with the same config: read back
     assert ev[0]["cached"] is True and ev[0]["accuracy"] == stored["accuracy"]
+
+
+def test_the_evaluations_programs_compile_while_the_worker_trains(tmp_path):
+    """GRPO_EVAL_AHEAD=1 (the default on an accelerator): train --then-eval compiles the
+    evaluation's sampler programs (greedy, sampled, the examples) in a thread while it trains, for
+    the policy laid out as the evaluation lays it out: each evaluation then compiles nothing, and
+    scores as one that compiled for itself."""
+    evals = {}
+    for ahead in ("1", "0"):
+        root = make_run(str(tmp_path), f"ahead{ahead}")
+        ev = events(worker(root, 2, env={"GRPO_EVAL_AHEAD": ahead}, then=("--then-eval", "0,2")))
+        evals[ahead] = [e for e in ev if e["event"] == "eval"]
+        assert [(e["step"], e["cached"]) for e in evals[ahead]] == [(0, False), (2, False)]
+    assert [e["programs_compiled"] for e in evals["1"]] == [0, 0]
+    assert [e["compile_s"] for e in evals["1"]] == [0.0, 0.0]
+    assert evals["0"][0]["programs_compiled"] >= 3 and evals["0"][0]["compile_s"] > 0  # greedy, sampled, examples
+    scores = lambda e: {k: e[k] for k in ("accuracy", "greedy", "sampled", "examples", "pass@1", "pass@2")}
+    assert [scores(e) for e in evals["1"]] == [scores(e) for e in evals["0"]]
 
 
 def test_error_exit_codes(tmp_path):

@@ -285,6 +285,12 @@ def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOpt
     return cache, Completions(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, truncated=~s.done)
 
 
+def _on_device(x):
+    """Host arrays copied to the default device (jnp.asarray compiles a program per shape for
+    that); arrays already laid out, on a mesh of several hosts too, as they are."""
+    return x if isinstance(x, jax.Array) else jax.device_put(x)
+
+
 def generate(
     model_or_graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int = 1, mesh=None
 ) -> Completions:
@@ -297,8 +303,8 @@ def generate(
     cache, state = prefill(
         graphdef,
         params,
-        jnp.asarray(prompt_tokens),
-        jnp.asarray(prompt_valid),
+        _on_device(prompt_tokens),
+        _on_device(prompt_valid),
         key,
         opts=opts,
         num_samples=num_samples,
@@ -338,9 +344,10 @@ def spec_of(tree):
 
     def one(x):
         sharding = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(
-            np.shape(x), x.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else None
-        )
+        # a mesh layout, or a device an array is committed to (a jit call compiles for that device
+        # apart from an uncommitted array's default one); a spec's own sharding as it is
+        kept = isinstance(sharding, NamedSharding) or getattr(x, "committed", isinstance(x, jax.ShapeDtypeStruct))
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if kept else None)
 
     return jax.tree.map(one, tree)
 
@@ -357,13 +364,15 @@ def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: Sampl
     compile_decode = lambda cache, state: decode.lower(
         graphdef, p_spec, cache, state, k_spec, opts=opts, prompt_len=int(prompt_tokens.shape[1])
     ).compile()
-    if mesh is None:
+    if mesh is None and all(x.sharding is None for x in jax.tree.leaves(p_spec)):
         return [
             lambda: prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile(),
             lambda: compile_decode(cache, state),
         ]
 
-    def both():  # on a mesh, decode takes prefill's outputs in the layouts prefill's program gives them
+    # on a mesh, or with the weights committed to a device, decode takes prefill's outputs in the
+    # layouts (on the device) prefill's program gives them
+    def both():
         out = prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile().output_shardings
         laid = lambda spec, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), spec, sh)
         compile_decode(laid(cache, out[0]), laid(state, out[1]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from grpo_core.config.train import SamplingConfig
@@ -16,6 +17,7 @@ from grpo_core.generate.sampler import (
     step_key,
     stop_ids,
 )
+from grpo_core.generate.sampler import compile_jobs as sampler_compile_jobs
 from grpo_core.rewards import functions as rw
 from grpo_core.runtime.mesh import to_host
 
@@ -25,6 +27,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def _options(tokenizer, sampling: SamplingConfig, eos_ids, num_samples: int) -> SamplerOptions:
+    """The sampler's options of an evaluation: greedy with one sample, else sampling.temperature."""
+    return SamplerOptions.from_config(
+        sampling,
+        eos_ids if eos_ids is not None else stop_ids(tokenizer),
+        tokenizer.pad_token_id,
+        temperature=0.0 if num_samples == 1 else sampling.temperature,
+    )
+
+
+def _batches(tokenizer, rows: Sequence[dict[str, Any]], sampling: SamplingConfig, batch_size: int, pad_id: int):
+    """(first row's index, the batch's rows, how many are real, prompt tokens, valid) of each
+    batch: all of one shape (the last one padded with copies of its first row) where the rows
+    take more than one batch."""
+    for start in range(0, len(rows), batch_size):
+        chunk = list(rows[start : start + batch_size])
+        real = len(chunk)
+        chunk += [chunk[0]] * (batch_size - real) if len(rows) > batch_size else []  # one shape: one compile
+        ids = [r["prompt_ids"] if "prompt_ids" in r else tokenizer.encode(r["prompt"]) for r in chunk]
+        yield (start, chunk, real, *pad_prompts(ids, sampling.prompt_buckets, pad_id))
+
+
+def _rollout_mesh(placement):
+    return None if placement is None or placement.rollout.size == 1 else placement.rollout
 
 
 def complete(
@@ -45,28 +73,52 @@ def complete(
     the host arrays). num_samples == 1 is greedy. With a `placement` (grpo_core.runtime.mesh)
     whose rollout mesh has several devices, the weights, prompts and KV cache are laid out over
     it as the rollout's are, and the completions come back whole to every process."""
-    greedy = num_samples == 1
-    mesh = None if placement is None or placement.rollout.size == 1 else placement.rollout
+    mesh = _rollout_mesh(placement)
     if mesh is not None:
         params = placement.put_params(params, mesh)
-    opts = SamplerOptions.from_config(
-        sampling,
-        eos_ids if eos_ids is not None else stop_ids(tokenizer),
-        tokenizer.pad_token_id,
-        temperature=0.0 if greedy else sampling.temperature,
-    )
-    for start in range(0, len(rows), batch_size):
-        chunk = list(rows[start : start + batch_size])
-        real = len(chunk)
-        chunk += [chunk[0]] * (batch_size - real) if len(rows) > batch_size else []  # one shape: one compile
-        ids = [r["prompt_ids"] if "prompt_ids" in r else tokenizer.encode(r["prompt"]) for r in chunk]
-        ptok, pval = pad_prompts(ids, sampling.prompt_buckets, opts.pad_id)
+    opts = _options(tokenizer, sampling, eos_ids, num_samples)
+    for start, chunk, real, ptok, pval in _batches(tokenizer, rows, sampling, batch_size, opts.pad_id):
         if mesh is not None:
             ptok, pval = placement.put_batch((ptok, pval), mesh)
         c = generate(graphdef, params, ptok, pval, step_key(seed, start), opts, num_samples, mesh)
         tokens, lengths = to_host((c.tokens, c.lengths))
         n = real * num_samples
         yield chunk[:real], completion_texts(tokenizer, tokens, lengths, opts.eos_ids, rows=n), (tokens, lengths, n)
+
+
+def compile_jobs(
+    graphdef,
+    params,
+    tokenizer,
+    rows: Sequence[dict[str, Any]],
+    sampling: SamplingConfig,
+    *,
+    batch_size: int = 64,
+    eos_ids: Sequence[int] | None = None,
+    num_samples: int = 1,
+    placement=None,
+) -> list:
+    """Callables that compile the sampler's programs `complete` runs with the same arguments, one
+    per prompt shape of its batches, for a thread to run before the evaluation (the worker's,
+    while it trains). `params`: arrays or jax.ShapeDtypeStructs of the evaluated policy's shapes
+    and dtypes, where the evaluation's own arrays lie (one device: committed to it)."""
+    mesh = _rollout_mesh(placement)
+    if mesh is not None:
+        shardings = placement.param_shardings(params, mesh)
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+    opts = _options(tokenizer, sampling, eos_ids, num_samples)
+    jobs, shapes = [], set()
+    for start, _, _, ptok, pval in _batches(tokenizer, rows, sampling, batch_size, opts.pad_id):
+        if ptok.shape in shapes:
+            continue
+        shapes.add(ptok.shape)
+        if mesh is not None:
+            ptok, pval = (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.batch_sharding(x.shape, mesh))
+                for x in (ptok, pval)
+            )
+        jobs += sampler_compile_jobs(graphdef, params, ptok, pval, step_key(0, start), opts, num_samples, mesh)
+    return jobs
 
 
 def evaluate(
