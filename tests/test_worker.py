@@ -120,7 +120,7 @@ def test_epoch_boundary_and_finished_runs(tmp_path):
 
 
 def test_the_evaluations_programs_compile_while_the_worker_trains(tmp_path):
-    """GRPO_EVAL_AHEAD=1 (the default on an accelerator): train --then-eval compiles the
+    """GRPO_EVAL_AHEAD=1 (the default on a TPU): train --then-eval compiles the
     evaluation's sampler programs (greedy, sampled, the examples) in a thread while it trains, for
     the policy laid out as the evaluation lays it out: each evaluation then compiles nothing, and
     scores as one that compiled for itself."""

@@ -13,8 +13,8 @@ one written for the same training hash), trains until N steps are done in total,
 checkpoint and writes `eval/{step}.json`, skipping steps already evaluated with the same config.
 `train --then-eval STEPS --then-export` goes on, once trained ("done"), to what `eval` and
 `export` do, in the same process (the pipeline's stages then pay one JAX start, restore and
-compile per epoch, not three); on an accelerator (GRPO_EVAL_AHEAD) a thread compiles the
-evaluation's programs while it trains.
+compile per epoch, not three); on a TPU (GRPO_EVAL_AHEAD) a thread compiles the evaluation's
+programs while it trains.
 Progress goes to stdout as JSON lines, one object per event:
 
     {"event": "start" | "resumed", "step": s, "until": N}
@@ -540,20 +540,22 @@ def _count_compiles() -> None:
 
 def eval_ahead_enabled() -> bool:
     """GRPO_EVAL_AHEAD: 1 compiles the evaluation's programs in a thread while the worker trains,
-    0 when the evaluation starts; unset, 1 on an accelerator, whose host has cores to spare while
-    it trains (on the CPU backend the compiler would take them from the training steps)."""
+    0 when the evaluation starts. Unset: 1 on a TPU, where XLA compiles on the host alone and the
+    host's cores idle while the chips train; 0 on a GPU, whose compiler tries candidate kernels on
+    the device, beside the training steps and in their memory (on until measured there), and on
+    the CPU backend, where the compiler would take its cores from the training steps."""
     import jax  # worker start: JAX
 
     from grpo_core.config import switches  # worker start: config
 
     chosen = switches.on_off("GRPO_EVAL_AHEAD")
-    return jax.default_backend() != "cpu" if chosen is None else chosen
+    return jax.default_backend() == "tpu" if chosen is None else chosen
 
 
 def _eval_ahead(parts, trainer) -> None:
     """Compile the sampler's programs evaluate_steps will run (greedy, sampled, the examples) in
-    a thread, while training runs: on an accelerator the first evaluation otherwise stops to
-    compile them (30.8 of its 33.6 s on an H100, qwen2.5-0.5b). The policy's shapes and dtypes are
+    a thread, while training runs: otherwise the first evaluation stops to compile them (~28 of
+    its 30.8 s on an H100, qwen2.5-0.5b). The policy's shapes and dtypes are
     the trainer's, laid out as the evaluation lays out a checkpoint. A failure here is only
     logged: the evaluation compiles for itself and reports what fails."""
     if not eval_ahead_enabled():
