@@ -123,18 +123,24 @@ def test_the_evaluations_programs_compile_while_the_worker_trains(tmp_path):
     """GRPO_EVAL_AHEAD=1 (the default on a TPU): train --then-eval compiles the
     evaluation's sampler programs (greedy, sampled, the examples) in a thread while it trains, for
     the policy laid out as the evaluation lays it out: each evaluation then compiles nothing, and
-    scores as one that compiled for itself."""
+    scores as one that compiled for itself. On a mesh of 2 devices (the evaluation's weights laid
+    out over it) it compiles no sampler program either, only the moves of the weights onto it."""
     evals = {}
-    for ahead in ("1", "0"):
-        root = make_run(str(tmp_path), f"ahead{ahead}")
-        ev = events(worker(root, 2, env={"GRPO_EVAL_AHEAD": ahead}, then=("--then-eval", "0,2")))
-        evals[ahead] = [e for e in ev if e["event"] == "eval"]
-        assert [(e["step"], e["cached"]) for e in evals[ahead]] == [(0, False), (2, False)]
-    assert [e["programs_compiled"] for e in evals["1"]] == [0, 0]
-    assert [e["compile_s"] for e in evals["1"]] == [0.0, 0.0]
-    assert evals["0"][0]["programs_compiled"] >= 3 and evals["0"][0]["compile_s"] > 0  # greedy, sampled, examples
+    two = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    for name, env in (("ahead", {"GRPO_EVAL_AHEAD": "1"}), ("not", {"GRPO_EVAL_AHEAD": "0"}), ("mesh", two)):
+        root = make_run(str(tmp_path), name)
+        env = {"GRPO_EVAL_AHEAD": "1", **env}
+        ev = events(worker(root, 2, env=env, then=("--then-eval", "0,2")))
+        evals[name] = [e for e in ev if e["event"] == "eval"]
+        assert [(e["step"], e["cached"]) for e in evals[name]] == [(0, False), (2, False)]
+    assert [(e["programs_compiled"], e["compile_s"]) for e in evals["ahead"]] == [([], 0.0), ([], 0.0)]
+    assert [e["devices"] for e in evals["mesh"]] == [2, 2]
+    sampler = lambda e: [p for p in e["programs_compiled"] if "prefill" in p or "decode" in p]
+    assert [sampler(e) for e in evals["mesh"]] == [[], []], evals["mesh"][0]["programs_compiled"]
+    # compiled, or read from the compilation cache, at the first evaluation: greedy, sampled, examples
+    assert len(sampler(evals["not"][0])) >= 6 and evals["not"][0]["compile_s"] > 0
     scores = lambda e: {k: e[k] for k in ("accuracy", "greedy", "sampled", "examples", "pass@1", "pass@2")}
-    assert [scores(e) for e in evals["1"]] == [scores(e) for e in evals["0"]]
+    assert [scores(e) for e in evals["ahead"]] == [scores(e) for e in evals["not"]]
 
 
 def test_error_exit_codes(tmp_path):

@@ -386,7 +386,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 _emit("eval", cached=True, uri=root.uri(rel), **read_eval(root, rel))  # null scores as NaN
                 continue
             _test_hook("eval", step=step, root_url=root.url)
-            t, compiling = time.perf_counter(), _COMPILE_S.copy()
+            t, compiled_before = time.perf_counter(), len(_COMPILED)
             graphdef, params = parts.policy_at(ckpt, step)
             placement = placement or _eval_placement(cfg.train.mesh)
             kw = dict(
@@ -415,9 +415,10 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             result["examples"] = _examples(parts, graphdef, params, sampling, placement)
             result["devices"] = placement.rollout.size  # generated over them (the rollout's mesh)
             result["seconds"] = round(time.perf_counter() - t, 3)
-            # the programs it compiled or read from the compilation cache (none where compiled ahead)
-            result["programs_compiled"] = _COMPILE_S[0] - compiling[0]
-            result["compile_s"] = round(_COMPILE_S[1] - compiling[1], 3)
+            # the programs it compiled or read from the compilation cache (no sampler's where compiled ahead)
+            compiled = _COMPILED[compiled_before:]
+            result["programs_compiled"] = [name for name, _ in compiled]
+            result["compile_s"] = round(sum(s for _, s in compiled), 3)
             _emit("eval", cached=False, uri=root.write_json(rel, result) if _PRIMARY else root.uri(rel), **result)
     return 0
 
@@ -521,19 +522,18 @@ def _eval_sampling(cfg):
     return cfg.train.sampling.replace(temperature=cfg.eval.temperature)
 
 
-# Programs compiled (or read from the persistent cache) by this process, and the seconds that took:
-# JAX's backend-compile event, counted once a process (_count_compiles).
-_COMPILE_S = [0, 0.0]
+# The programs this process compiled (or read from the persistent cache), by name, and the
+# seconds each took: JAX's backend-compile event, listened to once a process (_count_compiles).
+_COMPILED: list[tuple[str, float]] = []
 _EVAL_AHEAD: list = []  # the thread compiling the evaluation's programs while the worker trains
 
 
 def _count_compiles() -> None:
     import jax  # worker start: JAX
 
-    def on(event: str, duration: float, **_):
+    def on(event: str, duration: float, **kw):
         if event == "/jax/core/compile/backend_compile_duration":
-            _COMPILE_S[0] += 1
-            _COMPILE_S[1] += duration
+            _COMPILED.append((str(kw.get("fun_name", "?")), duration))
 
     jax.monitoring.register_event_duration_secs_listener(on)
 
