@@ -186,13 +186,18 @@ class Checkpointer:
         self._mngr.reload()
         return sorted(self._mngr.all_steps())
 
-    def restore(self, step: int, like: Any = None, only: str | None = None) -> tuple[Any, dict[str, Any]]:
+    def restore(
+        self, step: int, like: Any = None, only: str | None = None, layout: Callable[[Any], Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         """Restore checkpoint `step` into the structure, shapes, dtypes and shardings of `like`
         (None: as saved, plain nested dicts of arrays on this process's first device, e.g. for
         inspection or export, whatever mesh and number of processes wrote it). `only` (with
         `like` None): read that entry of the state alone, e.g. "params" without the optimizer's
         moments (twice the parameters' bytes under Adam), for evaluation, export or a run that
-        starts from this one; the state returned holds just that entry.
+        starts from this one; the state returned holds just that entry. `layout` (with `only`):
+        the shardings of that entry's arrays, from its tree of jax.ShapeDtypeStructs (paths as
+        saved: {only: ...}), each array read straight into its shards instead of whole onto one
+        device (a model larger than one chip).
 
         Raises UnreadableCheckpointError naming the folder when its files cannot be read back;
         an allocation failure (the arrays do not fit) is raised as it is: the checkpoint is fine."""
@@ -204,7 +209,12 @@ class Checkpointer:
                     lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), getattr(saved, "tree", saved)
                 )
                 if only is not None:
-                    return self._restore_part(step, {only: abstract[only]}), self._restore_meta(step)
+                    part = {only: abstract[only]}
+                    if layout is not None:
+                        part = jax.tree.map(
+                            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), part, layout(part)
+                        )
+                    return self._restore_part(step, part), self._restore_meta(step)
             else:
                 abstract = jax.tree.map(_abstract, like)
             out = self._mngr.restore(

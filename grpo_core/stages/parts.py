@@ -68,13 +68,20 @@ class RunParts:
             return None
         return self._base_policy(placement)
 
-    def policy_at(self, ckpt, step: int):
+    def policy_at(self, ckpt, step: int, placement=None):
         """(graphdef, params) of the starting policy (step 0) or of checkpoint `step` of this run.
         Where the checkpoint holds every parameter (no LoRA: with it the checkpoint holds only the
         adapters) the policy is built as shapes only, not initialised or read from model.path
-        first and then overwritten (a 0.5B model's weights read twice per evaluated step)."""
+        first and then overwritten (a 0.5B model's weights read twice per evaluated step).
+        The parameters lie on this process's first device, or with a `placement` whose rollout
+        mesh has several devices, laid out over that mesh, read or loaded straight into their
+        shards (a model larger than one chip: the 7B recipe's 30 GB of f32 on 16 GB chips)."""
+        mesh = None if placement is None or placement.rollout.size == 1 else placement.rollout
+        onto = placement if mesh is not None else None  # Hugging Face weights loaded onto its mesh
         if step == 0 and 0 not in ckpt.all_steps():
-            graphdef, params = nnx.split(self.create_policy())
+            graphdef, params = nnx.split(self.create_policy(onto))
+            if mesh is not None:
+                return graphdef, placement.put_params(params, mesh)
             # committed to the device a restored checkpoint's arrays are on (Checkpointer.restore):
             # uncommitted, they lowered to other programs, so an evaluation of step 0 and a trained
             # step compiled (and cached) every sampler program twice
@@ -84,14 +91,16 @@ class RunParts:
                 f"no checkpoint for step {step} under {ckpt.directory}; finalised checkpoints: "
                 f"{ckpt.all_steps() or 'none'}"
             )
-        state, meta = ckpt.restore(step, only="params")  # as saved, plain nested dicts; no optimizer moments
+        layout = None if mesh is None else lambda tree: placement.param_shardings(tree, mesh)
+        # as saved, plain nested dicts; no optimizer moments
+        state, meta = ckpt.restore(step, only="params", layout=layout)
         if meta.get("config_hash") != self.cfg.train_hash:
             raise ConfigError(
                 f"checkpoint {step} in {ckpt.directory} was trained with another config "
                 f"({meta.get('config_hash')!r}, this run is {self.cfg.train_hash!r})"
             )
         shapes = self.policy_shapes()
-        graphdef, params = nnx.split(self.create_policy() if shapes is None else shapes)
+        graphdef, params = nnx.split(self.create_policy(onto) if shapes is None else shapes)
         nnx.replace_by_pure_dict(params, _unwrap(state["params"]))
         unfilled = [
             jax.tree_util.keystr(p)

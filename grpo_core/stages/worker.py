@@ -387,8 +387,8 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 continue
             _test_hook("eval", step=step, root_url=root.url)
             t, compiled_before = time.perf_counter(), len(_COMPILED)
-            graphdef, params = parts.policy_at(ckpt, step)
             placement = placement or _eval_placement(cfg.train.mesh)
+            graphdef, params = parts.policy_at(ckpt, step, placement)  # laid out over its rollout mesh
             kw = dict(
                 placement=placement,
                 batch_size=cfg.eval.batch_size,
