@@ -139,9 +139,12 @@ def test_the_starting_policy_reaches_the_sampler_as_a_restored_checkpoint_does(t
         ckpt.save(1, {"params": nnx.to_pure_dict(start)}, {"config_hash": parts.cfg.train_hash})
         ckpt.wait()
         _, restored = parts.policy_at(ckpt, 1)
+        _, on_host = parts.policy_at(ckpt, 1, on_host=True)  # an export's: never whole on a device
     placed = lambda params: {(a.sharding, a.committed) for a in jax.tree.leaves(params)}  # noqa: E731
     assert placed(start) == placed(restored) == {(jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), True)}
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), start, restored)
+    assert {type(a) for a in jax.tree.leaves(on_host)} == {np.ndarray}
+    for other in (restored, on_host):
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), start, other)
 
 
 def test_on_a_mesh_the_policy_is_read_straight_into_its_shards(tmp_path):

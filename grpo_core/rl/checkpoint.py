@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 SET_ASIDE = "_set_aside"
 
 
+# Checkpointer.restore(..., layout=HOST): the arrays as numpy, in this process's memory
+HOST = "host"
+
+
 class UnreadableCheckpointError(StorageError):
     """A finalised checkpoint that cannot be restored: its files are truncated, missing or not
     what Orbax wrote. The message names the folder and the first line of what the reader said
@@ -187,7 +191,7 @@ class Checkpointer:
         return sorted(self._mngr.all_steps())
 
     def restore(
-        self, step: int, like: Any = None, only: str | None = None, layout: Callable[[Any], Any] | None = None
+        self, step: int, like: Any = None, only: str | None = None, layout: Callable[[Any], Any] | str | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """Restore checkpoint `step` into the structure, shapes, dtypes and shardings of `like`
         (None: as saved, plain nested dicts of arrays on this process's first device, e.g. for
@@ -197,7 +201,7 @@ class Checkpointer:
         starts from this one; the state returned holds just that entry. `layout` (with `only`):
         the shardings of that entry's arrays, from its tree of jax.ShapeDtypeStructs (paths as
         saved: {only: ...}), each array read straight into its shards instead of whole onto one
-        device (a model larger than one chip).
+        device (a model larger than one chip); or HOST: numpy arrays in this process's memory.
 
         Raises UnreadableCheckpointError naming the folder when its files cannot be read back;
         an allocation failure (the arrays do not fit) is raised as it is: the checkpoint is fine."""
@@ -210,7 +214,9 @@ class Checkpointer:
                 )
                 if only is not None:
                     part = {only: abstract[only]}
-                    if layout is not None:
+                    if layout is HOST:
+                        part = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), part)
+                    elif layout is not None:
                         part = jax.tree.map(
                             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), part, layout(part)
                         )
@@ -236,7 +242,12 @@ class Checkpointer:
         handler = ocp.PyTreeCheckpointHandler()
         try:
             restore_args = jax.tree.map(
-                lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), item
+                lambda a: (
+                    ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype)
+                    if a.sharding is None  # HOST
+                    else ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
+                ),
+                item,
             )
             return handler.restore(
                 epath.Path(self.uri(step)) / "state",

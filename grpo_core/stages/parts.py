@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from grpo_core.config.model import ReferencePolicy
@@ -22,7 +23,7 @@ from grpo_core.nn.hf import load_hf_model, save_hf_model
 from grpo_core.nn.model import create_model
 from grpo_core.rewards.functions import Reward
 from grpo_core.rewards.registry import make_rewards
-from grpo_core.rl.checkpoint import Checkpointer
+from grpo_core.rl.checkpoint import HOST, Checkpointer
 from grpo_core.store.root import RunRoot
 from grpo_core.store.sources import model_config, resolve
 from grpo_core.store.startpoint import COPY, copy_of, source_gone
@@ -68,14 +69,16 @@ class RunParts:
             return None
         return self._base_policy(placement)
 
-    def policy_at(self, ckpt, step: int, placement=None):
+    def policy_at(self, ckpt, step: int, placement=None, on_host: bool = False):
         """(graphdef, params) of the starting policy (step 0) or of checkpoint `step` of this run.
         Where the checkpoint holds every parameter (no LoRA: with it the checkpoint holds only the
         adapters) the policy is built as shapes only, not initialised or read from model.path
         first and then overwritten (a 0.5B model's weights read twice per evaluated step).
         The parameters lie on this process's first device, or with a `placement` whose rollout
         mesh has several devices, laid out over that mesh, read or loaded straight into their
-        shards (a model larger than one chip: the 7B recipe's 30 GB of f32 on 16 GB chips)."""
+        shards (a model larger than one chip: the 7B recipe's 30 GB of f32 on 16 GB chips).
+        `on_host`: a checkpoint's parameters as numpy arrays in this process's memory (an export
+        writes them tensor by tensor; the starting policy is built as without)."""
         mesh = None if placement is None or placement.rollout.size == 1 else placement.rollout
         onto = placement if mesh is not None else None  # Hugging Face weights loaded onto its mesh
         if step == 0 and 0 not in ckpt.all_steps():
@@ -92,6 +95,7 @@ class RunParts:
                 f"{ckpt.all_steps() or 'none'}"
             )
         layout = None if mesh is None else lambda tree: placement.param_shardings(tree, mesh)
+        layout = HOST if on_host else layout
         # as saved, plain nested dicts; no optimizer moments
         state, meta = ckpt.restore(step, only="params", layout=layout)
         if meta.get("config_hash") != self.cfg.train_hash:
@@ -105,7 +109,7 @@ class RunParts:
         unfilled = [
             jax.tree_util.keystr(p)
             for p, v in jax.tree_util.tree_leaves_with_path(params)
-            if not isinstance(v, jax.Array)
+            if not isinstance(v, (jax.Array, np.ndarray))
         ]
         if unfilled:
             raise ConfigError(f"checkpoint {step} in {ckpt.directory} lacks parameters {unfilled[:5]}")

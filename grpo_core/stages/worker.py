@@ -444,7 +444,8 @@ def export(parts, step: int | None) -> int:
             _emit("export", cached=True, uri=root.uri(stage), **done)
             return 0
         t = time.perf_counter()
-        graphdef, params = parts.policy_at(ckpt, step)
+        # in host memory: the model is written tensor by tensor, and may not fit one chip whole
+        graphdef, params = parts.policy_at(ckpt, step, on_host=True)
     if not _PRIMARY:  # the files are process 0's to write
         return 0
     model = nnx.merge(graphdef, params)
