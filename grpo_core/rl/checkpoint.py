@@ -214,7 +214,7 @@ class Checkpointer:
                 )
                 if only is not None:
                     part = {only: abstract[only]}
-                    if layout is HOST:
+                    if layout == HOST:
                         part = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), part)
                     elif layout is not None:
                         part = jax.tree.map(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 
 from grpo_core.config.train import SamplingConfig
@@ -14,6 +13,7 @@ from grpo_core.generate.sampler import (
     completion_texts,
     generate,
     pad_prompts,
+    spec_of,
     step_key,
     stop_ids,
 )
@@ -52,7 +52,7 @@ def _batches(tokenizer, rows: Sequence[dict[str, Any]], sampling: SamplingConfig
 
 
 def _rollout_mesh(placement):
-    return None if placement is None or placement.rollout.size == 1 else placement.rollout
+    return None if placement is None else placement.spread_rollout()
 
 
 def complete(
@@ -104,8 +104,7 @@ def compile_jobs(
     and dtypes, where the evaluation's own arrays lie (one device: committed to it)."""
     mesh = _rollout_mesh(placement)
     if mesh is not None:
-        shardings = placement.param_shardings(params, mesh)
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+        params = placement.put_params(params, mesh)  # shapes stay shapes, laid out
     opts = _options(tokenizer, sampling, eos_ids, num_samples)
     jobs, shapes = [], set()
     for start, _, _, ptok, pval in _batches(tokenizer, rows, sampling, batch_size, opts.pad_id):
@@ -113,10 +112,7 @@ def compile_jobs(
             continue
         shapes.add(ptok.shape)
         if mesh is not None:
-            ptok, pval = (
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.batch_sharding(x.shape, mesh))
-                for x in (ptok, pval)
-            )
+            ptok, pval = placement.put_batch(spec_of((ptok, pval)), mesh)
         jobs += sampler_compile_jobs(graphdef, params, ptok, pval, step_key(0, start), opts, num_samples, mesh)
     return jobs
 

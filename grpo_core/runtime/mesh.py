@@ -198,6 +198,11 @@ class Placement:
         shapes = jax.eval_shape(tx.init, params)
         return jax.jit(tx.init, out_shardings=self.param_shardings(shapes))(params)
 
+    def spread_rollout(self) -> Mesh | None:
+        """The rollout mesh where it has several devices, else None: one device's arrays stay
+        where they lie (evaluation's weights, prompts and KV cache)."""
+        return None if self.rollout.size == 1 else self.rollout
+
     def rollout_params(self, params):
         """The sampler's weights: the learner's own arrays, or a copy laid out on the rollout mesh."""
         return params if self.rollout is self.train else self.put_params(params, self.rollout)

@@ -79,7 +79,7 @@ class RunParts:
         shards (a model larger than one chip: the 7B recipe's 30 GB of f32 on 16 GB chips).
         `on_host`: a checkpoint's parameters as numpy arrays in this process's memory (an export
         writes them tensor by tensor; the starting policy is built as without)."""
-        mesh = None if placement is None or placement.rollout.size == 1 else placement.rollout
+        mesh = None if placement is None else placement.spread_rollout()
         onto = placement if mesh is not None else None  # Hugging Face weights loaded onto its mesh
         if step == 0 and 0 not in ckpt.all_steps():
             graphdef, params = nnx.split(self.create_policy(onto))
@@ -94,8 +94,7 @@ class RunParts:
                 f"no checkpoint for step {step} under {ckpt.directory}; finalised checkpoints: "
                 f"{ckpt.all_steps() or 'none'}"
             )
-        layout = None if mesh is None else lambda tree: placement.param_shardings(tree, mesh)
-        layout = HOST if on_host else layout
+        layout = HOST if on_host else None if mesh is None else lambda tree: placement.param_shardings(tree, mesh)
         # as saved, plain nested dicts; no optimizer moments
         state, meta = ckpt.restore(step, only="params", layout=layout)
         if meta.get("config_hash") != self.cfg.train_hash:

@@ -570,7 +570,6 @@ def _eval_ahead(parts, trainer) -> None:
     sampling, rows = _eval_sampling(cfg), parts.eval_rows
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # where policy_at commits a policy
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), trainer.params)
-    kw = dict(placement=placement)
     runs = [dict(rows=rows, batch_size=cfg.eval.batch_size)]
     if cfg.eval.num_samples > 1:
         runs.append(dict(rows=rows, batch_size=cfg.eval.batch_size, num_samples=cfg.eval.num_samples))
@@ -580,7 +579,9 @@ def _eval_ahead(parts, trainer) -> None:
     def compile_all():
         try:
             for run in runs:
-                for job in compile_jobs(trainer.graphdef, params, parts.tokenizer, sampling=sampling, **run, **kw):
+                for job in compile_jobs(
+                    trainer.graphdef, params, parts.tokenizer, sampling=sampling, placement=placement, **run
+                ):
                     job()
         except Exception as exc:  # noqa: BLE001 - the evaluation compiles them again and reports what fails
             print(f"compiling the evaluation's programs ahead failed: {exc!r}", file=sys.stderr, flush=True)
