@@ -4,7 +4,7 @@
 
 Each case runs the CLI (tiny preset, a local run root of its own, one Prefect server for all of
 them, started and stopped here) and prints what happened: exit code, seconds to the end, and the
-line that says why. A case passes when the run ends the way docs/DESIGN.md and README.md
+line that says why. A case passes when the run ends the way docs/DESIGN.md and the docs (docs/)
 promise (the expectation is in the table); the script exits 1 when one does not.
 """
 

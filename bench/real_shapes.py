@@ -26,7 +26,7 @@ reference + KV cache, the bytes no policy can avoid); estimate / peak; the first
 included) and the median of the timed steps, with the rollout / reference / update split; rollout
 tokens/s; on an accelerator, the update's model FLOP/s as a share of its bf16 peak (MFU).
 --profile: one more step under XLA's profiler, and a table of the ops that took the most device
-time (bench.profile). GRPO_ATTENTION and GRPO_DECODE_CHUNK (see the README) apply as in a run.
+time (bench.profile). GRPO_ATTENTION and GRPO_DECODE_CHUNK (see docs/gpu.md) apply as in a run.
 """
 
 from __future__ import annotations

@@ -406,7 +406,7 @@ def gcs_faults(gcs_emulator, _gcs_proxy):
 def main(argv: list[str] | None = None) -> int:
     """`python -m tests.gcs [--error-rate R] [--read-only] -- COMMAND...`: run COMMAND against a
     fake-gcs-server on 127.0.0.1 (bucket `grpo-test`, in memory), through the proxy, and stop both
-    when it ends. How to try gs:// locally (README: Running on GCS)."""
+    when it ends. How to try gs:// locally (docs/gcs.md)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tests.gcs", description=main.__doc__)

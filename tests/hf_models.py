@@ -1,7 +1,8 @@
 """Tiny Hugging Face model folders for tests, built here (no hub): a character-level tokenizer with
 chat special tokens and a Qwen-style chat template, a random Qwen3 or Llama model sized to it,
 and a generation_config.json whose eos_token_id lists two stop tokens, as Qwen's instruct
-models do."""
+models do. The tokenizers are the package's (grpo_core/nn/tiny_hf.py, which `grpo tiny-model` uses);
+the models here are built with PyTorch, for the tests that compare against it."""
 
 from __future__ import annotations
 
@@ -9,79 +10,19 @@ import json
 import os
 import pathlib
 import shutil
-import string
 import subprocess
 import sys
 
-CHARS = string.ascii_letters + string.digits + " .,:;?!#=+-*/()<>'\"\n"
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+# the tokenizers and the tiny model's pieces live in the package, where `grpo tiny-model` builds with them
+from grpo_core.nn.tiny_hf import (  # noqa: F401  (re-exported: the tests import them from here)
+    CHARS,
+    CHAT_TEMPLATE,
+    GSM8K_TEXTS,
+    LLAMA_CHAT_TEMPLATE,
+    QWEN_SPECIALS,
+    save_bpe_tokenizer,
+    save_tokenizer,
 )
-LLAMA_CHAT_TEMPLATE = "{{ bos_token }}" + CHAT_TEMPLATE
-
-
-def save_tokenizer(folder: pathlib.Path, llama: bool = False):
-    """A character-level fast tokenizer. Qwen-like: no BOS, pad <|endoftext|>, EOS <|im_end|>.
-    Llama-like: BOS <s> put in front of plain text by the post-processor and by the chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<s>", "</s>", *QWEN_SPECIALS] if llama else QWEN_SPECIALS
-    vocab = {t: i for i, t in enumerate([*specials, *CHARS])}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    if llama:
-        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=tk, bos_token="<s>", eos_token="</s>", additional_special_tokens=QWEN_SPECIALS
-        )
-        tok.chat_template = LLAMA_CHAT_TEMPLATE
-    else:
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=tk,
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            additional_special_tokens=QWEN_SPECIALS,
-        )
-        tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(folder))
-    return tok
-
-
-GSM8K_TEXTS = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether in April and May. #### 72",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
-    "<think>12/60 = 0.2 per minute; 0.2 x 50 = 10</think><answer>10</answer>",
-    "What is 13+14? Answer: 27",
-]
-
-
-def save_bpe_tokenizer(folder: pathlib.Path, texts=GSM8K_TEXTS, vocab_size: int = 400, chat: bool = True):
-    """A byte-level BPE tokenizer trained here (any UTF-8 text encodes), Qwen-like: no BOS, pad
-    <|endoftext|>, EOS <|im_end|>, the chat specials and template; saved as users save one
-    (tokenizer.json, tokenizer_config.json: no config.json)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=QWEN_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tk.train_from_iterator(list(texts) * 10, trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=QWEN_SPECIALS
-    )
-    if chat:
-        tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(folder))
-    return tok
 
 
 def build_hf_model(

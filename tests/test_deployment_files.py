@@ -16,7 +16,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # each file deploys to its own work pool; none uses a name `grpo serve` owns (flows/serve.py)
 FILES = {"prefect.yaml": "grpo-local", "gke-tpu.yaml": "grpo-gke-tpu", "vertex.yaml": "grpo-vertex"}
-SERVED = {("grpo-pipeline", "pipeline"), ("grpo-evaluate", "evaluate"), ("grpo-readiness", "readiness")}
+SERVED = {
+    ("grpo-pipeline", "train"),
+    ("grpo-pipeline", "pipeline"),
+    ("grpo-evaluate", "evaluate"),
+    ("grpo-readiness", "readiness"),
+}
 
 
 def _spec(name: str) -> dict:
@@ -43,14 +48,14 @@ def test_prefect_yaml_deployments_load():
 
 def test_the_scheduled_patterns_are_valid_and_the_readme_shows_them_as_deployed():
     """The three scheduled patterns: schedules off (a placeholder bucket), parameters the flows
-    accept, and README's YAML for each exactly the deployment in prefect.yaml."""
+    accept, and the docs' YAML for each (docs/deploying.md) exactly the deployment in prefect.yaml."""
     from flows.params import RunParams
     from flows.pipeline import grpo_evaluate
     from grpo_core.config.run import RunConfig
 
     deployed = {d["name"]: d for d in _spec("prefect.yaml")["deployments"]}
-    readme = (ROOT / "README.md").read_text()
-    shown = re.findall(r"<!-- deployment: ([\w-]+) -->\n```yaml\n(.*?)```", readme, re.S)
+    page = (ROOT / "docs" / "deploying.md").read_text()
+    shown = re.findall(r"<!-- deployment: ([\w-]+) -->\n```yaml\n(.*?)```", page, re.S)
     assert [name for name, _ in shown] == ["pool-resume", "pool-nightly", "pool-evaluate-nightly"]
     for name, text in shown:
         d = deployed[name]

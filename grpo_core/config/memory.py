@@ -267,7 +267,7 @@ def _act_bytes(backend: str, compute_bytes: int) -> int:
 # each layer than XLA:CPU), fitted on bench.aot's candidates (grpo_core.rl.aot: the update's chip
 # peak) with the activations laid out over the rows: qwen2.5-0.5b at 8 x 8 x 512 tokens, dots/1,
 # 7.4 GiB a chip on v5e:2x2 and 3.9 on v5p:2x2x2; on bench.aot's 23 candidates of three Qwen models
-# on four topologies, 0.88-1.06x XLA's figure (the README's table)
+# on four topologies, 0.88-1.06x XLA's figure (docs/benchmarks.md, "The TPU check")
 _ACT_SCALE = {"tpu": 0.57}
 
 

@@ -1,6 +1,6 @@
-"""The environment switches that measure the accelerator paths one against another (README, "On
-a GPU"). Read when a program is traced; none is in a config hash. JAX-free, so the memory plan
-and the model read the same settings, validated once here."""
+"""The environment switches that measure the accelerator paths one against another (docs/gpu.md,
+"The GPU paths and their switches"). Read when a program is traced; none is in a config hash.
+JAX-free, so the memory plan and the model read the same settings, validated once here."""
 
 from __future__ import annotations
 
