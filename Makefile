@@ -1,9 +1,12 @@
-# The two commands: `make demo` and `make test`. Each creates .venv and installs the project
-# (pinned by constraints.txt) on first use, so a fresh machine needs only python3.
+# The two commands: `make demo` and `make test`. Each creates .venv on first use and installs what
+# it needs (pinned by constraints.txt), so a fresh machine needs only python3: `make demo` the
+# project alone (~2 min here), `make test` adds the dev tools. A stamp per level says what is
+# installed, so `make test` after `make demo` installs only the difference.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+STAMP := $(VENV)/.installed-dev
 
 # The sglang-jax rollout environment (train.rollout.engine: sglang, or the sglang-jax servers of the
 # http engine): a second virtualenv on Python 3.12, because sglang-jax pins older jax/flax/fastapi
@@ -18,10 +21,14 @@ PYTHON312 ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null | head -n1); \
 	if [ -x "$$p/bin/python3.12" ]; then echo "$$p/bin/python3.12"; else command -v python3.12 2>/dev/null; fi)
 SGL_DEP := $(if $(filter 1,$(SGLANG)),$(SGL_STAMP))
 
-.PHONY: demo test test-fast lint bench install clean sglang-env bytecode
+.PHONY: demo test test-fast lint bench install clean sglang-env bytecode docs
 
-$(STAMP): pyproject.toml constraints.txt scripts/install.sh
-	scripts/install.sh $(VENV) $(PYTHON) cpu   # the images' recipe too (Dockerfile)
+$(DEMO_STAMP): pyproject.toml constraints.txt scripts/install.sh
+	scripts/install.sh $(VENV) $(PYTHON) cpu demo   # the images' recipe too (Dockerfile)
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
+	scripts/install.sh $(VENV) $(PYTHON) cpu dev
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,11 +49,18 @@ sglang-env: $(SGL_STAMP)
 # The project's own modules compiled to bytecode once: the editable install leaves them as sources,
 # and where PYTHONDONTWRITEBYTECODE is set every process (each stage's worker, each test's child)
 # would compile what it imports again (~0.2 CPU-s a worker). Only what changed is compiled again.
-bytecode: $(STAMP)
+bytecode: $(DEMO_STAMP)
 	$(BIN)/python -m compileall -q grpo_core flows tasks bench tests
 
 demo: bytecode
 	$(BIN)/grpo demo
+
+# The docs site (mkdocs.yml, docs/) into site/, warnings as errors: a broken link or anchor fails it.
+# The config reference is generated from grpo_core/config's declarations while it builds (docs/hooks/).
+# mkdocs and its theme come with the dev install ('.[docs]'); an older .venv gets them here.
+docs: $(STAMP)
+	@$(BIN)/python -c "import mkdocs, material" 2>/dev/null || $(BIN)/python -m pip install -q -c constraints.txt -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -54,7 +68,7 @@ lint: $(STAMP)
 
 # The suite in TEST_JOBS processes (pytest-xdist; TEST_JOBS=0: in this one). Many tests wait on the
 # processes, servers and polls they start, so more processes than cores overlap those waits, but
-# each also starts its own servers and compiles its own programs (README: the figures per count).
+# each also starts its own servers and compiles its own programs (docs/development.md: the figures per count).
 # Each test module goes whole to one process (its module fixtures set up once), the modules with
 # slow tests first (tests/conftest.py).
 TEST_JOBS ?= 3
@@ -66,7 +80,7 @@ test: lint bytecode $(SGL_DEP)
 test-fast: lint bytecode
 	$(PYTEST) -m "not slow"
 
-bench: bytecode $(SGL_DEP)  # one after another: each measures this machine, so never two at once
+bench: $(STAMP) bytecode $(SGL_DEP)  # one after another: each measures this machine, so never two at once
 	$(BIN)/python -m bench.grpo_step
 	$(BIN)/python -m bench.hf_load
 	$(BIN)/python -m bench.generate

@@ -17,7 +17,6 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import (
     create_markdown_artifact,
-    create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
@@ -39,6 +38,8 @@ from grpo_core.store.report import eval_results, latest_checkpoint, read_eval
 from grpo_core.store.root import RunRoot, StorageError
 from grpo_core.store.runs import init_run_root
 from grpo_core.store.tracking import Trackers
+from tasks import progress as shown_progress
+from tasks.artifacts import flow_run_artifact
 from tasks.process import StageError, run_worker
 from tasks.readiness import readiness_markdown, readiness_report, worker_python
 
@@ -83,7 +84,7 @@ def _progress_artifact(key: str, pct: float, described) -> Any:
                 return found[0].id
         except Exception:  # noqa: BLE001 - a new artifact then, as before
             pass
-    return create_progress_artifact(pct, key=key, description=described(pct))
+    return flow_run_artifact("progress", pct, key=key, description=described(pct))  # the flow run's (tasks.artifacts)
 
 
 # The progress artifact's updates: every 1 % of the run, but at least PROGRESS_MIN_S apart (the
@@ -262,7 +263,9 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
         return f"{pct:.0f}% - training {cfg.name}: steps done of {total} (epoch {epoch}: steps {start_step}..{until})"
 
     progress = _progress_artifact(_key(f"train-{cfg.name}"), 100.0 * resumed_at / total, described)
-    every = cfg.train.log_every or max(1, (until - start_step) // 10)  # metric log lines
+    every = shown_progress.step_every(cfg.train.num_steps, cfg.train.log_every)  # ~50 step lines a run
+    lines = shown_progress.TrainLog(epoch, cfg.train.num_steps, until, every)
+    evals = shown_progress.EvalLog()
     trackers = _trackers(cfg, root, log)
     shown = {"step": resumed_at, "t": time.monotonic()}
     # eval_s: seconds of the evaluations this worker ran after training
@@ -286,16 +289,19 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
             if state["first_step_s"] is None:  # the first step of a process includes compilation
                 state["first_step_s"] = e["time/step"]
             s = int(e["step"]) + 1
-            if s % every == 0 or s == until:
+            if lines.step(s):
                 log.info(
-                    "step %d/%d  reward %.3f  kl %.4f  entropy %.3f  %.0f ms/step",
+                    "step %d/%d  reward %.3f  kl %.4f  entropy %.3f  %.0f ms/step%s",
                     s,
                     cfg.train.num_steps,
                     e["reward"],
                     e["kl"],
                     e["entropy"],
                     1000 * e["time/step"],
+                    lines.step_suffix(s),
                 )
+            if (eta := lines.eta(s)) is not None:
+                log.info(eta)
             if e.get("frac_rows_scored") == 0.0:  # every row left out of the loss: reward NaN, loss 0
                 state["unscored"] += 1
                 if state["unscored"] == 1 or s % every == 0 or s == until:  # the first, then with the log lines
@@ -309,8 +315,9 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
                 pct = 100.0 * min(1.0, s / total)
                 update_progress_artifact(progress, pct, description=described(pct))
                 shown.update(step=s, t=time.monotonic())
-        elif kind == "checkpoint":
-            log.info("checkpoint %s", e["uri"])
+        elif kind == "checkpoint":  # with the step lines: the first, then the first after each step line
+            if (unsaid := lines.checkpoint(int(e["step"]))) is not None:
+                log.info(shown_progress.checkpoint_line(e["uri"], unsaid))
         elif kind == "checkpoint_set_aside":  # names the bad folder, where it went and what resumes
             log.warning("epoch %d: %s", epoch, e["message"])
         elif kind == "no_signal":  # every group's rewards equal for pipeline.zero_signal_steps steps
@@ -319,6 +326,8 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
             log.info("memory: %s", e["describe"])
         elif kind == "done":
             state["done"] = e
+        elif kind == "eval_progress":
+            _eval_progress(log, evals, e)
         elif kind == "eval":  # a follow-up: the epoch's evaluation in this worker
             _log_eval(log, e)
             if not e["cached"]:
@@ -434,6 +443,12 @@ def eval_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _eval_progress(log, evals: shown_progress.EvalLog, e: dict[str, Any]) -> None:
+    """An evaluation's prompts done: a log line now and then when it is long."""
+    if evals.due(e["step"], e["done"], e["total"]):
+        log.info("eval step %d: %d of %d prompts done", e["step"], e["done"], e["total"])
+
+
 def _log_eval(log, e: dict[str, Any]) -> None:
     extra = " ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
     log.info(
@@ -451,8 +466,12 @@ def evaluate(run_url: str, steps: list[int]) -> dict[str, Any]:
     policy), in a worker process; each result lands in {run}/eval/{step}.json."""
     cfg, log, root = load_run(run_url), get_run_logger(), RunRoot(run_url)
 
+    evals = shown_progress.EvalLog()
+
     def on_event(e: dict[str, Any]) -> None:
-        if e["event"] == "eval":
+        if e["event"] == "eval_progress":
+            _eval_progress(log, evals, e)
+        elif e["event"] == "eval":
             _log_eval(log, e)
 
     stored = [_evaluated(cfg, root, s) for s in steps]

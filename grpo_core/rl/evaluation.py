@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -133,13 +133,14 @@ def evaluate(
     reward_timeout_s: float | None = None,
     state: rw.TrainerState | None = None,
     placement=None,
+    on_rows: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Mean of each reward over `rows`. num_samples == 1 decodes greedily; more samples draw at
     `sampling.temperature` and add pass@k: a sample "passes" when the `pass_reward` function
     scores it >= 1 (default: the weighted total). `reward_timeout_s` bounds each reward
     function's call on one batch (train.reward_timeout_s; RewardTimeout past it); `state` is the
     trainer_state reward functions see (the evaluated checkpoint's step); `placement`: see
-    complete."""
+    complete; `on_rows(rows scored so far)` is called after each batch (the worker's progress)."""
     per: dict[str, list[np.ndarray]] = {r.name: [] for r in rewards}
     totals = []
     done = 0
@@ -166,6 +167,8 @@ def evaluate(
         totals.append(scored.total)
         for name, v in scored.per_function.items():
             per[name].append(v)
+        if on_rows is not None:
+            on_rows(done)
     out = {"num_rows": float(len(rows)), "reward_mean": float(np.nanmean(np.concatenate(totals)))}
     for name, vs in per.items():
         out[name] = float(np.nanmean(np.concatenate(vs)))

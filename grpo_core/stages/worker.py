@@ -387,6 +387,10 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 continue
             _test_hook("eval", step=step, root_url=root.url)
             t, compiled_before = time.perf_counter(), len(_COMPILED)
+            # prompts done of all passes (greedy, then the sampled one): the task's log and the terminal's bar
+            rows, passes = len(parts.eval_rows), 1 + (cfg.eval.num_samples > 1)
+            shown = lambda done, p=0: _emit("eval_progress", step=step, done=p * rows + done, total=passes * rows)
+            shown(0)
             placement = placement or _eval_placement(cfg.train.mesh)
             graphdef, params = parts.policy_at(ckpt, step, placement)  # laid out over its rollout mesh
             kw = dict(
@@ -396,7 +400,9 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 reward_timeout_s=cfg.train.reward_timeout_s,
                 state=TrainerState(global_step=step, max_steps=cfg.train.num_steps),
             )
-            greedy = evaluate(graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling, **kw)
+            greedy = evaluate(
+                graphdef, params, parts.tokenizer, parts.eval_rows, parts.eval_rewards, sampling, on_rows=shown, **kw
+            )
             result = {"step": step, "eval_hash": h, "accuracy": greedy[cfg.eval.accuracy_reward], "greedy": greedy}
             if cfg.eval.num_samples > 1:
                 sampled = evaluate(
@@ -408,6 +414,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                     sampling,
                     num_samples=cfg.eval.num_samples,
                     pass_reward=cfg.eval.accuracy_reward,
+                    on_rows=lambda done: shown(done, 1),
                     **kw,
                 )
                 result["sampled"] = sampled
