@@ -8,6 +8,7 @@
     grpo export RUN [--step N]     a checkpoint as a Hugging Face folder, RUN/export/{step}/
     grpo status RUN [--json]       where a run stands, from its run root
     grpo serve [--cron C | --interval S] [--config F] [--set k=v ...]   serve the deployments
+    grpo tiny-model DIR            a small random Qwen3 model + tokenizer to try model.path offline
 
 RUN is a run's URL (a folder or gs://bucket/prefix/name) or a run name under storage.root.
 """
@@ -45,9 +46,9 @@ def _exit_abandoning_prefect(code: int) -> None:
     and an error for each). The run's own clean-up is done by now (the flow stopped its workers,
     released its lease, dropped the worker started ahead: drop_ahead again costs nothing)."""
     try:
-        from grpo_core.launch.launchers import drop_ahead  # CLI start: loaded with the pipeline
+        from grpo_core.launch.launchers import drop_all_ahead  # CLI start: loaded with the pipeline
 
-        drop_ahead()
+        drop_all_ahead()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
@@ -169,8 +170,21 @@ def _run_of(args) -> str | None:
     return None
 
 
+def _times(s: dict, wall: float) -> str:
+    """The flow's wall time as summary.json records it, and the command's, each saying what it
+    measures: "354 s" printed beside summary.json's 340.35 read as two figures for one thing."""
+    flow, run = (s.get("last_invocation") or {}).get("wall_s"), (s.get("timing") or {}).get("wall_s")
+    if flow is None:
+        return f"the command {wall:.2f} s"
+    out = f"the flow {flow:.2f} s (summary.json last_invocation.wall_s"
+    if run is not None and round(run, 2) != round(flow, 2):  # a resumed run: earlier invocations count there
+        out += f"; the run's invocations together {run:.2f} s, timing.wall_s"
+    return out + f"), the command {wall:.2f} s (with the local Prefect server's start and stop)"
+
+
 def _print_summary(s: dict, wall: float) -> None:
-    print(f"\nrun {s['status']}: {s['run_uri']}  ({s['steps']} steps, {wall:.0f} s)")
+    print(f"\nrun {s['status']}: {s['run_uri']}  ({s['steps']} steps)")
+    print(f"time: {_times(s, wall)}")
     if s.get("started_from"):
         print(
             f"started from {s['started_from']['uri']} (step {s['started_from']['step']} of {s['started_from']['run']})"
@@ -211,6 +225,12 @@ def _print_examples(run_url: str) -> None:
         print(f"  {a['prompt']!r:>10} -> {a['completion']!r:>10} | {b['completion']!r:>8} | {a.get('answer', '')!r}")
 
 
+def _bars() -> dict[str, bool]:
+    """Progress bars (tasks.progress) only where a person watches: stderr a terminal, not a pipe or CI."""
+    tty = sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+    return {"enabled": tty, "redirect_stdout": tty and sys.stdout.isatty()}
+
+
 def run_command(args) -> int:
     cfg = _config(args)
     if cfg is None:
@@ -221,11 +241,12 @@ def run_command(args) -> int:
     with imports_without_gc():  # Prefect's imports: 1.84 -> 1.58 CPU-s
         from flows.local_server import embedded_server  # CLI start: Prefect, after _prefect_defaults
         from flows.pipeline import grpo_pipeline  # CLI start: Prefect, after _prefect_defaults
+        from tasks.progress import terminal_bars  # CLI start: rich, which Prefect loads
 
     t = time.perf_counter()
     print(f"run {cfg.name}: {cfg.run_url}", flush=True)
     try:
-        with _interruptible(), embedded_server():
+        with _interruptible(), embedded_server(), terminal_bars(num_steps=cfg.train.num_steps, **_bars()):
             # the flow takes the config's fields and finds the sources' versions itself
             params = {k: v for k, v in cfg.to_dict().items() if k != "versions"}
             summary = grpo_pipeline.with_options(retries=cfg.pipeline.flow_retries)(params)
@@ -326,14 +347,33 @@ def _recipe(args, cfg) -> dict:
     steps = out["filled"].get("train.num_steps")
     if steps is not None and steps["value"] == "auto" and cfg.train.num_steps != "auto":
         steps.update(value=cfg.train.num_steps, source=f"auto: {steps['source']}")
+    chosen = cfg.rewards_default  # the default rewards as the data's first row decided them
+    if chosen is not None and "rewards" in out["filled"]:
+        out["filled"]["rewards"] = {"value": chosen.describe(), "source": chosen.why}
     return out
+
+
+def _unchanged_by_set(url: str, args) -> bool:
+    """Whether --set leaves the run's config as it is (grpo_core.store.runs.check_overrides); else
+    False after saying what it would change (exit 2): this command would not apply it."""
+    from grpo_core.errors import ConfigError, StorageError  # CLI start
+    from grpo_core.store.root import RunRoot  # CLI start
+    from grpo_core.store.runs import check_overrides  # CLI start
+
+    try:
+        check_overrides(RunRoot(url), args.set, f"grpo {args.command}")
+        return True
+    except (ConfigError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
 
 
 def eval_command(args) -> int:
     from tasks.process import StageError, run_worker  # CLI start
+    from tasks.progress import terminal_bars  # CLI start: rich
 
     url = _run_of(args)
-    if url is None:
+    if url is None or not _unchanged_by_set(url, args):
         return 2
 
     def show(e):
@@ -346,7 +386,7 @@ def eval_command(args) -> int:
             )
 
     try:
-        with _interruptible():
+        with _interruptible(), terminal_bars(**_bars()):
             run_worker(
                 ["grpo_core.stages.worker", "eval", "--root", url, "--steps", ",".join(map(str, args.step))],
                 timeout_s=args.timeout,
@@ -366,7 +406,7 @@ def export_command(args) -> int:
     from tasks.process import StageError, run_worker  # CLI start
 
     url = _run_of(args)
-    if url is None:
+    if url is None or not _unchanged_by_set(url, args):
         return 2
     cmd = ["grpo_core.stages.worker", "export", "--root", url] + (
         ["--step", str(args.step)] if args.step is not None else []
@@ -427,7 +467,7 @@ def status_command(args) -> int:
         f"Hugging Face export {st['export_uri'] or 'none'}"
     )
     print(f"  stages done: {', '.join(st['stages_done']) or 'none'}; readiness: {st['readiness']}")
-    if st["last_metrics"]:
+    if st["last_metrics"]:  # its step counted as steps_done counts it (grpo_core.store.report.status)
         print("  last step: " + "  ".join(f"{k} {v:.4g}" for k, v in st["last_metrics"].items()))
     for e in st["eval"]:
         print("  eval " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in e.items()))
@@ -460,13 +500,29 @@ def serve_command(args) -> int:
         from flows.serve import allow_code  # CLI start: Prefect
 
     try:  # what the deployments' runs may name besides the built-ins (grpo_core.rewards.trust)
-        allow_code(args.allow_reward_path, args.allow_reward_module, args.allow_field, params, args.allow_root)
+        allow_code(
+            args.allow_reward_path,
+            args.allow_reward_module,
+            args.allow_field,
+            params,
+            args.allow_root,
+            args.allow_host,
+            args.raise_limit,
+        )
     except ValueError as exc:
         print(f"grpo serve: {exc}", file=sys.stderr)
         return 2
     from flows.serve import serve  # CLI start: Prefect
 
     serve(params, cron=args.cron, interval=args.interval, limit=args.limit)
+    return 0
+
+
+def tiny_model_command(args) -> int:
+    from grpo_core.nn.tiny_hf import write_tiny_model  # CLI start (numpy, safetensors, tokenizers: no JAX)
+
+    folder = write_tiny_model(args.dir, arch=args.arch, seed=args.seed)
+    print(f"wrote a tiny random {args.arch} model and its tokenizer to {folder}: --set model.path={args.dir}")
     return 0
 
 
@@ -539,8 +595,24 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FIELD",
-        help="a field naming a program (train.rollout.server_command, pipeline.worker_python, ...) a run from "
-        "the API or UI may set (repeatable)",
+        help="a field naming a program or a remote machine (train.rollout.server_command, pipeline.worker_python, "
+        "pipeline.launcher.tpu_name, ...) a run from the API or UI may set (repeatable)",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="a host a run from the API or UI may name as an address (train.rollout.url, "
+        "pipeline.launcher.address) (repeatable)",
+    )
+    p.add_argument(
+        "--raise-limit",
+        action="append",
+        default=[],
+        metavar="FIELD=N",
+        help="the most a run from the API or UI may ask for of FIELD (data.synthetic_rows, train.num_steps, "
+        "eval.batch_size, ...: each has a limit that fits one host) (repeatable)",
     )
     p.set_defaults(func=serve_command)
     p.add_argument(
@@ -551,6 +623,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a folder or URL prefix (gs://bucket/runs) a run from the API or UI may write (storage.root) or read "
         "(data and model sources) under, besides the places of the served config (repeatable)",
     )
+    p = sub.add_parser(
+        "tiny-model",
+        help="write a small random Hugging Face model (Qwen architecture) and its tokenizer, to try model.path offline",
+    )
+    p.add_argument("dir", help="the folder to write (config.json, model.safetensors, tokenizer files)")
+    p.add_argument("--arch", choices=("qwen3", "qwen2"), default="qwen3", help="the architecture (default qwen3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.set_defaults(func=tiny_model_command)
     args = parser.parse_args(argv)
     code = args.func(args)
     if argv is None and _API_GONE[0]:  # the program itself (not a caller's main([...])), its API gone

@@ -48,6 +48,12 @@ def test_status_and_eval_of_a_run_folder(tmp_path, capsys):
     assert main(["status", run, "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["steps_done"] == 2 and st["latest_checkpoint"] == 2 and [e["step"] for e in st["eval"]] == [0, 2]
+    assert main(["status", run]) == 0
+    out = capsys.readouterr().out
+    assert "steps 2/6, latest checkpoint 2" in out and "last step: step 2  reward" in out  # one count (issue 53)
+    # evaluated already: another eval setting is refused, not answered with the stored result (issue 53)
+    assert main(["eval", run, "--step", "2", "--set", "data.eval_rows=4"]) == 2
+    assert "--set would change it: data.eval_rows: 8 -> 4" in capsys.readouterr().err
     assert main(["eval", run, "--step", "5"]) == 2
     assert "no checkpoint for step 5" in capsys.readouterr().err
 
@@ -78,3 +84,69 @@ def test_a_gs_source_out_of_reach_is_one_line_not_a_traceback(monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.startswith("storage error: data.source gs://grpo-bucket/no-network.jsonl: cannot reach")
     assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+# -- one truth in the CLI (issue 53, item 6) -------------------------------------------------------
+
+
+def test_eval_and_export_refuse_a_set_that_would_change_the_run(tmp_path, capsys):
+    """(a) `grpo eval RUN --step 4 --set data.eval_rows=16` read the stored result back: the worker
+    evaluates the run as its config.json says. A --set that changes that is refused, before any
+    worker; one that only says where the run is, or repeats the run's own value, is not."""
+    from grpo_core.errors import ConfigError
+    from grpo_core.store.root import RunRoot
+    from grpo_core.store.runs import check_overrides
+    from tests.test_worker import make_run
+
+    run = make_run(str(tmp_path), "r")
+    for command in (["eval", run, "--step", "0"], ["export", run]):
+        assert main([*command, "--set", "data.eval_rows=16", "--set", "eval.temperature=0.5"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: grpo {command[0]} works on the run as its config.json says ({run}/config.json)" in err
+        assert "data.eval_rows: 8 -> 16; eval.temperature: 1.0 -> 0.5" in err
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["config.json", "data"]  # no worker ran
+    root = RunRoot(run)
+    check_overrides(root, [f"storage.root={tmp_path}", "run_name=r", "data.eval_rows=8", "eval.num_samples=2"], "x")
+    with pytest.raises(ConfigError, match=r"--set would change it: rewards: .*'char_match'.* -> .*'math_answer'"):
+        check_overrides(root, ["rewards=[math_answer]"], "grpo eval")
+
+
+def test_status_counts_its_last_step_as_it_counts_the_steps_done(tmp_path, capsys):
+    """(b) `grpo status` printed "steps 4/4" beside "last step: step 3": the metrics files number
+    steps from 0, checkpoints, evaluations and steps_done count them."""
+    from grpo_core.store.root import RunRoot
+    from tests.test_worker import make_run
+
+    run = make_run(str(tmp_path), "r")  # num_steps 6
+    RunRoot(run).write_metrics([{"step": float(s), "reward": 0.25 * s, "kl": 0.0} for s in range(4)])
+    assert main(["status", run]) == 0
+    out = capsys.readouterr().out
+    assert "  steps 4/6, latest checkpoint None" in out and "  last step: step 4  reward 0.75  kl 0" in out
+    assert main(["status", run, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["steps_done"] == st["last_metrics"]["step"] == 4
+
+
+def test_the_printed_time_is_summary_jsons_or_says_what_it_measures(tmp_path, capsys):
+    """(c) the CLI printed "354 s" where summary.json said 340.35: the flow's time is printed as
+    summary.json holds it, the command's (the Prefect server's start and stop besides) named apart."""
+    from flows.cli import _print_summary
+    from grpo_core.store.report import build_summary
+    from grpo_core.store.root import RunRoot
+    from tests.test_worker import make_run
+
+    run = make_run(str(tmp_path), "r")
+    RunRoot(run).write_metrics([{"step": float(s), "reward": 0.5} for s in range(4)])
+    s = build_summary(RunRoot(run), "completed", timing={"wall_s": 340.35})  # as the flow's summarize writes it
+    _print_summary(dict(s, last_invocation={"wall_s": 340.35, "did_work": True}), 354.2049)
+    out = capsys.readouterr().out
+    assert f"run completed: {run}  (4 steps)\n" in out
+    assert (
+        "time: the flow 340.35 s (summary.json last_invocation.wall_s), the command 354.20 s "
+        "(with the local Prefect server's start and stop)" in out
+    )
+    # resumed: this invocation's flow, and the run's invocations together as timing.wall_s holds them
+    _print_summary(dict(s, last_invocation={"wall_s": 12.5, "did_work": True}), 25.0)
+    assert "the flow 12.50 s (summary.json last_invocation.wall_s; the run's invocations together 340.35 s, " in (
+        capsys.readouterr().out
+    )

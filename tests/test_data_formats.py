@@ -304,3 +304,30 @@ def test_prepared_gsm8k_and_verl_rows_score_with_math_answer(tmp_path, hf_tok):
         n = len(rows)
         assert list(res.per_function["math_answer"]) == [1.0] * n + [0.0] * n
         assert list(res.total) == [1.5] * n + [0.0] * n
+
+
+def test_the_reward_probe_says_what_it_compared(tmp_path):
+    """issue 53: "reward probe: 'char_match' scored 32/32" read as all-clear where the synthetic
+    task's reward compared each reference answer with GSM8K's whole worked solution. The probe
+    says which reference it gave the reward and how that scored."""
+    from grpo_core.config.run import load_config
+    from grpo_core.data.resolve import with_versions
+    from grpo_core.rewards.probe import check_coverage
+    from grpo_core.rewards.registry import config_rewards
+
+    source = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(40))
+    sets = [f"storage.root={tmp_path}", f"data.source={source}", "data.eval_fraction=0.2", "data.max_prompt_tokens=128"]
+    cfg = with_versions(load_config(None, sets))  # no rewards: math_answer, the data has a reference
+    m = prepare_dataset(cfg.data, TOK, RunRoot(str(tmp_path / "run")), "char")
+    train, evals = load_prepared(RunRoot(str(tmp_path / "run")), m["hash"])
+    assert (len(train), len(evals)) == (32, 8)
+    found = check_coverage(cfg, *config_rewards(cfg), train, evals, m["format"])
+    assert [c.describe() for c in found] == [
+        "'math_answer': 32/32 sampled training rows hold a reference answer (ground_truth); given it as the "
+        "completion, the reward scored 32/32, mean 1",
+        "'math_answer': 8/8 sampled evaluation rows hold a reference answer (ground_truth); given it as the "
+        "completion, the reward scored 8/8, mean 1",
+    ]
+    # the measured case: char_match against `answer`, the worked solution; the mean says it
+    [char] = check_coverage(cfg, make_rewards((RewardSpec(function="char_match"),)), [], train, [], "gsm8k")
+    assert char.scored == 32 and char.mean < 0.1 and f"the reward scored 32/32, mean {char.mean:.3g}" in char.describe()

@@ -14,6 +14,7 @@ from flows.cli import main
 from grpo_core.config.recipes import HF_DEFAULTS, choose, explain
 from grpo_core.config.run import DEFAULT, RunConfig, load_config
 from grpo_core.data.resolve import with_versions
+from grpo_core.errors import ConfigError
 
 # The issue's command: 64 GSM8K rows as JSONL, math_answer, the qwen2.5-0.5b preset.
 ISSUE = ["data.source=gsm8k.jsonl", "rewards=[{function: math_answer}]", "model.preset=qwen2.5-0.5b"]
@@ -314,3 +315,105 @@ def test_the_v5e_lora_recipe_fits_its_chip_as_xla_compiles_it(hub):
     checks = {c["name"]: c for c in report["checks"]}
     assert report["ready"] and checks["memory"]["ok"] and checks["target"]["ok"], checks
     assert "XLA on v5e:1x1" in checks["memory"]["detail"]
+
+
+# -- rewards that fit the data (issue 53, item 1) -------------------------------------------------
+
+
+def _jsonl(path: pathlib.Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def gsm8k_file(path: pathlib.Path, n: int = 20) -> str:
+    """GSM8K's shape: a question and a worked solution ending in '#### <number>'."""
+    return _jsonl(
+        path, [{"question": f"what is {i}+1?", "answer": f"{i} plus 1 is {i + 1}.\n#### {i + 1}"} for i in range(n)]
+    )
+
+
+def rewards_of(cfg: RunConfig) -> list[tuple[str, float]]:
+    return [(r.function, r.weight) for r in cfg.rewards]
+
+
+def test_gsm8k_data_without_rewards_is_scored_by_math_answer(tmp_path):
+    """Measured before: GSM8K with no `rewards` trained on char_match (1) and exact_match (0), the
+    synthetic task's, against the whole worked solution, and reported exact_match as accuracy."""
+    data = gsm8k_file(tmp_path / "train.jsonl")
+    test = gsm8k_file(tmp_path / "test.jsonl", 6)
+    sets = [f"storage.root={tmp_path}", f"data.source={data}", f"data.eval_source={test}"]
+    cfg = load_config(None, sets)
+    assert cfg.rewards_default.pending  # data.format auto: the first row decides
+    ready = with_versions(cfg)
+    assert rewards_of(ready) == [("math_answer", 1.0)] and not ready.rewards_default.pending
+    assert (
+        ready.rewards_default.why
+        == "data.source reads as gsm8k: ground_truth from its gsm8k rows, the reference answer"
+    )
+    assert ready.eval.accuracy_reward == "math_answer" and ready.eval_rewards == ready.rewards
+    # config.json holds them: the workers, the flow's parameters and a resumed run read them back
+    back = RunConfig.from_dict(ready.to_dict())
+    assert rewards_of(back) == rewards_of(ready) and back.rewards_default is None
+    assert back.train_hash == ready.train_hash and back.eval_hash == ready.eval_hash
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        ({"format": "gsm8k"}, "data.format gsm8k: a reference answer in every row (the number after '####')"),
+        ({"format": "verl"}, "data.format verl: a reference answer in every row (reward_model.ground_truth)"),
+        ({"rename": {"solution": "ground_truth"}}, "data.rename maps 'solution' to ground_truth, the reference answer"),
+    ],
+)
+def test_a_format_or_rename_that_names_the_reference_decides_without_reading(data, why):
+    cfg = RunConfig.from_dict({"data": {"source": "/nowhere/rows.jsonl", **data}})
+    assert rewards_of(cfg) == [("math_answer", 1.0)] and cfg.rewards_default.why == why
+    assert not cfg.rewards_default.pending and cfg.eval.accuracy_reward == "math_answer"
+
+
+def test_the_format_reward_comes_with_a_prompt_that_asks_for_its_tags():
+    ask = "Think inside <think></think>, then give only the final number inside <answer></answer>."
+    cfg = RunConfig.from_dict({"data": {"source": "/d/g.jsonl", "format": "gsm8k", "system_prompt": ask}})
+    assert rewards_of(cfg) == [("math_answer", 1.0), ("think_format", 0.2)]  # recipes/gsm8k-*.yaml's weights
+    assert cfg.eval.accuracy_reward == "math_answer"
+    assert cfg.rewards_default.describe() == ["math_answer", "think_format (weight 0.2)"]
+
+
+def test_prompt_only_data_without_rewards_is_refused_naming_rewards(tmp_path, capsys):
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"write a haiku about {i}"} for i in range(12)])
+    sets = [f"storage.root={tmp_path}", f"data.source={prompts}"]
+    with pytest.raises(ConfigError, match=r"^rewards: none set, and data.source .* \(read as plain; columns: prompt\)"):
+        with_versions(load_config(None, sets))
+    assert main(["check", *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: rewards: none set") and "think_format" in err and "integer_answer" in err
+    assert not (tmp_path / "runs").exists()
+    # the user's rewards always win: on prompt-only data, and over a reference too
+    own = with_versions(load_config(None, [*sets, "rewards=[integer_answer]"]))
+    assert rewards_of(own) == [("integer_answer", 1.0)] and own.rewards_default is None
+    gsm = with_versions(load_config(None, [f"data.source={gsm8k_file(tmp_path / 'g.jsonl')}", "rewards=[exact_match]"]))
+    assert rewards_of(gsm) == [("exact_match", 1.0)] and gsm.eval.accuracy_reward == "exact_match"
+
+
+def test_an_answer_column_is_the_reference_once_renamed(tmp_path):
+    rows = _jsonl(tmp_path / "qa.jsonl", [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(12)])
+    with pytest.raises(ConfigError, match=r"its 'answer' column: data.rename=\{answer: ground_truth\} for math_answer"):
+        with_versions(load_config(None, [f"data.source={rows}"]))
+    cfg = with_versions(load_config(None, [f"data.source={rows}", "data.rename={answer: ground_truth}"]))
+    assert rewards_of(cfg) == [("math_answer", 1.0)]
+
+
+def test_check_lists_the_rewards_and_why(tmp_path, capsys):
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl")
+    assert main(["check", "--set", f"storage.root={tmp_path}", "--set", f"data.source={data}"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("rewards "))
+    assert "['math_answer']" in line and "data.source reads as gsm8k: ground_truth from its gsm8k rows" in line
+    assert "eval.accuracy_reward               'math_answer' the first reward with a weight above 0" in out
+    # the synthetic task's, said as such (its config and hashes are as they were: test_run_config pins them)
+    assert main(["check", "--json", "--set", f"storage.root={tmp_path}"]) == 0
+    filled = json.loads(capsys.readouterr().out)["recipe"]["filled"]
+    assert filled["rewards"]["value"] == ["char_match", "exact_match (weight 0)"]
+    assert filled["rewards"]["source"] == "the synthetic task's rewards (grpo_core/config/run.py DEFAULT)"
+    assert filled["eval.accuracy_reward"]["value"] == "exact_match"
+    assert rewards_of(load_config(None, [])) == [("char_match", 1.0), ("exact_match", 0.0)]

@@ -23,6 +23,7 @@ def _rows(n: int) -> str:
 
 def _config(root: str, source: str, *sets: str) -> RunConfig:
     base = [f"storage.root={root}", f"data.source={source}", "data.format=plain", "data.max_prompt_tokens=64"]
+    base.append("rewards=[exact_match]")  # prompt and answer rows: no default reward fits them (issue 53)
     return with_versions(load_config(None, [*base, "data.eval_rows=2", *sets]))
 
 
@@ -97,6 +98,7 @@ def test_a_run_started_before_inputs_were_versioned_resumes(tmp_path):
     source = tmp_path / "prompts.jsonl"
     source.write_text(_rows(8))
     sets = [f"storage.root={tmp_path}", f"data.source={source}", "data.format=plain", "run_name=old"]
+    sets.append("rewards=[exact_match]")  # prompt and answer rows: no default reward fits them (issue 53)
     sets.append("train.num_steps=8")  # a number, as every run from before versions (and before num_steps: auto)
     old = load_config(None, sets)  # no versions: as config.json was written before them
     init_run_root(old)

@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any
 
 from grpo_core.config.presets import PRESETS
+from grpo_core.errors import ConfigError
 
 # Presets with a real model's shape (and a real tokenizer's vocabulary): not the demo's.
 TEST_PRESETS = ("tiny", "small")
@@ -83,6 +84,92 @@ class Recipe:
     why: str  # the field that chose it, in words
 
 
+# -- rewards that fit the data (issue 53, item 1) ------------------------------------------------
+# The synthetic task's rewards (char_match, exact_match) compare with its `answer` column: on the
+# user's data they scored GSM8K's whole worked solution. Without `rewards`, data that carries a
+# reference answer (a ground_truth column: data.format gsm8k or verl, or one data.rename names)
+# gets math_answer, as TRL's and verl's GSM8K examples do, and the format reward when the prompt
+# asks for <think>/<answer> tags (recipes/gsm8k-*.yaml's 0.2); data without one is refused.
+MATH_REWARD = {"function": "math_answer", "weight": 1.0}
+FORMAT_REWARD = {"function": "think_format", "weight": 0.2}  # recipes/gsm8k-*.yaml's weight
+# Built-ins that need no reference answer, named when prompt-only data sets no rewards.
+NO_REFERENCE_BUILTINS = (
+    "think_format (the <think>/<answer> layout)",
+    "integer_answer (the final answer is an integer)",
+    "soft_overlong (DAPO's length penalty, with params)",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardChoice:
+    """Rewards a recipe chose because the config sets none. `why`: as `grpo check` prints it.
+    `pending`: data.format leaves open whether the rows carry a reference answer, which their
+    first row decides before the run is named (grpo_core.data.resolve.resolve_rewards)."""
+
+    specs: tuple[dict, ...]
+    why: str
+    pending: bool = False
+
+    def describe(self) -> list[str]:
+        """['math_answer', 'think_format (weight 0.2)']: the value `grpo check` shows."""
+        return [s["function"] + ("" if s["weight"] == 1.0 else f" (weight {s['weight']:g})") for s in self.specs]
+
+
+def _asks_for_tags(data: dict[str, Any]) -> bool:
+    """Whether the prompt asks for <think>...</think><answer>...</answer> (data.system_prompt or
+    data.template names both tags): then think_format scores what it asks for."""
+    text = " ".join(str(data.get(k) or "") for k in ("system_prompt", "template"))
+    return "<think>" in text and "<answer>" in text
+
+
+def math_rewards(data: dict[str, Any], why: str, pending: bool = False) -> RewardChoice:
+    """math_answer, and think_format where the prompt asks for its tags."""
+    specs = (MATH_REWARD, FORMAT_REWARD) if _asks_for_tags(data) else (MATH_REWARD,)
+    if len(specs) > 1:
+        why += "; think_format: the prompt asks for <think>/<answer> tags"
+    return RewardChoice(specs, why, pending)
+
+
+def default_rewards(given: dict[str, Any]) -> RewardChoice | None:
+    """The rewards for a config that sets none, on the user's data; None where the config sets
+    them or runs the synthetic task (its own, DEFAULT's). What data.format and data.rename say
+    decides now; otherwise (auto, plain) the data's first row does (`pending`)."""
+    data = given.get("data") if isinstance(given.get("data"), dict) else {}
+    if given.get("rewards") or data.get("source", "synthetic") == "synthetic":
+        return None
+    fmt = str(getattr(data.get("format"), "value", data.get("format") or "auto"))
+    if fmt in ("gsm8k", "verl"):
+        what = "the number after '####'" if fmt == "gsm8k" else "reward_model.ground_truth"
+        return math_rewards(data, f"data.format {fmt}: a reference answer in every row ({what})")
+    renamed = [k for k, v in (data.get("rename") or {}).items() if v == "ground_truth"]
+    if renamed:
+        return math_rewards(data, f"data.rename maps {renamed[0]!r} to ground_truth, the reference answer")
+    return math_rewards(data, f"data.format {fmt}: the data's first row decides", pending=True)
+
+
+def rewards_for_rows(data: dict[str, Any], fmt: str, columns: list[str], source: str) -> RewardChoice:
+    """The rewards for data read as `fmt` whose first row (renamed, in its format) has `columns`:
+    math_answer where one is ground_truth, else ConfigError naming `rewards` and the built-ins
+    that need no reference answer."""
+    if "ground_truth" in columns:
+        how = "a ground_truth column" if fmt == "plain" else f"ground_truth from its {fmt} rows"
+        return math_rewards(data, f"data.source reads as {fmt}: {how}, the reference answer")
+    answers = [c for c in columns if c in ("answer", "solution", "target", "label", "reference")]
+    hint = ""
+    if answers:
+        column = answers[0]
+        hint = f"; to score against its {column!r} column: data.rename={{{column}: ground_truth}} for math_answer"
+        if answers[0] == "answer":  # what exact_match and char_match read
+            hint += " (a number or expression), or rewards=[exact_match] (the text itself, as the synthetic task's)"
+    raise ConfigError(
+        f"rewards: none set, and data.source {source} (read as {fmt}; columns: {', '.join(sorted(columns))}) has no "
+        f"reference answer to score against, so no reward fits by default. Set rewards, e.g. "
+        f"--set 'rewards=[path/to/rewards.py:my_reward]'. Built-ins that need no reference answer: "
+        f"{', '.join(NO_REFERENCE_BUILTINS)}; math_answer needs a ground_truth column (data.format gsm8k or "
+        f"verl, or data.rename={{answer column: ground_truth}}){hint}"
+    )
+
+
 def choose(given: dict[str, Any]) -> Recipe:
     """The recipe for what the user gave (the YAML and --set values, before any default)."""
     data, model = given.get("data"), given.get("model")
@@ -130,7 +217,26 @@ def explain(given: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
         source = "the synthetic task's tuned recipe (grpo_core/config/run.py DEFAULT)"
         defaults = tuple(Default(f, v, source) for f, v in _flat({"train": default["train"]}))
     filled = {d.field: {"value": d.value, "source": d.source} for d in defaults if not _has(given, d.field)}
+    filled.update(_explain_rewards(given, default))
     return {"recipe": recipe.name, "why": recipe.why, "filled": filled}
+
+
+def _explain_rewards(given: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    """The rewards and eval.accuracy_reward where the config sets none, and why."""
+    if given.get("rewards"):
+        return {}
+    chosen = default_rewards(given)
+    if chosen is None:  # the synthetic task's own
+        where = "the synthetic task's rewards (grpo_core/config/run.py DEFAULT)"
+        specs, accuracy = default["rewards"], default["eval"]["accuracy_reward"]
+        value = RewardChoice(tuple(dict({"weight": 1.0}, **s) for s in specs), where).describe()
+        out = {"rewards": {"value": value, "source": where}}
+    else:
+        accuracy, where = MATH_REWARD["function"], "the first reward with a weight above 0"
+        out = {"rewards": {"value": chosen.describe(), "source": chosen.why}}
+    if not _has(given, "eval.accuracy_reward"):
+        out["eval.accuracy_reward"] = {"value": accuracy, "source": where}
+    return out
 
 
 def _set(tree: dict, path: str, value: Any) -> None:

@@ -338,6 +338,25 @@ def dry_run(cfg: DataConfig, tokenizer) -> dict[str, Any]:
     }
 
 
+def first_row_format(cfg: DataConfig) -> tuple[str, list[str]]:
+    """(the format the data reads as, the columns of its first training row read in it: renamed,
+    with ground_truth where gsm8k or verl derives one), as preparation reads them; nothing
+    tokenized. Which default rewards fit (grpo_core.data.resolve.resolve_rewards). DataError where
+    the data cannot be read, or its first row not in that format."""
+    raw, _, where = _load_rows(cfg)
+    if not raw:
+        raise DataError(f"{where} has no rows")
+    row = {(cfg.rename or {}).get(k, k): _jsonable(v) for k, v in raw[0].items()}
+    fmt = detect(row, cfg.prompt_column) if cfg.format is DataFormat.AUTO else cfg.format
+    try:
+        row, column = apply_format(fmt, row, cfg.prompt_column)
+    except ValueError as exc:
+        raise DataError(f"{where} row 0 {exc}") from None
+    if cfg.template is None and column not in row:  # data the run cannot read: its data stage says so first
+        raise DataError(f"{where} row 0 has no column {column!r} (data.prompt_column); columns: {sorted(row)}")
+    return fmt.value, sorted(row)
+
+
 def prepare_dataset(
     cfg: DataConfig, tokenizer, root: RunRoot, tokenizer_id: str, versions: dict[str, str] | None = None
 ) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A run config resolved against the world: the versions of the sources it names (a file
 rewritten in place, an object uploaded again, a Hub repository that moved on: a new version;
 grpo_core.store.versions), model.init_from pinned to one run and step
-(grpo_core.store.startpoint), and train.num_steps: auto made a number from the rows the data
+(grpo_core.store.startpoint), the default rewards checked against the data's first row (a
+reference answer or a refusal), and train.num_steps: auto made a number from the rows the data
 holds. grpo_core.config stays data; this is what fills it in, once, before a run is named."""
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import json
 import os
 from typing import Callable
 
+from grpo_core.config import recipes
 from grpo_core.config.run import RunConfig
-from grpo_core.data.prepare import dry_run
+from grpo_core.data.prepare import dry_run, first_row_format
 from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError, DataError
 from grpo_core.store.sources import cache_dir, model_config
@@ -26,7 +28,26 @@ def with_versions(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> 
     unsupported model fails here, naming the field."""
     model_config(cfg)  # the checkpoint's architecture (read once, small files only)
     cfg = dataclasses.replace(cfg, versions=tuple(sorted(source_versions(cfg, warn).items())))
-    return resolve_steps(cfg)
+    return resolve_steps(resolve_rewards(cfg))
+
+
+def resolve_rewards(cfg: RunConfig) -> RunConfig:
+    """`cfg` with default rewards whose fit the data's first row decides (recipes.default_rewards:
+    no rewards set, data.format auto or plain, no column renamed to ground_truth) decided:
+    math_answer where the rows carry a reference answer, else ConfigError naming `rewards` and
+    the built-ins that need none. Data that cannot be read leaves them open: the data stage
+    fails naming the row (and its reward probe stops a reward that can score nothing)."""
+    chosen = cfg.rewards_default
+    if chosen is None or not chosen.pending:
+        return cfg
+    try:
+        fmt, columns = first_row_format(cfg.data)
+    except (DataError, ConfigError):
+        return cfg
+    decided = recipes.rewards_for_rows(cfg.data.to_dict(), fmt, columns, cfg.data.source)
+    # the same rewards as the pending choice (both from data.system_prompt / data.template): only
+    # the reason is new, so the config's hashes do not move
+    return dataclasses.replace(cfg, rewards_default=decided)
 
 
 def resolve_steps(cfg: RunConfig) -> RunConfig:

@@ -49,10 +49,24 @@ class Coverage:
     scored: int
     probe: str | None  # the probe that scored, None when none did
     failed: tuple[str, ...] = ()  # probes the function raised on (not evidence either way)
+    references: int = 0  # sampled rows with a reference answer
+    columns: tuple[str, ...] = ()  # the columns those came from (REFERENCE_COLUMNS)
+    mean: float | None = None  # the mean score of the rows the probe scored
 
     def describe(self) -> str:
+        """What was compared, e.g. "'math_answer': 32/32 sampled training rows hold a reference answer
+        (ground_truth); given it as the completion, the reward scored 32/32, mean 1": a scored count
+        alone read as all-clear for a reward comparing with another column (issue 53)."""
         if self.scored:
-            return f"{self.reward.name!r} scored {self.scored}/{self.rows} sampled {self.split} rows ({self.probe})"
+            held = (
+                f"{self.references}/{self.rows} sampled {self.split} rows hold a reference answer "
+                f"({', '.join(self.columns)})"
+                if self.references
+                else f"none of {self.rows} sampled {self.split} rows holds a reference answer"
+            )
+            given = "given it as the completion" if self.probe == _PROBES[0][0] else f"given {self.probe}"
+            scored = f"the reward scored {self.scored}/{self.rows}, mean {self.mean:.3g}"
+            return f"{self.reward.name!r}: {held}; {given}, {scored}"
         if len(self.failed) == len(_PROBES):
             return f"{self.reward.name!r} not judged: it raised on every probe ({self.failed[0]})"
         return f"{self.reward.name!r} scored none of {self.rows} sampled {self.split} rows"
@@ -67,14 +81,19 @@ def sample(rows: Sequence[dict[str, Any]], n: int = SAMPLE_ROWS) -> list[dict[st
 
 def reference(row: dict[str, Any]) -> str:
     """The row's reference answer as text (the first acceptable one of a list), or ''."""
+    return _reference(row)[1]
+
+
+def _reference(row: dict[str, Any]) -> tuple[str | None, str]:
+    """(the column, the reference answer as text), or (None, '')."""
     for key in REFERENCE_COLUMNS:
         v = row.get(key)
         if isinstance(v, (list, tuple)):
             v = v[0] if v else None
         if isinstance(v, bool) or v is None or not isinstance(v, (str, int, float)) or not str(v).strip():
             continue
-        return str(v)
-    return ""
+        return key, str(v)
+    return None, ""
 
 
 # (what the message calls it, completion from the reference answer)
@@ -131,7 +150,9 @@ def check_signature(reward: Reward, columns: Sequence[str], where: str) -> None:
 
 def probe(reward: Reward, rows: list[dict[str, Any]], split: str, timeout_s: float | None = None) -> Coverage:
     """Call `reward` on `rows` with each probe's completions until one scores a row."""
-    refs = [reference(r) for r in rows]
+    found = [_reference(r) for r in rows]
+    refs = [a for _, a in found]
+    held = dict(references=sum(c is not None for c, _ in found), columns=tuple(dict.fromkeys(c for c, _ in found if c)))
     failed = []
     for label, make in _PROBES:
         texts = [make(a) for a in refs]
@@ -155,10 +176,12 @@ def probe(reward: Reward, rows: list[dict[str, Any]], split: str, timeout_s: flo
             # error shows up, with its row, in the first training step.
             failed.append(f"{label}: {exc}")
             continue
-        scored = int(np.sum(~np.isnan(result.per_function[reward.name])))
+        scores = np.asarray(result.per_function[reward.name], dtype=float)
+        scored = int(np.sum(~np.isnan(scores)))
         if scored:
-            return Coverage(reward, split, len(rows), scored, label, tuple(failed))
-    return Coverage(reward, split, len(rows), 0, None, tuple(failed))
+            mean = float(np.nanmean(scores))
+            return Coverage(reward, split, len(rows), scored, label, tuple(failed), mean=mean, **held)
+    return Coverage(reward, split, len(rows), 0, None, tuple(failed), **held)
 
 
 def _cause(reward: Reward, rows: list[dict[str, Any]], columns: list[str], cfg: RunConfig, fmt: str) -> str:

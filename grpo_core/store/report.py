@@ -119,7 +119,8 @@ def build_summary(root: RunRoot, status: str, **extra: Any) -> dict[str, Any]:
     ckpt = latest_checkpoint(root)
     summary = {
         "status": status,
-        "steps": int(metrics[-1]["step"]) + 1 if metrics else 0,
+        # a damaged metrics tail (left out, with a warning) does not hide steps a checkpoint holds
+        "steps": max(int(metrics[-1]["step"]) + 1 if metrics else 0, ckpt or 0),
         "reward_mean_first": first,
         "reward_mean_last": last,
         "eval_before": _headline(next((e for e in evals if e["step"] == 0), None)),
@@ -194,17 +195,21 @@ def status(root: RunRoot) -> dict[str, Any]:
     cfg = root.read_json("config.json")
     stages = {name: root.done_info(f"stages/{name}") for name in root.list("stages") if root.is_done(f"stages/{name}")}
     metrics = root.read_metrics()
+    done = int(metrics[-1]["step"]) + 1 if metrics else 0
     return {
         "run_uri": root.url,
         "num_steps": cfg["train"]["num_steps"],
-        "steps_done": int(metrics[-1]["step"]) + 1 if metrics else 0,
+        "steps_done": done,
         "latest_checkpoint": latest_checkpoint(root),
         "export_uri": latest_export(root),
         "stages_done": sorted(stages),
         "readiness": root.read_json("readiness.json").get("ready") if root.exists("readiness.json") else None,
         "eval": [_headline(e) for e in eval_results(root)],
         "summary": root.read_json("summary.json") if root.exists("summary.json") else None,
-        "last_metrics": {k: metrics[-1][k] for k in ("step", "reward", "kl", "entropy") if k in metrics[-1]}
+        # "step" counts steps as steps_done, checkpoints and evaluations do: the metrics files number
+        # them from 0 (their step 3 is the 4th, after which checkpoint 4 is saved), and `grpo status`
+        # printed "steps 4/4" beside "last step: step 3" (issue 53)
+        "last_metrics": {"step": done, **{k: metrics[-1][k] for k in ("reward", "kl", "entropy") if k in metrics[-1]}}
         if metrics
         else None,
     }

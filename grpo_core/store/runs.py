@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from grpo_core.config.run import RunConfig
+from grpo_core.config.run import RunConfig, _merge, read_config
 from grpo_core.errors import ConfigError
 from grpo_core.store.root import RunRoot, check_reachable
 
@@ -41,6 +41,30 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
     hashes = {"data": cfg.data_hash, "train": cfg.train_hash, "eval": cfg.eval_hash}
     root.write_json("config.json", dict(cfg.to_dict(), hashes=hashes))
     return root
+
+
+# What `--set` may name for a command on an existing run: where the run is, nothing of it.
+LOCATING = ("storage", "run_name")
+
+
+def check_overrides(root: RunRoot, overrides: list[str], command: str) -> None:
+    """ConfigError unless the `--set` overrides leave the run's config.json as it is (those that
+    locate the run aside). `grpo eval` and `grpo export` act on the run as its config.json says:
+    its evaluation rows are part of its prepared data (the data hash, and so the training hash),
+    eval/{step}.json holds the result for its eval hash; --set data.eval_rows=16 was silently
+    ignored and the stored result read back (issue 53). Refused, naming what would change."""
+    stored = root.read_json("config.json")
+    old = RunConfig.from_dict(stored)
+    given = {k: v for k, v in read_config(None, overrides).items() if k not in LOCATING}
+    new = RunConfig.from_dict(_merge(stored, given))
+    changed = [d for d in _diff(old.to_dict(), new.to_dict()) if d.split(".", 1)[0].split(":")[0] not in LOCATING]
+    if changed:
+        raise ConfigError(
+            f"{command} works on the run as its config.json says ({root.url}/config.json), and --set would change "
+            f"it: {'; '.join(changed[:8])}. Its evaluation rows are part of its prepared data and each "
+            "eval/{step}.json is the result for its own eval settings, so other settings are another run: start one "
+            "with them (grpo run --set ...). Here --set may only say where the run is (storage.root, run_name)"
+        )
 
 
 def _diff(a: Any, b: Any, path: str = "") -> list[str]:
