@@ -8,11 +8,15 @@ PREFECT_HOME, no UI), but owned by the CLI, so that
 - it ends with the CLI however the CLI ends, kill -9 included: it exits when its stdin, whose
   write end only the CLI holds, reaches end of file.
 
+A notebook's kernel (flows.notebook) starts one at its first run and keeps it for the later ones
+(kernel_server): a kernel interrupt does not reach it either, and it ends with the kernel.
+
 `python -m flows.local_server PORT` is the server process itself.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import subprocess
@@ -22,7 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Iterator
+from typing import Any, Iterator
 
 import uvicorn
 from prefect.events.worker import EventsWorker
@@ -44,6 +48,38 @@ def embedded_server(startup_timeout_s: float | None = None) -> Iterator[str | No
     if PREFECT_API_URL.value():
         yield None
         return
+    proc, url = start_server(startup_timeout_s)
+    try:
+        print(f"Prefect server for this run (stops with it): {url} (pid {proc.pid})", file=sys.stderr, flush=True)
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
+    finally:
+        stop_server(proc)
+
+
+_KERNEL: dict[str, Any] = {}  # the server of this process's runs (kernel_server): its process and URL
+_KERNEL_LOCK = threading.Lock()
+
+
+def kernel_server(startup_timeout_s: float | None = None) -> str | None:
+    """The API URL of a server that serves every run of this process (a notebook's kernel: started
+    at its first run, reused by the later ones, stopped when the process exits however it exits);
+    None when PREFECT_API_URL names a server. Callers point Prefect at it for each run
+    (temporary_settings): a setting made in one notebook cell does not reach the next one."""
+    if PREFECT_API_URL.value():
+        return None
+    with _KERNEL_LOCK:
+        proc = _KERNEL.get("proc")
+        if proc is None or proc.poll() is not None:
+            proc, url = start_server(startup_timeout_s)
+            _KERNEL.update(proc=proc, url=url)
+            atexit.register(stop_server, proc)
+            print(f"Prefect server for this kernel's runs: {url} (pid {proc.pid})", file=sys.stderr, flush=True)
+        return _KERNEL["url"]
+
+
+def start_server(startup_timeout_s: float | None = None) -> tuple[subprocess.Popen, str]:
+    """The server process, answering at the returned API URL; it exits at the end of its stdin."""
     timeout = startup_timeout_s or float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     port = free_port()
     env = {
@@ -54,7 +90,7 @@ def embedded_server(startup_timeout_s: float | None = None) -> Iterator[str | No
         "PREFECT__SERVER_EPHEMERAL": "1",
         "PREFECT__SERVER_FINAL": "1",
     }
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile() as log:  # the server keeps its own handle on the file
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.local_server", str(port)],
             stdin=subprocess.PIPE,
@@ -66,21 +102,25 @@ def embedded_server(startup_timeout_s: float | None = None) -> Iterator[str | No
         url = f"http://127.0.0.1:{port}/api"
         try:
             _wait_healthy(proc, url, timeout, log)
-            print(f"Prefect server for this run (stops with it): {url} (pid {proc.pid})", file=sys.stderr, flush=True)
-            with temporary_settings(updates={PREFECT_API_URL: url}):
-                yield url
-        finally:
-            _drain_prefect_clients()
-            proc.stdin.close()  # the server exits at end of file; terminate() in case it is stuck
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        except BaseException:
+            stop_server(proc)
+            raise
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Send what Prefect still queues for the server, then stop it."""
+    _drain_prefect_clients()
+    proc.stdin.close()  # the server exits at end of file; terminate() in case it is stuck
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _drain_prefect_clients(timeout_s: float = 5.0) -> None:

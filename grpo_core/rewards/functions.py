@@ -33,6 +33,7 @@ import numpy as np
 
 from grpo_core.data.formats import completion_text  # noqa: F401 - a reward helper; rewards import it from here
 from grpo_core.errors import RewardFunctionError, RewardTimeout
+from grpo_core.rewards.by_value import is_pickled, load_pickled
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -306,15 +307,18 @@ def score(
 
 
 def load_reward(spec: str) -> RewardFn:
-    """Load `path/to/file.py:function` or `package.module:function`. Errors say which part is
-    wrong: ValueError (the spec), FileNotFoundError, ImportError (the module, or code in it that
-    fails on import, with the line), AttributeError (no such function), TypeError (not callable,
-    or a signature that cannot take (prompts, completions, **columns))."""
+    """Load `path/to/file.py:function` or `package.module:function`, or a callable pickled by value
+    (`path/to/name.pkl:name`, grpo_core.rewards.by_value: a notebook's reward, local runs only).
+    Errors say which part is wrong: ValueError (the spec), FileNotFoundError, ImportError (the
+    module, or code in it that fails on import, with the line), AttributeError (no such function),
+    TypeError (not callable, or a signature that cannot take (prompts, completions, **columns))."""
     if ":" not in spec:
         raise ValueError(f"reward spec {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
     where, name = spec.rsplit(":", 1)
     if not where or not name.isidentifier():
         raise ValueError(f"reward spec {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
+    if is_pickled(spec):
+        return _checked_signature(load_pickled(where, spec), spec, name)
     module = _load_file(where, spec) if where.endswith(".py") else _import(where, spec)
     if not hasattr(module, name):
         defined = sorted(
@@ -326,9 +330,13 @@ def load_reward(spec: str) -> RewardFn:
             f"reward {spec!r}: {where} has no function {name!r}"
             + (f"; it defines {', '.join(defined)}" if defined else "")
         )
-    fn = getattr(module, name)
+    return _checked_signature(getattr(module, name), spec, name, where)
+
+
+def _checked_signature(fn: Any, spec: str, name: str, where: str = "") -> RewardFn:
+    """`fn`, or TypeError when it is not callable or cannot take (prompts, completions, **columns)."""
     if not callable(fn):
-        raise TypeError(f"reward {spec!r}: {where}.{name} is a {type(fn).__name__}, not a function")
+        raise TypeError(f"reward {spec!r}: {where or 'it'}.{name} is a {type(fn).__name__}, not a function")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have none: let the first call tell
