@@ -287,8 +287,10 @@ _LoraSwitched, _LoraField = _switched(LoraParams, _TITLES["model.lora"], doc_of(
 
 
 def _model_field(name: str, **kw: Any) -> Any:
-    f = _MODEL[name]
-    description = _describe(doc_of(f), bounds_of(f), _section_default(f), _DEFAULTS["model"].get(name), False)
+    f, demo = _MODEL[name], _DEFAULTS["model"].get(name)
+    # a field empty in the section whose empty still has a value (preset: tiny) says that value
+    default = _section_default(f) if _section_default(f) is not None else demo
+    description = _describe(doc_of(f), bounds_of(f), default, demo, False)
     return _empty(description=description, **bounds_of(f), **kw)
 
 
@@ -307,7 +309,8 @@ class ModelParams(_Form):
     lora: _LoraSwitched = _LoraField  # a subsection: last
 
 
-DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"], user=_ON_USER_DATA["data"])
+# (the source of _ON_USER_DATA is a stand-in: an empty source is the synthetic task on every config)
+DataParams = _model_for(DataConfig, "data", _DEFAULTS["data"], user={**_ON_USER_DATA["data"], "source": None})
 # Training's defaults follow the recipe (grpo_core.config.recipes): the demo's on the synthetic
 # task, TRL's and verl's on the user's data or a real model; the stages' are the same for all.
 TrainParams = _model_for(TrainConfig, "train", _DEFAULTS["train"], user=_ON_USER_DATA["train"])
@@ -365,7 +368,8 @@ class RunParams(_Form):
     )
     model: ModelParams = Field(title=_TITLES["model"], default_factory=ModelParams, description="The starting policy")
     rewards: Optional[list[RewardParams]] = _empty(
-        description=RUN_DOCS["rewards"] + f". {_EMPTY} (char_match on the built-in synthetic task)",
+        description=RUN_DOCS["rewards"]
+        + f". {_EMPTY} (char_match on the built-in synthetic task; math_answer on data with a reference answer)",
         min_length=1,
     )
     train: TrainParams = Field(

@@ -185,7 +185,7 @@ def test_run_with_parameters_and_invalid_parameters_rejected(served):
         )
     dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
     assert dep.enforce_parameter_schema and "RunParams" in json.dumps(dep.parameter_openapi_schema)
-    for name in ("grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness"):
+    for name in ("grpo-pipeline/train", "grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness"):
         assert client.read_deployment_by_name(name).description  # what the UI's deployment list shows
 
 

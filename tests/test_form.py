@@ -221,3 +221,69 @@ def test_optional_sections_have_an_enable_switch_not_a_none_choice():
     assert mesh.rollout is not None and mesh.rollout.tensor == -1 and mesh.reference is None
     assert RunParams.model_validate({"train": {"mesh": {"rollout": None}}}).to_config().train.mesh.rollout is None
     assert RunParams().model_dump()["model"]["lora"] == {"enabled": False}  # the deployment's default parameters
+
+
+def test_the_everyday_form_is_a_dozen_fields_of_the_full_form(prompts, tmp_path):
+    """issue 54: grpo-pipeline/train's parameters are the fields a person sets on most runs, typed,
+    in the order they change, each with its default said; each sets one key of the full form, so a
+    run started from it is the run the CLI starts with that key (and the untouched form, the demo)."""
+    from prefect.utilities.schema_tools import validate
+
+    from flows.everyday import EVERYDAY, everyday_config, grpo_train
+
+    schema = grpo_train.parameters.model_dump()
+    props = schema["properties"]
+    assert list(props) == list(EVERYDAY) and len(props) <= 12 and schema["required"] == []
+    assert list(props)[:5] == ["data_source", "model_path", "rewards", "num_steps", "run_name"]
+    for name, prop in props.items():
+        assert prop["title"] == EVERYDAY[name][1] and prop["position"] == list(props).index(name), name
+        # the default said, or shown filled in; no null for the form to offer ('Property is type "None"')
+        assert "Empty: " in prop["description"] or "(the default)" in prop["description"], (name, prop)
+        assert "null" not in str(prop.get("anyOf")) and prop.get("default", "") is not None, (name, prop)
+    assert {k: p["default"] for k, p in props.items() if "default" in p} == {
+        "epochs": 4,
+        "lora": False,
+        "data_format": "auto",
+        "storage_root": "runs",
+    }
+    assert 'Empty: the default for this config ("tiny")' in props["model_preset"]["description"]
+    root = str(tmp_path / "runs")
+    cases = [
+        ({"data_source": prompts, "data_format": "plain"}, [f"data.source={prompts}", "data.format=plain"]),
+        ({"model_path": "Qwen/Qwen3-0.6B"}, ["model.path=Qwen/Qwen3-0.6B"]),
+        ({"model_preset": "small"}, ["model.preset=small"]),
+        ({"rewards": [{"function": "math_answer", "weight": 1.0}]}, ['rewards=[{"function": "math_answer"}]']),
+        ({"num_steps": 7, "epochs": 1}, ["train.num_steps=7", "pipeline.epochs=1"]),
+        ({"run_name": "nightly-{date}"}, ["run_name=nightly-{date}"]),
+        ({"learning_rate": 1e-5, "lora": True}, ["train.optimizer.learning_rate=1e-5", "model.lora={}"]),
+        ({"data_source": "", "model_path": None, "rewards": []}, []),  # empty, however given: the default
+    ]
+    for values, sets in cases:
+        # what the form submits: the fields shown filled in, as they are, and the ones changed
+        form = everyday_config({"epochs": 4, "lora": False, "data_format": "auto", "storage_root": root, **values})
+        assert form.to_dict() == load_config(None, [f"storage.root={root}", *sets]).to_dict(), values
+    assert everyday_config({}).name == load_config(None, []).name == "tiny-ecc6c5c9"  # the demo, as grpo demo
+    # the server's check (enforce_parameter_schema): the full form's bounds and choices, null is empty
+    assert validate({}, schema, raise_on_error=False) == []
+    assert validate({"data_source": None, "num_steps": 3}, schema, raise_on_error=False) == []
+    for bad in ({"num_steps": 0}, {"learning_rate": 0}, {"model_preset": "huge"}, {"epochs": 0}, {"lora": "x"}):
+        assert validate(bad, schema, raise_on_error=False), bad
+
+
+def test_grpo_serve_gives_the_everyday_form_the_served_values_of_its_fields():
+    """`grpo serve --config/--set`: the everyday deployment's parameters are the served config's
+    values of its fields; the keys it has no field for are named (its description, grpo serve's log)."""
+    from flows.everyday import everyday_defaults
+
+    served = RunParams.model_validate({"train": {"num_steps": 4, "grpo": {"prompts_per_step": 4}}})
+    values, rest = everyday_defaults(
+        {
+            **served.model_dump(exclude_unset=True),
+            "storage": {"root": "gs://b/runs"},
+            "model": {"lora": {"enabled": True, "rank": 4}},
+            "data": {"source": "d.jsonl", "eval_rows": 8},
+        }
+    )
+    assert values == {"num_steps": 4, "storage_root": "gs://b/runs", "lora": True, "data_source": "d.jsonl"}
+    assert sorted(rest) == ["data.eval_rows", "model.lora.rank", "train.grpo.prompts_per_step"]
+    assert everyday_defaults(None) == ({}, [])

@@ -31,7 +31,7 @@ def start_serve(url: str, home, log_path, *args: str) -> subprocess.Popen:
         )
 
 
-SERVED = ("grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness")
+SERVED = ("grpo-pipeline/train", "grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness")
 
 
 def registered(client, proc: subprocess.Popen, log_path, timeout: float = 120) -> dict:

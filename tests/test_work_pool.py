@@ -93,7 +93,8 @@ def test_recipe_deploys_the_pool_and_nothing_else(deployed):
         "grpo-readiness/pool",
     }
     assert {d.work_pool_name for d in deps} == {"grpo-local"}
-    for served_name in ("grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness"):
+    served = ("grpo-pipeline/train", "grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness")
+    for served_name in served:
         with pytest.raises(ObjectNotFound):  # the names `grpo serve` owns are left to it
             client.read_deployment_by_name(served_name)
     for name in ("grpo-pipeline/pool-resume", "grpo-pipeline/pool-nightly", "grpo-evaluate/pool-evaluate-nightly"):
