@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import stat
 import tempfile
 from typing import Any
 
@@ -33,14 +35,62 @@ from prefect.logging.configuration import DEFAULT_LOGGING_SETTINGS_PATH
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_LOGGING_SETTINGS_PATH
 
+from grpo_core.store.lease import process_alive
+
 LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 FILTER = "grpo_engine_lines"
 _TERMINATED = "Execution was aborted by a termination signal."  # Prefect's message for TerminationSignal
 
 
-def stop_file(flow_run_id: str) -> str:
-    """Where `grpo serve` leaves who stopped a flow run it runs (read by stop_reason)."""
-    return os.path.join(tempfile.gettempdir(), f"grpo-stop-{flow_run_id}.txt")
+SERVE_TMP_ENV = "GRPO_SERVE_TMP"  # grpo serve's private folder, inherited by the flow runs it starts
+_SERVE_TMP_PREFIX = "grpo-serve-"
+
+
+def private_folder() -> str:
+    """A folder of this process's own for the files `grpo serve` shares with its flow-run
+    processes (stop reasons, the logging config): created with mkdtemp (0700, a fresh name), so
+    no other user can plant a file or a symlink in it; its path goes into this process's
+    environment, which the flow runs inherit. Folders that serve processes now gone left (a
+    SIGKILLed serve) are removed first."""
+    remove_stale_private_folders()
+    folder = tempfile.mkdtemp(prefix=f"{_SERVE_TMP_PREFIX}{os.getpid()}-")
+    os.environ[SERVE_TMP_ENV] = folder
+    return folder
+
+
+def remove_stale_private_folders() -> list[str]:
+    """Remove the private folders of this user's serve processes that are gone; their paths."""
+    removed = []
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        if not name.startswith(_SERVE_TMP_PREFIX):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            pid = int(name[len(_SERVE_TMP_PREFIX) :].split("-", 1)[0])
+            st = os.lstat(path)
+        except (ValueError, OSError):
+            continue
+        # only a real folder of this user's (never one behind a link), of a process that is gone
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or process_alive(pid, None):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def stop_file(flow_run_id: str) -> str | None:
+    """Where `grpo serve` leaves who stopped a flow run it runs (read by stop_reason): in its
+    private folder; None in a process no `grpo serve` started."""
+    folder = os.environ.get(SERVE_TMP_ENV)
+    return os.path.join(folder, f"stop-{flow_run_id}.txt") if folder else None
+
+
+def write_private(path: str, text: str) -> None:
+    """Write `path` (in the private folder), never following a link planted in its place."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _cancelled() -> bool:
@@ -66,8 +116,12 @@ def stop_reason() -> str:
 
 def _serve_stopped() -> str | None:
     """Why `grpo serve` stopped this flow run (what it left in stop_file), or None if it did not."""
+    path = stop_file(flow_run.id)
+    if path is None:
+        return None
     try:
-        with open(stop_file(flow_run.id)) as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
             return f.read().strip() or "grpo serve was stopped"
     except OSError:
         return None
@@ -116,7 +170,7 @@ def attach() -> None:
 
 def quiet_logging_config() -> str | None:
     """A copy of the logging config Prefect uses here with the filter on its flow-run logger,
-    written under the system temp folder; its path is for PREFECT_LOGGING_SETTINGS_PATH in the
+    written in grpo serve's private folder (private_folder); its path is for PREFECT_LOGGING_SETTINGS_PATH in the
     flow-run processes `grpo serve` starts. None where Prefect's config cannot be read."""
     own = PREFECT_LOGGING_SETTINGS_PATH.value()
     source = own if own.exists() else DEFAULT_LOGGING_SETTINGS_PATH
@@ -129,7 +183,7 @@ def quiet_logging_config() -> str | None:
     for logger in loggers:
         if FILTER not in logger.setdefault("filters", []):
             logger["filters"].append(FILTER)
-    fd, path = tempfile.mkstemp(prefix=f"grpo-logging-{os.getpid()}-", suffix=".yml")
+    fd, path = tempfile.mkstemp(prefix="logging-", suffix=".yml", dir=os.environ.get(SERVE_TMP_ENV))
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
     return path

@@ -10,8 +10,10 @@ and after, checkpoint) and `curve.png` land in the run root, with a markdown art
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import re
 import time
@@ -20,7 +22,6 @@ from typing import Any, Optional
 
 import coolname  # Prefect's dependency: the words of the server's generated names
 from prefect import flow, get_client, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import deployment, flow_run
@@ -32,10 +33,12 @@ from grpo_core.config.run import RunConfig, check_run_name, is_template
 from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError, RunRootInUse
 from grpo_core.launch.launchers import drop_ahead
-from grpo_core.rewards.trust import TrustPolicy
+from grpo_core.rewards.trust import TrustPolicy, refused_job_variables
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, checkpoint_steps, plot_curve
 from grpo_core.store.root import RunRoot, check_reachable, remove_stale_temp
+from tasks.artifacts import flow_run_artifact
+from tasks.process import ahead_scope
 from tasks.readiness import readiness_report
 from tasks.stages import (
     _key,
@@ -58,6 +61,28 @@ _attach_log_filter()  # after a cancel, Prefect's own lines say so (flows.logs),
 def summarize(run_url: str, status: str, extra: dict[str, Any], this: dict[str, Any]) -> dict[str, Any]:
     """summary.json, curve.png and a markdown artifact from what the run root holds. `this` is
     this invocation's timing and whether it did any work (see run_timing)."""
+    with _store_warnings_in(get_run_logger()):  # a damaged metrics line: in the flow run's own log too
+        return _summarize(run_url, status, extra, this)
+
+
+@contextlib.contextmanager
+def _store_warnings_in(log: Any):
+    """The run root's warnings (grpo_core.store: a damaged metrics line left out) in `log`, the
+    flow run's log in the UI, not only on the serving process's stderr."""
+
+    class Relay(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log.warning("%s", record.getMessage())
+
+    store, relay = logging.getLogger("grpo_core.store"), Relay(logging.WARNING)
+    store.addHandler(relay)
+    try:
+        yield
+    finally:
+        store.removeHandler(relay)
+
+
+def _summarize(run_url: str, status: str, extra: dict[str, Any], this: dict[str, Any]) -> dict[str, Any]:
     root = RunRoot(run_url)
     if not this["did_work"] and root.exists("curve.png"):  # nothing new to draw
         png, curve = root.read_bytes("curve.png"), root.uri("curve.png")
@@ -77,8 +102,9 @@ def summarize(run_url: str, status: str, extra: dict[str, Any], this: dict[str, 
     # the completed one in the flow run's artifacts reads as the earlier attempt it is.
     attempt = int(flow_run.run_count or 1)
     markdown = summary_markdown(summary, png, attempt=attempt)
-    create_markdown_artifact(
-        markdown, key=_key(f"summary-{name}"), description=f"GRPO run summary: {status}, attempt {attempt}"
+    # The flow run's own artifact, not this task's (tasks.artifacts): first in the flow run's tab.
+    flow_run_artifact(
+        "markdown", markdown, key=_key(f"summary-{name}"), description=f"GRPO run summary: {status}, attempt {attempt}"
     )
     return summary
 
@@ -169,31 +195,41 @@ def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
     return (config if isinstance(config, RunParams) else RunParams.model_validate(config or {})).to_config()
 
 
-def _allowed(make_config, log: Any) -> RunConfig:
+def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
     """The config `make_config()` builds, refused (ConfigError naming the field, the flow run not
-    retried) when it is invalid or, in a deployment run, names code or places the operator did not
-    allow: rewards, programs, storage and sources (grpo_core.rewards.trust). A direct call (the
+    retried) when it is invalid or, in a deployment run, names what the operator did not allow:
+    code, programs, places, addresses, or more work than the limits (grpo_core.rewards.trust). The
+    policy is read from this process's environment, which the operator set where the flow runs
+    (grpo serve, a work-pool worker), never from anything the API can edit. `run_url`: the
+    evaluate deployment's run folder, checked before anything is read from it. A direct call (the
     CLI) is the local user's."""
     try:
-        cfg = make_config()
         if deployment.id is not None:
-            TrustPolicy.from_env().check(cfg, baseline=_deployed_config(deployment.id, log))
-        return cfg
+            why = refused_job_variables(_job_variables(log))
+            if why:
+                raise ConfigError(why)
+            policy = TrustPolicy.from_env()
+            if run_url is not None:
+                policy.check_run_url(run_url)
+            cfg = make_config()
+            policy.check(cfg)
+            return cfg
+        return make_config()
     except ConfigError:
         _no_flow_retry(log)
         raise
 
 
-def _deployed_config(deployment_id, log: Any) -> RunConfig | None:
-    """The config of the deployment's own parameters, as its operator deployed it (not the run's,
-    which the form or the API filled in): the places it names are allowed to its runs."""
+def _job_variables(log: Any) -> dict[str, Any]:
+    """This flow run's job variables and its deployment's (what a work pool's worker applies)."""
+    found: dict[str, Any] = {"env": {}}
     try:
         with get_client(sync_client=True) as client:
-            params = client.read_deployment(deployment_id).parameters or {}
-        return _config(params.get("config"))
-    except Exception as exc:  # noqa: BLE001 - no baseline: only the allowed roots (GRPO_ALLOW_ROOTS)
-        log.warning("could not read this deployment's own parameters: %s", exc)
-        return None
+            for source in (client.read_deployment(deployment.id), client.read_flow_run(flow_run.id)):
+                found["env"].update((getattr(source, "job_variables", None) or {}).get("env") or {})
+    except Exception as exc:  # noqa: BLE001 - the API is what runs this flow: reading it fails the run
+        raise ConfigError(f"could not read this flow run's job variables to check them: {exc}") from None
+    return found
 
 
 FLOW_RUNS = "_flow-runs"  # under storage.root: the run_name each flow run filled its template in to
@@ -257,10 +293,11 @@ def typed_name(name: str | None) -> bool:
     return not (len(words) == 2 and all(w in _slug_words() for w in words))
 
 
-def _run_named(prefix: str = ""):
+def _run_named(prefix: str = "", config_of: Any = None):
     """A flow_run_name: the run's folder name (run_name, or preset and config hash), so the UI's
     list says which run each flow run is; Prefect's random pair of words where it cannot tell. A
-    name the user typed (the UI's Run Name, run_deployment's flow_run_name) is kept."""
+    name the user typed (the UI's Run Name, run_deployment's flow_run_name) is kept. `config_of`:
+    the flow's parameters -> its RunConfig (default: the full form's `config`)."""
 
     def name() -> str:
         if typed_name(flow_run.name):
@@ -269,7 +306,8 @@ def _run_named(prefix: str = ""):
         try:
             if "run_url" in params:  # grpo-evaluate: the run folder it reads
                 return prefix + str(params["run_url"]).rstrip("/").rsplit("/", 1)[-1]
-            return prefix + with_versions(_fill_run_name(_config(params.get("config")))).name
+            cfg = config_of(params) if config_of else _config(params.get("config"))
+            return prefix + with_versions(_fill_run_name(cfg)).name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"
 
@@ -288,6 +326,12 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     """
     log = get_run_logger()
     cfg = _allowed(lambda: _config(config), log)  # before anything runs or is written
+    return run_pipeline(cfg, log)
+
+
+def run_pipeline(cfg: RunConfig, log: Any) -> dict[str, Any]:
+    """The pipeline of a config `_allowed` passed: the body of both deployments' flows (the full
+    form's grpo_pipeline and the everyday form's flows.everyday.grpo_train)."""
     _set_flow_retries(log, cfg.pipeline.flow_retries)  # the form's value, not the decorator's
     # Seconds, not minutes of gcsfs retries, when a gs:// root has no network: the lease's first
     # read is the run's first storage call (StorageError naming storage.root and the cause).
@@ -304,7 +348,7 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
         _no_flow_retry(log)
         raise
     finally:
-        drop_ahead()  # a next stage's worker started ahead that no stage took
+        drop_ahead(ahead_scope())  # a next stage's worker started ahead that no stage took
         lease.release()  # deletes it only while it is still this run's
 
 
@@ -391,7 +435,7 @@ def grpo_evaluate(run_url: str, steps: Optional[list[int]] = None) -> dict[str, 
             finalised checkpoint (what a nightly evaluation of a run in progress wants). Each
             result lands in {run_url}/eval/{step}.json; a step already evaluated is read back.
     """
-    cfg = _allowed(lambda: load_run(run_url), get_run_logger())
+    cfg = _allowed(lambda: load_run(run_url), get_run_logger(), run_url=run_url)
     if not steps:
         found = checkpoint_steps(RunRoot(run_url))
         steps = [found[-1] if found else 0]
@@ -414,7 +458,8 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
         config: The run to check, as for the pipeline: its storage root is probed and its
             memory plan checked on this worker's devices. Empty fields: the config's defaults.
     """
-    cfg = _fill_run_name(_config(config))
+    cfg = _allowed(lambda: _config(config), get_run_logger())  # before anything runs, is read or written
+    cfg = _fill_run_name(cfg)
     report = readiness_report(cfg, data=True)
     publish_readiness(report, cfg.name)
     return {k: report.get(k) for k in ("ready", "backend", "device_kind", "device_count", "process_count")}

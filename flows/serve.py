@@ -1,12 +1,14 @@
-"""The deployments `grpo serve` serves against a Prefect server: the full pipeline, evaluation
-of a checkpoint, and readiness alone (grpo-pipeline/pipeline, grpo-evaluate/evaluate,
-grpo-readiness/readiness). Served deployments run in this process's runner. The work-pool
+"""The deployments `grpo serve` serves against a Prefect server: the pipeline's everyday form and
+its full form, evaluation of a checkpoint, and readiness alone (grpo-pipeline/train,
+grpo-pipeline/pipeline, grpo-evaluate/evaluate, grpo-readiness/readiness). Served deployments run
+in this process's runner. The work-pool
 deployments in deployments/*.yaml run the same flows under other names (`pool`, `pool-nightly`,
 `gke-tpu`, `vertex`), so `prefect deploy` and `grpo serve` never overwrite each other.
 
-Parameters are the typed RunParams, so the UI shows a form and the server rejects invalid
-values before a run starts (enforce_parameter_schema). The pipeline deployment runs one flow
-run at a time (concurrency_limit=1): two runs never share one accelerator.
+Parameters are typed (RunParams; the everyday form's dozen fields, flows.everyday), so the UI
+shows a form and the server rejects invalid values before a run starts (enforce_parameter_schema).
+Each pipeline deployment runs one flow run at a time (concurrency_limit=1), and `grpo serve` one
+flow run of all of them (--limit, default 1): two runs never share one accelerator.
 
 Ownership: each `grpo serve` writes its own token into its deployments' `version`. When it
 stops it pauses only the deployments whose version is still its token, so stopping an older
@@ -19,9 +21,9 @@ run into GRPO_PROJECT_DIR, or fails the run with a message saying what to set.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -44,10 +46,25 @@ from prefect.logging import get_logger
 from prefect.runner import Runner
 from prefect.states import Cancelled, Crashed, Failed
 
-from flows.logs import quiet_logging_config, stop_file
-from flows.pipeline import grpo_evaluate, grpo_pipeline, grpo_readiness
+from flows.everyday import everyday_defaults, grpo_train
+from flows.logs import private_folder, quiet_logging_config, stop_file, write_private
+from flows.pipeline import _config, grpo_evaluate, grpo_pipeline, grpo_readiness
+from grpo_core.errors import ConfigError
 from grpo_core.rewards.registry import builtin_rewards
-from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, ENV_ROOTS, PROGRAM_FIELDS, TrustPolicy
+from grpo_core.rewards.trust import (
+    ENV_FIELDS,
+    ENV_HOSTS,
+    ENV_LIMITS,
+    ENV_MODULES,
+    ENV_PATHS,
+    ENV_ROOTS,
+    Trust,
+    TrustPolicy,
+    check_allowed_fields,
+    fields_of,
+    parse_limits,
+    value_of,
+)
 
 FLOW_ENTRYPOINT = os.path.join("flows", "pipeline.py")
 
@@ -60,14 +77,28 @@ def build_deployments(
 ) -> list:
     schedule = {"cron": cron} if cron else {"interval": interval} if interval else {}
     params = {"config": parameters} if parameters else {}
+    # the everyday form (flows.everyday): the served config's values of its fields are its defaults
+    everyday, rest = everyday_defaults(parameters)
     return [
+        grpo_train.to_deployment(
+            name="train",
+            parameters=everyday,
+            enforce_parameter_schema=True,
+            concurrency_limit=1,
+            tags=["grpo"],
+            description=everyday_description(rest),
+            version=version,
+        ),
         grpo_pipeline.to_deployment(
             name="pipeline",
             parameters=params,
             enforce_parameter_schema=True,
             concurrency_limit=1,
             tags=["grpo"],
-            description="GRPO end to end: data -> readiness -> training epochs -> evaluation -> summary",
+            description="The full form, for experts: every key of the config, the keys grpo run --set takes "
+            "(and the API's config parameter), each section's fields before its advanced subsections; the "
+            "same pipeline as grpo-pipeline/train, whose form has only the fields most runs set."
+            + (" Scheduled by grpo serve (its --cron or --interval)." if schedule else ""),
             version=version,
             **schedule,
         ),
@@ -76,17 +107,37 @@ def build_deployments(
             enforce_parameter_schema=True,
             concurrency_limit=1,
             tags=["grpo"],
-            description="Evaluate checkpoints of a run",
+            description="Evaluate checkpoints of an existing run: run_url is its folder (storage root and run "
+            "folder), steps the checkpoints (0: the starting policy; empty: the newest). Results land in the "
+            "run's eval folder and its evaluation table artifact.",
             version=version,
         ),
         grpo_readiness.to_deployment(
             name="readiness",
             enforce_parameter_schema=True,
             tags=["grpo"],
-            description="Preflight checks alone",
+            description="Preflight checks alone, nothing trained: the config's storage root probed, this "
+            "worker's devices and the config's memory plan, as the readiness artifact. Its form is the full "
+            "one, as grpo-pipeline/pipeline's.",
             version=version,
         ),
     ]
+
+
+def everyday_description(rest: list[str]) -> str:
+    """grpo-pipeline/train's description; `rest`: the served config's keys its form has no field for."""
+    text = (
+        "The everyday run: GRPO end to end (data, readiness, training epochs, evaluation, export, summary) "
+        "from the fields most runs set: data source and format, model path or preset, rewards, steps and "
+        "epochs, run folder, learning rate, LoRA on or off, storage root. Each field says its default; an "
+        "empty field is the default for this config. Every other key of the config: grpo-pipeline/pipeline."
+    )
+    if rest:
+        text += (
+            f" Served with keys this form has no field for ({', '.join(rest)}): its runs take their defaults, "
+            "grpo-pipeline/pipeline's runs take them as served."
+        )
+    return text
 
 
 def allow_code(
@@ -95,15 +146,21 @@ def allow_code(
     fields: list[str],
     parameters: dict[str, Any] | None = None,
     roots: list[str] | None = None,
+    hosts: list[str] | None = None,
+    limits: list[str] | None = None,
 ) -> None:
-    """What the served deployments' runs may name besides the built-in rewards, set in this
-    process's environment, which the flow runs it starts inherit (grpo_core.rewards.trust): the
-    reward folders and modules and the program fields given, added to those already set, and
-    the reward files and modules of the operator's own config (`parameters`, from --config/--set),
-    and the roots its runs may write and read under besides the deployment's own places."""
-    unknown = [f for f in fields if f not in PROGRAM_FIELDS]
-    if unknown:
-        raise ValueError(f"--allow-field {unknown[0]!r} is not one of {', '.join(PROGRAM_FIELDS)}")
+    """What the served deployments' runs may name, set in this process's environment at start,
+    which the flow runs it starts inherit (grpo_core.rewards.trust): the reward folders and
+    modules, program and address fields, roots, hosts and limits on work given, added to those
+    already set, and what the operator's own config (`parameters`, from --config/--set) names:
+    its reward files and modules, its places (storage.root, the data, the model: the deployments'
+    runs may write and read there) and its addresses. Read once, here: nothing a caller of the
+    API sets later (a deployment's parameters, a PATCH of them) changes it."""
+    try:
+        check_allowed_fields(tuple(fields), "--allow-field")
+        parse_limits(limits or [], "--raise-limit")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
     policy = TrustPolicy.from_env()  # what is allowed already (the default reward folder included)
     params = parameters or {}
     evals = params.get("eval") if isinstance(params.get("eval"), dict) else {}
@@ -114,13 +171,31 @@ def allow_code(
     files = [s.rsplit(":", 1)[0] for s in specs if s.rsplit(":", 1)[0].endswith(".py")]
     paths = [*policy.reward_paths, *(os.path.abspath(p) for p in paths), *files]
     modules = [*policy.reward_modules, *modules, *(s for s in specs if not s.rsplit(":", 1)[0].endswith(".py"))]
+    own_places: list[str] = []
+    own_fields: list[str] = []
+    if parameters:
+        try:
+            own = _config(params)  # as its runs read their parameters (the form's: flows.params.RunParams)
+        except ConfigError as exc:
+            raise ValueError(f"the config to serve: {exc}") from None
+        for field in fields_of(Trust.READS, Trust.WRITES):
+            value = value_of(own, field)
+            if value and policy.place_refusal(field, value) is not None:  # a place, not allowed yet
+                own_places.append(value.split("@")[0] if field == "model.init_from" else value)
+        own_fields = [  # the programs and addresses it names itself
+            f
+            for f in fields_of(Trust.PROGRAM, Trust.ADDRESS)
+            if f not in policy.fields and value_of(own, f) != value_of(_config({}), f)
+        ]
     os.environ[ENV_PATHS] = os.pathsep.join(dict.fromkeys(paths))
     os.environ[ENV_MODULES] = ",".join(dict.fromkeys(modules))
-    os.environ[ENV_FIELDS] = ",".join(dict.fromkeys([*policy.fields, *fields]))
-    given = [r if "://" in r else os.path.abspath(os.path.expanduser(r)) for r in roots or []]
+    os.environ[ENV_FIELDS] = ",".join(dict.fromkeys([*policy.fields, *fields, *own_fields]))
+    given = [r if "://" in r else os.path.abspath(os.path.expanduser(r)) for r in [*(roots or []), *own_places]]
     if any("," in r for r in given):
         raise ValueError(f"--allow-root {next(r for r in given if ',' in r)!r}: a root may not contain ','")
     os.environ[ENV_ROOTS] = ",".join(dict.fromkeys([*policy.roots, *given]))
+    os.environ[ENV_HOSTS] = ",".join(dict.fromkeys([*policy.hosts, *(h.lower() for h in hosts or [])]))
+    os.environ[ENV_LIMITS] = ",".join([*(f"{k}={v:g}" for k, v in policy.limits), *(limits or [])])
 
 
 def owner_token() -> str:
@@ -143,6 +218,7 @@ def serve(
 
     token = owner_token()
     deployments = build_deployments(parameters, cron, interval, version=token)
+    private = private_folder()  # stop reasons and the logging config: 0700, removed on the way out
     # the flow-run processes this runner starts log through Prefect's config plus flows.logs' filter
     logging_config = quiet_logging_config()
     if logging_config:
@@ -162,18 +238,30 @@ def serve(
         for d in deployments:
             runner.add_deployment(d)
         print(f"grpo serve: serving {', '.join(_full_name(d) for d in deployments)} (pid {os.getpid()})", flush=True)
+        rest = everyday_defaults(parameters)[1]
+        if rest:
+            print(
+                f"grpo serve: grpo-pipeline/train has no field for {', '.join(rest)}: its runs take those keys' "
+                "defaults (grpo-pipeline/pipeline's runs take them as given here)",
+                file=sys.stderr,
+            )
         try:
             asyncio.run(runner.start())
         except (KeyboardInterrupt, TerminationSignal, SystemExit):
             pass
     finally:
         try:
-            _pause_owned(deployments, token)
+            paused = _pause_owned(deployments, token)
+            if paused:  # what the UI then shows, said where the operator looks
+                print(
+                    f"grpo serve: paused {', '.join(paused)}: a served deployment runs only in the process "
+                    "serving it, so until a grpo serve serves it again (which unpauses it) its schedule and "
+                    "its Run button would make runs that nobody picks up",
+                    file=sys.stderr,
+                )
         except Exception as exc:  # noqa: BLE001 - the server is gone: nothing to pause there
             print(f"grpo serve: could not pause its deployments on the way out: {exc}", file=sys.stderr)
-        if logging_config:
-            with contextlib.suppress(OSError):
-                os.remove(logging_config)
+        shutil.rmtree(private, ignore_errors=True)  # the logging config and every stop file in it
 
 
 _STOPPING: list[int] = []
@@ -266,9 +354,11 @@ def stop_flow_runs(message: str, grace_s: float = 60.0) -> list[str]:
 
 def _write_stop_reason(run_id: str, message: str) -> None:
     """Who stopped the run, for its summary.json and its log (flows.logs.stop_reason reads it)."""
+    path = stop_file(run_id)
+    if path is None:
+        return
     try:
-        with open(stop_file(run_id), "w") as f:
-            f.write(message)
+        write_private(path, message)
     except OSError:
         pass
 
@@ -342,9 +432,11 @@ def _report_replaced(deployments: list) -> None:
                 )
 
 
-def _pause_owned(deployments: list, token: str) -> None:
+def _pause_owned(deployments: list, token: str) -> list[str]:
     """Pause each deployment whose version is still `token`. If another `grpo serve` takes one
-    over while it is being paused, resume it: its new owner serves it unpaused."""
+    over while it is being paused, resume it: its new owner serves it unpaused. Returns the names
+    of those left paused."""
+    paused = []
     with get_client(sync_client=True) as client:
         for d in deployments:
             try:
@@ -354,8 +446,11 @@ def _pause_owned(deployments: list, token: str) -> None:
                 client.pause_deployment(current.id)
                 if client.read_deployment(current.id).version != token:
                     client.resume_deployment(current.id)
+                else:
+                    paused.append(_full_name(d))
             except ObjectNotFound:
                 continue
+    return paused
 
 
 def require_project_dir() -> dict[str, str]:

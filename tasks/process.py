@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from grpo_core.config.memory import host_memory_bytes
 from grpo_core.errors import OUT_OF_MEMORY_LEVERS, ExitCode, RunInterrupted, is_retryable
-from grpo_core.launch.launchers import Launched, LauncherConfig, drop_ahead, park, start
+from grpo_core.launch.launchers import Launched, LauncherConfig, drop_all_ahead, park, start
 
 
 class StageError(RuntimeError):
@@ -46,13 +46,42 @@ def request_interrupt() -> bool:
     """Ask the running stage to stop; True if a worker set is running (it will stop within
     STOP_GRACE_S and its run_worker raise RunInterrupted), False if none is."""
     _INTERRUPT.set()
-    drop_ahead()
+    drop_all_ahead()
     return bool(_LIVE)
+
+
+def clear_interrupt() -> None:
+    """Let stages run again in this process after an interrupt: a notebook's kernel outlives the
+    run it interrupted (flows.notebook), where the CLI's process ends with it."""
+    _INTERRUPT.clear()
+
+
+# Callables that see every event of every worker this process watches, after the stage's own
+# on_event: flows.notebook's progress bar. A listener that raises is left out of that event.
+_LISTENERS: list[Callable[[dict[str, Any]], None]] = []
+
+
+def add_listener(fn: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """Call `fn(event)` for each worker event from now on; returns the function that stops it."""
+    _LISTENERS.append(fn)
+    return lambda: _LISTENERS.remove(fn) if fn in _LISTENERS else None
+
+
+def _and_listeners(on_event: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def both(event: dict[str, Any]) -> None:
+        on_event(event)
+        for fn in list(_LISTENERS):
+            try:
+                fn(event)
+            except Exception:  # noqa: BLE001 - a progress display must never stop a stage
+                pass
+
+    return both
 
 
 def kill_live_workers() -> None:
     """SIGKILL every running worker set at once (a second Ctrl-C)."""
-    drop_ahead()
+    drop_all_ahead()
     for launched in list(_LIVE.values()):
         launched.stop(grace_s=0.5)
 
@@ -142,6 +171,14 @@ def _oom_kills() -> int:
     return 0
 
 
+def ahead_scope() -> str:
+    """Whose worker started ahead a stage may take or stop: the flow run's (launchers.start_ahead).
+    Two flow runs in one process (grpo serve --limit 2, the suite's threads) keep theirs apart."""
+    from prefect.runtime import flow_run  # the Prefect side: read where a task runs
+
+    return str(flow_run.id or "")
+
+
 def run_worker(
     args: list[str],
     *,
@@ -168,7 +205,9 @@ def run_worker(
     retryable for crashes, kills, storage errors and the time limit."""
     if _INTERRUPT.is_set():
         raise RunInterrupted(f"{what} not started: the run was interrupted")
-    launched = start(launcher, args, env, python, stay=next_stage)  # only a local worker stays
+    scope = ahead_scope()
+    on_event = _and_listeners(on_event)
+    launched = start(launcher, args, env, python, stay=next_stage, scope=scope)  # only a local worker stays
     _LIVE[id(launched)] = launched
     stayed = False
     try:
@@ -177,7 +216,7 @@ def run_worker(
     finally:
         _LIVE.pop(id(launched), None)
         if stayed and not _INTERRUPT.is_set():
-            park(launched)  # the next stage's worker
+            park(launched, scope)  # the next stage's worker
         elif any(p.poll() is None for p in launched.procs):  # an exception on the way out: never leave them
             launched.stop(STOP_GRACE_S)
 

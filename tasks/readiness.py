@@ -28,7 +28,7 @@ from grpo_core.launch.processes import sglang_python
 from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
 from grpo_core.store.root import RunRoot, StorageError
 from grpo_core.store.sources import model_config
-from tasks.process import StageError, run_worker
+from tasks.process import StageError, ahead_scope, run_worker
 
 
 def readiness_report(
@@ -90,7 +90,7 @@ def readiness_report(
     report["checks"] = checks + live
     report["ready"] = all(c["ok"] for c in report["checks"])
     if handover and not report["ready"]:
-        drop_ahead()  # no stage follows: the process that checked the devices ends
+        drop_ahead(ahead_scope())  # no stage follows: the process that checked the devices ends
     return report
 
 
@@ -251,7 +251,8 @@ def _checks_ahead(request: dict[str, Any], timeout_s: float, python: str, launch
     within `timeout_s`. The process stays for the stage (grpo_core.stages.ahead ends it itself when
     not ready; readiness_report drops it when any check failed); a timeout or an exit without a
     report stops it."""
-    proc = start_ahead(launcher, None, python, first={"readiness": request})
+    scope = ahead_scope()
+    proc = start_ahead(launcher, None, python, first={"readiness": request}, scope=scope)
 
     def read() -> None:  # up to the report: what follows is the stage's, which tasks.process reads
         while line := proc.stdout.readline():
@@ -269,11 +270,11 @@ def _checks_ahead(request: dict[str, Any], timeout_s: float, python: str, launch
     try:
         report = reports.get(timeout=timeout_s)
     except queue.Empty:
-        drop_ahead()
+        drop_ahead(scope)
         raise StageError(_CHECKS_TIMEOUT.format(timeout_s=timeout_s), retryable=True) from None
     if report is None:  # it ended without one
         code, err = proc.wait(), proc.stderr.read()
-        drop_ahead()
+        drop_ahead(scope)
         raise StageError(_no_report(code, err), retryable=True)
     return report
 

@@ -11,7 +11,7 @@ from prefect import flow, task
 from prefect.runtime import flow_run
 
 import flows.pipeline  # noqa: F401 - attaches flows.logs' filter, as in every flow-run process
-from flows.logs import stop_file
+from flows.logs import stop_file, write_private
 
 
 @task
@@ -22,14 +22,9 @@ def training() -> None:
 
 @flow
 def stopped(reason: str = "") -> None:
-    if reason:
-        with open(stop_file(flow_run.id), "w") as f:
-            f.write(reason)
-    try:
-        training()
-    finally:
-        if reason:
-            os.remove(stop_file(flow_run.id))
+    if reason:  # as grpo serve does: in its private folder (GRPO_SERVE_TMP, which the test sets)
+        write_private(stop_file(flow_run.id), reason)
+    training()
 
 
 if __name__ == "__main__":

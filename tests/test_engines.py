@@ -273,3 +273,31 @@ def test_watchdog_ends_a_stuck_process_with_its_reason():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 7 and time.perf_counter() - t < 20
     assert "waited 0.5 s for the engine to start (train.rollout.start_timeout_s)" in proc.stderr
+
+
+def test_an_export_dir_is_never_cleared_of_what_the_run_did_not_write(tmp_path):
+    """issue 52: train.rollout.export_dir=/any/dir made the worker remove /any/dir/step-0 with what
+    was in it. Only a folder an export of this pipeline wrote (its mark inside) is replaced."""
+    from grpo_core.engines.http import EXPORT_MARK, _clear_own_export
+    from grpo_core.errors import ConfigError
+
+    theirs = tmp_path / "step-0"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match=r"^train\.rollout\.export_dir: .*step-0 exists and was not written"):
+        _clear_own_export(str(theirs))
+    assert (theirs / "notes.txt").read_text() == "keep me"
+    link = tmp_path / "step-1"
+    link.symlink_to(theirs)
+    with pytest.raises(ConfigError):
+        _clear_own_export(str(link))
+    assert (theirs / "notes.txt").exists() and link.is_symlink()
+    ours = tmp_path / "step-2"
+    ours.mkdir()
+    (ours / EXPORT_MARK).write_text("step 2\n")
+    (ours / "model.safetensors").write_bytes(b"0")
+    _clear_own_export(str(ours))  # an earlier attempt's export: replaced
+    assert not ours.exists()
+    (tmp_path / "step-3").mkdir()
+    _clear_own_export(str(tmp_path / "step-3"))  # empty: written into
+    _clear_own_export(str(tmp_path / "step-4"))  # nothing there

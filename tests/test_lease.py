@@ -337,6 +337,36 @@ def test_two_pipelines_on_one_root_the_second_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_server")
+def test_two_pipelines_in_one_process_keep_their_workers_started_ahead_apart(tmp_path):
+    """Two flow runs in one process (grpo serve --limit 2; a readiness and a pipeline deployment
+    at once) on different roots: each one's worker started ahead is its own, so one run's end
+    (drop_ahead) never stops the other's (a shared one closed the other's pipes: 'I/O operation
+    on closed file' in its readiness checks). Both complete with their steps and exports."""
+    from flows.pipeline import grpo_pipeline
+    from grpo_core.launch import launchers
+    from tests.test_pipeline import NUM_STEPS, small_config
+
+    cfgs = [small_config(str(tmp_path / root), "run", pipeline={"epochs": 1}) for root in ("a", "b")]
+    states: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        states[i] = grpo_pipeline.with_options(retries=0)(cfgs[i], return_state=True)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for i in range(2):
+        state = states[i]
+        assert state.is_completed(), state.message
+        assert state.result()["steps"] == NUM_STEPS
+        assert RunRoot(state.result()["export_uri"]).exists("config.json")
+    assert not launchers._AHEAD  # each run dropped its own, nothing is left waiting
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
 def test_a_pipeline_whose_root_is_taken_over_stops_without_writing_more(tmp_path):
     from flows.pipeline import grpo_pipeline
     from tests.test_pipeline import small_config

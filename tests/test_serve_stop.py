@@ -3,10 +3,12 @@ run with no checkpoint and no summary, left lease.json, and the API showed it Ru
 later, holding the deployment's only concurrency slot. A real `prefect server start`, a real
 `grpo serve`; the run submitted through the API as the UI does."""
 
+import glob
 import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -69,6 +71,8 @@ def test_sigterm_to_serve_stops_its_run_as_a_cancel_does(server, tmp_path):  # n
             assert f"grpo serve (pid {serve.pid}) was stopped by SIGTERM" in summary["error"], summary["error"]
             assert not rr.exists(LEASE)  # released: the next run of this root is not refused
             assert summary["steps"] > 0 and took < 90, (summary["steps"], took)
+            # its private folder (the stop reasons, the logging config) went with it
+            assert not glob.glob(os.path.join(tempfile.gettempdir(), f"grpo-serve-{serve.pid}-*"))
     finally:
         _stop(serve)
     # the deployment's concurrency slot is free: a new serve runs the next run to the end

@@ -1,15 +1,29 @@
 """What a config from a deployment's parameters may name (grpo_core.rewards.trust): built-in
-rewards, reward files under the allowed folders, modules allowed by name, program fields at their
-defaults unless allowed. The run through a real deployment is in tests/test_deployments.py."""
+rewards, reward files under the allowed folders, modules allowed by name, program and address
+fields at their defaults unless allowed, places under the allowed roots, work within the limits;
+and that every field of the typed config says what it names. The runs through real deployments
+are in tests/test_attacks.py and tests/test_deployments.py."""
 
 import os
+import re
 
 import pytest
 
+from grpo_core.config.fields import Trust
 from grpo_core.config.run import load_config
 from grpo_core.errors import ConfigError
 from grpo_core.rewards.registry import make_rewards
-from grpo_core.rewards.trust import ENV_FIELDS, ENV_MODULES, ENV_PATHS, ENV_ROOTS, TrustPolicy
+from grpo_core.rewards.trust import (
+    ENV_FIELDS,
+    ENV_HOSTS,
+    ENV_LIMITS,
+    ENV_MODULES,
+    ENV_PATHS,
+    ENV_ROOTS,
+    TrustPolicy,
+    declared,
+    refused_job_variables,
+)
 
 REWARD = "def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
 
@@ -96,7 +110,7 @@ def test_program_fields_stay_at_their_defaults_unless_allowed(project):
 def test_grpo_serve_allows_what_the_operator_gave(project, monkeypatch):
     from flows.serve import allow_code
 
-    for name in (ENV_PATHS, ENV_MODULES, ENV_FIELDS):
+    for name in (ENV_PATHS, ENV_MODULES, ENV_FIELDS, ENV_ROOTS, ENV_HOSTS, ENV_LIMITS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(project)
     own = {"rewards": [{"function": f"{project}/elsewhere/theirs.py:score"}, {"function": "my_mod:f"}]}
@@ -108,38 +122,156 @@ def test_grpo_serve_allows_what_the_operator_gave(project, monkeypatch):
     assert policy.reward_modules == ("pkg.r", "my_mod:f") and policy.fields == ("pipeline.worker_python",)
     assert policy.reward_refusal(f"{project}/elsewhere/theirs.py:score") is None
     assert policy.reward_refusal(f"{project}/elsewhere/other.py:score") is not None
-    with pytest.raises(ValueError, match="--allow-field 'model.path'"):
+    with pytest.raises(ValueError, match=r"--allow-field names \['model.path'\]"):
         allow_code([], [], ["model.path"])
+    with pytest.raises(ValueError, match="--raise-limit 'model.path=1' must be FIELD=N"):
+        allow_code([], [], [], None, None, None, ["model.path=1"])
 
 
-def test_places_stay_where_the_deployment_has_them_unless_allowed(project):
+def test_grpo_serve_anchors_its_own_configs_places_and_addresses(project, monkeypatch):
+    """What the served config names itself (its storage root, its data, its server) is what its
+    deployments' runs may use, read when serve starts: the anchor is the serving process, not the
+    deployment's parameters on the server, which the API can PATCH (issue 52)."""
+    from flows.serve import allow_code
+
+    for name in (ENV_PATHS, ENV_MODULES, ENV_FIELDS, ENV_ROOTS, ENV_HOSTS, ENV_LIMITS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(project)
+    (project / "data").mkdir()
+    (project / "data" / "train.jsonl").write_text('{"prompt": "p"}\n')
+    own = {
+        "storage": {"root": str(project / "served-runs")},
+        "data": {"source": str(project / "data" / "train.jsonl")},
+        "rewards": [{"function": "char_match"}],
+        "train": {"rollout": {"engine": "http", "url": "http://127.0.0.1:30000", "reload_route": "/r"}},
+    }
+    allow_code([], [], [], own, None, ["Other.Host:8000"], ["train.num_steps=2000000"])
+    policy = TrustPolicy.from_env()
+    assert policy.roots == (os.path.realpath(project / "served-runs"), os.path.realpath(project / "data/train.jsonl"))
+    assert policy.fields == ("train.rollout.url",) and policy.hosts == ("other.host:8000",)
+    assert policy.limits == (("train.num_steps", 2e6),)
+    policy.check(cfg(*(f"{k}={v}" for k, v in [("storage.root", project / "served-runs")]), "train.num_steps=1500000"))
+    with pytest.raises(ConfigError, match=r"^data\.source=.*not where this deployment's runs read"):
+        policy.check(cfg(f"data.source={project}/data/other.jsonl"))
+
+
+def test_places_stay_under_the_allowed_roots(project):
     """issue 28: a run from the UI writes into no other folder or bucket and reads no other file of
-    the machine: storage.root and the sources as the deployment's own config has them, or under a
-    root the operator allowed; Hub ids, the synthetic task and run names are not places."""
-    deployed = cfg(f"storage.root={project}/runs", f"data.source={project}/data/train.jsonl")
-    TrustPolicy().check(deployed, baseline=deployed)  # the deployment's own places
+    the machine: the default config's places, or under a root the operator allowed (grpo serve adds
+    its own config's places); Hub ids, the synthetic task and run names are not places."""
     TrustPolicy().check(cfg("data.source=openai/gsm8k", "model.init_from=nightly-*"))  # a Hub id, a run name
+    TrustPolicy().check(cfg("storage.root=runs"), cwd=str(project))  # the default config's
     with pytest.raises(ConfigError, match=r"^storage\.root=.* may not be set in a deployment run: .*--allow-root"):
-        TrustPolicy().check(cfg(f"storage.root={project}/.."), baseline=deployed)
+        TrustPolicy().check(cfg(f"storage.root={project}/.."))
     with pytest.raises(ConfigError, match=r"^data\.source='/etc/passwd\.jsonl' may not .* where this .* runs read"):
-        TrustPolicy().check(cfg(f"storage.root={project}/runs", "data.source=/etc/passwd.jsonl"), baseline=deployed)
+        TrustPolicy().check(cfg("data.source=/etc/passwd.jsonl"))
     policy = TrustPolicy()
-    assert policy.place_refusal("model.path", "Qwen/Qwen2.5-0.5B", deployed) is None  # a Hub id
+    assert policy.place_refusal("model.path", "Qwen/Qwen2.5-0.5B") is None  # a Hub id
     for field, value in [
         ("data.eval_source", f"{project}/rewards/mine.py.jsonl"),
         ("model.path", "gs://someone-elses/model"),
         ("model.tokenizer", "./tok"),
         ("model.init_from", "gs://someone-elses/runs/x@4"),
     ]:
-        assert "is not where this deployment's runs read" in policy.place_refusal(field, value, deployed), field
-    # `..` is resolved before it is compared: runs/../x is not under runs
+        assert "is not where this deployment's runs read" in policy.place_refusal(field, value), field
+    assert "runs write" in policy.place_refusal("train.rollout.export_dir", "/any/dir")
+    # `..` is resolved before it is compared: runs/../x is not under runs (nor gs://b/runs/../x)
     with pytest.raises(ConfigError, match=r"^storage\.root=.* is not where this deployment's runs write"):
         TrustPolicy.from_env({ENV_ROOTS: f"{project}/runs"}, cwd=str(project)).check(cfg("storage.root=runs/../x"))
     allowed = TrustPolicy.from_env({ENV_ROOTS: f"{project}/shared,gs://someone-elses/runs"}, cwd=str(project))
-    assert allowed.place_refusal("model.init_from", "gs://someone-elses/runs/x@4", deployed) is None
-    allowed.check(cfg(f"storage.root={project}/shared/a", f"data.source={project}/shared/q.jsonl"), baseline=deployed)
+    assert allowed.place_refusal("model.init_from", "gs://someone-elses/runs/x@4") is None
+    assert allowed.place_refusal("storage.root", "gs://someone-elses/runs/../other") is not None
+    allowed.check(cfg(f"storage.root={project}/shared/a", f"data.source={project}/shared/q.jsonl"))
     with pytest.raises(ConfigError, match=r"^storage\.root=.*allowed: .*/shared, gs://someone-elses/runs"):
-        allowed.check(cfg("storage.root=gs://someone-elses/runs-2"), baseline=deployed)  # a prefix, not a folder
+        allowed.check(cfg("storage.root=gs://someone-elses/runs-2"))  # a prefix, not a folder
+
+
+def test_every_text_field_says_what_it_names():
+    """A new field that names a place, a program, a module or an address cannot slip past the
+    policy: every field whose value is text (a string, strings, a mapping) declares a trust class
+    next to its declaration, and a field whose name reads like a path, a URL or a program is not
+    declared SAFE."""
+    import typing
+
+    def texty(hint) -> bool:
+        args = typing.get_args(hint) or (hint,)
+        return any(a in (str, dict, tuple) or typing.get_origin(a) in (tuple, dict) for a in args)
+
+    texts = [d for d in declared() if texty(d.hint) and not typing.get_args(d.hint) == (int, ...)]
+    unclassified = [d.path for d in texts if d.trust is None and "prompt_buckets" not in d.path]
+    assert unclassified == [], f"declare trust= for {unclassified} (grpo_core.config.fields.Trust)"
+    looks_dangerous = re.compile(
+        r"(path|dir|root|source|url|address|python|command|server_args|workdir|tokenizer|from)$"
+    )
+    safe_but_named = [d.path for d in declared() if d.trust is Trust.SAFE and looks_dangerous.search(d.path)]
+    assert safe_but_named == [], safe_but_named
+    kinds = {d.path: d.trust for d in declared()}
+    assert kinds["train.rollout.export_dir"] is Trust.WRITES and kinds["train.rollout.url"] is Trust.ADDRESS
+    assert kinds["pipeline.launcher.address"] is Trust.ADDRESS and kinds["rewards[].function"] is Trust.CODE
+    assert {d.path for d in declared() if d.api_max} >= {
+        "data.synthetic_rows",
+        "train.num_steps",
+        "pipeline.launcher.num_processes",
+        "eval.batch_size",
+        "eval.num_samples",
+    }
+
+
+def test_addresses_are_refused_unless_the_host_or_the_field_is_allowed():
+    http = cfg(
+        "train.rollout.engine=http",
+        "train.rollout.url=http://evil.example:30000",
+        "train.rollout.reload_route=/update_weights_from_disk",
+    )
+    with pytest.raises(ConfigError, match=r"^train\.rollout\.url=.* the host evil\.example:30000 is not allowed"):
+        TrustPolicy().check(http)
+    TrustPolicy.from_env({ENV_HOSTS: "evil.example"}).check(http)
+    TrustPolicy.from_env({ENV_HOSTS: "EVIL.example:30000"}).check(http)
+    with pytest.raises(ConfigError, match="is not allowed"):
+        TrustPolicy.from_env({ENV_HOSTS: "evil.example:1"}).check(http)
+    ray = cfg("pipeline.launcher.kind=ray", "pipeline.launcher.address=ray://10.1.2.3:10001")
+    with pytest.raises(ConfigError, match=r"^pipeline\.launcher\.address=.*--allow-host"):
+        TrustPolicy().check(ray)
+    TrustPolicy().check(cfg("pipeline.launcher.kind=ray"))  # address auto: the default
+    tpu = cfg("pipeline.launcher.kind=tpu-vm", "pipeline.launcher.tpu_name=someone-elses", "pipeline.launcher.zone=z")
+    with pytest.raises(ConfigError, match=r"^pipeline\.launcher\.tpu_name=.* names a machine"):
+        TrustPolicy().check(tpu)
+    TrustPolicy.from_env({ENV_FIELDS: "pipeline.launcher.tpu_name,pipeline.launcher.zone"}).check(tpu)
+
+
+def test_work_is_bounded_by_limits_the_operator_can_raise():
+    for setting, field in [
+        ("data.synthetic_rows=1000000000", "data.synthetic_rows"),
+        ("train.num_steps=1000000000000", "train.num_steps"),
+        ("eval.batch_size=1000000", "eval.batch_size"),
+        ("eval.num_samples=1000000", "eval.num_samples"),
+        ("pipeline.launcher.num_processes=100000", "pipeline.launcher.num_processes"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(field)}=.* more than a deployment run may ask for"):
+            TrustPolicy().check(cfg(setting))
+    TrustPolicy.from_env({ENV_LIMITS: "data.synthetic_rows=2e9"}).check(cfg("data.synthetic_rows=1000000000"))
+    TrustPolicy().check(cfg("train.num_steps=auto"))  # a word, not a number
+    with pytest.raises(ConfigError, match=f"{ENV_LIMITS} 'model.path=3' must be FIELD=N"):
+        TrustPolicy.from_env({ENV_LIMITS: "model.path=3"})
+
+
+def test_job_variables_may_not_set_the_policy():
+    assert refused_job_variables({"env": {"GRPO_ALLOW_ROOTS": "/"}}).startswith(
+        "job_variables.env sets GRPO_ALLOW_ROOTS"
+    )
+    assert refused_job_variables({"env": {"OTHER": "1"}}) is None and refused_job_variables(None) is None
+
+
+def test_templates_name_columns_only():
+    cfg("data.source=x.jsonl", "data.template='Q: {question}\nA:'")
+    for bad in ("{question.__class__}", "{question[0]}", "{}"):
+        with pytest.raises(ConfigError, match=r"^data\.template may name columns only"):
+            cfg("data.source=x.jsonl", f"data.template='{bad}'")
+
+
+def test_reserved_run_names():
+    with pytest.raises(ConfigError, match=r"run_name may not start with '_'.*_flow-runs"):
+        cfg("run_name=_flow-runs")
 
 
 def test_grpo_serve_allow_root(project, monkeypatch):
@@ -151,3 +283,40 @@ def test_grpo_serve_allow_root(project, monkeypatch):
     assert TrustPolicy.from_env().roots == (os.path.realpath(project / "shared" / "runs"), "gs://bucket/runs")
     with pytest.raises(ValueError, match="may not contain ','"):
         allow_code([], [], [], None, ["a,b"])
+
+
+def test_a_pickled_reward_is_never_allowed_in_a_deployment_run(project, monkeypatch):
+    """A callable pickled by value (flows.notebook's rewards) runs for the local user who pickled it;
+    a deployment run refuses it before anything runs, wherever the pickle lies and whatever the
+    operator allows: the allowed reward folder, the whole spec as a module, any root."""
+    import types
+
+    import flows.pipeline as pipeline
+    from grpo_core.rewards.by_value import save_reward
+
+    def shout(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    spec = save_reward(shout, str(project / "rewards"), "shout")  # inside the folder the operator allows
+    assert spec.endswith("shout.pkl:shout") and spec.startswith(str(project / "rewards" / "_inputs" / "rewards"))
+    c = cfg(f'rewards=[{{function: "{spec}"}}]')
+    assert make_rewards(c.rewards)[0].fn([], ["a", "b"]) == [1.0, 1.0]  # the local user's loader takes it
+    env = {ENV_PATHS: str(project), ENV_MODULES: spec, ENV_ROOTS: "/"}
+    for policy in (TrustPolicy.from_env({}, cwd=str(project)), TrustPolicy.from_env(env, cwd=str(project))):
+        with pytest.raises(ConfigError, match=r"^rewards\[0\]\.function '.*shout\.pkl:shout' may not run in a "):
+            policy.check(c, cwd=str(project))
+        assert "pickled reward" in policy.reward_refusal(spec, cwd=str(project))
+    evals = cfg(f'eval.rewards=[{{function: exact_match}}, {{function: "{spec}"}}]', "eval.accuracy_reward=exact_match")
+    with pytest.raises(ConfigError, match=r"^eval\.rewards\[1\]\.function .*pickled reward"):
+        TrustPolicy().check(evals)
+    # where the flow calls the policy: a deployment's run (its id set) is refused and not retried;
+    # a direct call (the notebook's, the CLI's) is the local user's
+    monkeypatch.setattr(pipeline, "_job_variables", lambda log: {"env": {}})
+    monkeypatch.setattr(pipeline, "_no_flow_retry", lambda log: None)
+    monkeypatch.setattr(pipeline, "deployment", types.SimpleNamespace(id=None))
+    assert pipeline._allowed(lambda: c, log=None) is c
+    monkeypatch.setattr(pipeline, "deployment", types.SimpleNamespace(id="a-deployment"))
+    for name in (ENV_PATHS, ENV_MODULES):
+        monkeypatch.setenv(name, env[name])
+    with pytest.raises(ConfigError, match="a deployment never loads one"):
+        pipeline._allowed(lambda: c, log=None)

@@ -243,7 +243,7 @@ def test_the_next_stage_runs_in_the_worker_that_stayed(tmp_path):
     first = process.run_worker(args(2), timeout_s=300, on_event=on_event, what="epoch 0", next_stage=True)
     assert steps(first) == [0, 1] and first[-1] == {"event": "done", "step": 2, "steps_run": 2}
     assert not any(e["event"] == "stage_end" for e in first)
-    [(_, stayed)] = launchers._AHEAD
+    [(_, stayed)] = launchers._AHEAD.values()
     assert stayed.poll() is None and pids == [stayed.pid]  # its stage done, waiting for the next
 
     second = process.run_worker(args(4), timeout_s=300, on_event=on_event, what="epoch 1", next_stage=True)
@@ -256,7 +256,7 @@ def test_the_next_stage_runs_in_the_worker_that_stayed(tmp_path):
     assert not launchers._AHEAD
 
     process.run_worker(args(5), timeout_s=300, on_event=lambda e: None, what="epoch 2 again", next_stage=True)
-    [(_, other)] = launchers._AHEAD  # a fresh worker that stays (its stage was already trained)
+    [(_, other)] = launchers._AHEAD.values()  # a fresh worker that stays (its stage was already trained)
     fourth = process.run_worker(args(6), timeout_s=300, on_event=on_event, what="epoch 3", env={"GRPO_X": "1"})
     assert steps(fourth) == [5] and other.returncode == -signal.SIGKILL and not launchers._AHEAD
     assert pids[-1] not in (stayed.pid, other.pid)
@@ -296,7 +296,7 @@ def test_the_first_stage_trains_in_the_process_that_checked_its_devices(tmp_path
     report = readiness.readiness_report(cfg, handover=True)
     assert report["ready"] and report["backend"] == "cpu", report
     assert [c["name"] for c in report["checks"]][:3] == ["tokenizer", "storage", "tpu_lockfile"]
-    [(_, checked)] = launchers._AHEAD
+    [(_, checked)] = launchers._AHEAD.values()
     assert started == [checked] and checked.poll() is None  # ready: waits for its stage, backend up
     running = []
 
@@ -356,7 +356,7 @@ def test_a_worker_started_ahead_ends_with_the_process_that_started_it(tmp_path):
         "import sys, time\n"
         "from grpo_core.launch import launchers\n"
         "launchers.start_ahead(None)\n"
-        "print(launchers._AHEAD[0][1].pid, flush=True)\n"
+        "print(launchers._AHEAD[''][1].pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

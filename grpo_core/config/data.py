@@ -8,7 +8,7 @@ import enum
 import string
 import typing
 
-from grpo_core.config.fields import Section, check, config_hash, field, section
+from grpo_core.config.fields import Section, Trust, check, config_hash, field, section
 from grpo_core.errors import ConfigError
 
 
@@ -50,19 +50,21 @@ class DataConfig(Section):
         "synthetic",
         doc="'synthetic', a .jsonl/.json/.parquet/.csv path or gs:// URL, or a Hugging Face dataset id or folder",
         min_length=1,
+        trust=Trust.READS,
     )
     # HF config name
-    subset: str | None = field(None, doc="Hugging Face dataset config (subset) name")
-    split: str = field("train", doc="Split to train on")
+    subset: str | None = field(None, doc="Hugging Face dataset config (subset) name", trust=Trust.SAFE)
+    split: str = field("train", doc="Split to train on", trust=Trust.SAFE)
     # eval rows from this split instead of a held-out fraction
     eval_split: str | None = field(
-        None, doc="Split to evaluate on; empty: hold out data.eval_fraction of the training rows"
+        None, doc="Split to evaluate on; empty: hold out data.eval_fraction of the training rows", trust=Trust.SAFE
     )
     # a file of evaluation rows (e.g. a benchmark's test split as .jsonl / .parquet)
     eval_source: str | None = field(
         None,
         doc="A .jsonl/.json/.parquet/.csv file (path or gs:// URL) to evaluate on, read like data.source; "
         "empty: data.eval_split, or a held-out fraction",
+        trust=Trust.READS,
     )
     # auto, plain, gsm8k, verl: see grpo_core.data.formats
     format: DataFormat = field(
@@ -72,27 +74,34 @@ class DataConfig(Section):
             "reward_model.ground_truth), plain, or auto (detect gsm8k/verl from the first row)"
         ),
     )
-    prompt_column: str = field("prompt", doc="Column holding the prompt")
+    prompt_column: str = field("prompt", doc="Column holding the prompt", trust=Trust.SAFE)
     # source column -> the name rewards see; applied first
-    rename: dict | None = field(None, doc="Column renames applied first: {source column: name the rewards see}")
+    rename: dict | None = field(
+        None, doc="Column renames applied first: {source column: name the rewards see}", trust=Trust.SAFE
+    )
     # str.format over the row's columns, e.g. "Q: {question}\nA:"
-    template: str | None = field(None, doc="Prompt template over the row's columns, e.g. 'Q: {question}\\nA:'")
+    template: str | None = field(
+        None, doc="Prompt template over the row's columns, e.g. 'Q: {question}\\nA:'", trust=Trust.SAFE
+    )
     # through the tokenizer's chat template
     chat: bool = field(False, doc="Render prompts with the tokenizer's chat template")
-    system_prompt: str | None = field(None, doc="System message for chat prompts")
+    system_prompt: str | None = field(None, doc="System message for chat prompts", trust=Trust.SAFE)
     # longer prompts are dropped (and counted)
-    max_prompt_tokens: int = field(256, doc="Prompts longer than this are dropped (and counted)", ge=1)
+    max_prompt_tokens: int = field(256, doc="Prompts longer than this are dropped (and counted)", ge=1, api_max=32_768)
     max_rows: int | None = field(None, doc="Use at most this many rows", ge=2)
     eval_fraction: float = field(0.1, doc="Fraction of rows held out for evaluation", ge=0, le=0.9)
     # cap on the eval set; "all": every row of eval_split / eval_source (a whole benchmark)
     eval_rows: int | typing.Literal["all"] = field(
-        128, doc="At most this many evaluation rows (a seeded sample of a longer split); all: every row", ge=1
+        128,
+        doc="At most this many evaluation rows (a seeded sample of a longer split); all: every row",
+        ge=1,
+        api_max=100_000,
     )
     # shuffles before the split, and the order prompts are drawn in
     seed: int = field(0, doc="Shuffle seed for the split and the prompt order", ge=0)
     # ReverseTask fields: alphabet, min_len, max_len, seed
-    synthetic: dict | None = field(None, doc="The synthetic task: alphabet, min_len, max_len, seed")
-    synthetic_rows: int = field(4096, doc="Training rows generated for the synthetic task", ge=1)
+    synthetic: dict | None = field(None, doc="The synthetic task: alphabet, min_len, max_len, seed", trust=Trust.SAFE)
+    synthetic_rows: int = field(4096, doc="Training rows generated for the synthetic task", ge=1, api_max=1_000_000)
 
     def validate(self) -> None:
         check(
@@ -107,6 +116,8 @@ class DataConfig(Section):
             self.synthetic is None or isinstance(self.synthetic, dict),
             f"data.synthetic must be a mapping of task fields, got {self.synthetic!r}",
         )
+        if self.template is not None:
+            check_template(self.template)
         if self.is_file:
             check(
                 self.eval_split is None,
@@ -179,3 +190,18 @@ def data_hash(cfg: DataConfig, tokenizer_id: str, versions: dict[str, str] | Non
     (grpo_core.store.versions; left out where none is known, so older keys hold)."""
     fields = {k: v for k, v in cfg.to_dict().items() if _HASH_OMITS_DEFAULT.get(k, object()) != v}
     return config_hash({"data": fields, "tokenizer": tokenizer_id, **({"versions": versions} if versions else {})})
+
+
+def check_template(template: str) -> None:
+    """data.template names the row's columns as {column}, nothing more: str.format would also follow
+    {column.attr} and {column[key]} into the objects behind a value (a template from the API could
+    reach the process's globals that way)."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"data.template {template!r} is not a valid template: {exc}") from None
+    bad = [n for n in names if not n.isidentifier()]
+    check(
+        not bad,
+        f"data.template may name columns only, as {{column}}; got {{{bad[0] if bad else ''}}} in {template!r}",
+    )

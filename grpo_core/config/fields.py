@@ -2,7 +2,7 @@
 
 Each field is declared once: its type (coercion of YAML/CLI strings and enum values follows the
 type hint), its default, its description and its bounds (`field(8, doc=..., ge=2)`). Validation,
-the Prefect form (flows/params.py) and the README's field tables all read that declaration;
+the Prefect form (flows/params.py) and the docs' config reference (docs/hooks/) all read it;
 a section adds only the rules that relate several fields (`validate`). Error messages carry
 the field's full path, derived from the section's `path` (`train.grpo.num_generations must be
 >= 2, got 1`), so a user who mistyped a YAML key or a `--set` override sees what to fix.
@@ -35,16 +35,49 @@ def config_hash(fields: dict[str, Any], length: int = 12) -> str:
 _RULES = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
-def field(default: Any = MISSING, *, doc: str = "", factory: Any = MISSING, **bounds: Any) -> Any:
+class Trust(enum.Enum):
+    """What a field's value names, as the trust policy (grpo_core.rewards.trust) sees it. Every field
+    that holds text (a string, a list of strings, a mapping) declares one, so a new field that names
+    a place, a program or an address cannot be added unclassified (tests/test_trust.py)."""
+
+    SAFE = "safe"  # names nothing outside the run: a word, a column, a Hub id, a template
+    READS = "reads"  # a file, folder or URL the run reads
+    WRITES = "writes"  # a folder or URL the run writes into (and removes what it wrote there)
+    PROGRAM = "program"  # a program, an interpreter, its arguments or the folder it runs in
+    CODE = "code"  # Python code to import and call: path/to/file.py:fn or module:fn
+    ADDRESS = "address"  # a host the run connects to, or a remote machine it acts on
+
+
+def field(
+    default: Any = MISSING,
+    *,
+    doc: str = "",
+    factory: Any = MISSING,
+    trust: Trust | None = None,
+    api_max: int | float | None = None,
+    **bounds: Any,
+) -> Any:
     """A section field: `default` (or `factory` for a mutable or section default), its description
-    and its bounds (ge, gt, le, lt on numbers; min_length on strings and lists)."""
+    and its bounds (ge, gt, le, lt on numbers; min_length on strings and lists). `trust`: what the
+    value names (Trust; every text field has one). `api_max`: the most a deployment run may ask for
+    (work: rows, steps, processes, batch sizes), which the operator can raise (grpo serve
+    --raise-limit); the local user's own config is not bounded by it."""
     unknown = set(bounds) - {*_RULES, "min_length"}
     assert not unknown, f"unknown bound(s) {unknown}"
-    return dataclasses.field(default=default, default_factory=factory, metadata={"doc": doc, "bounds": bounds})
+    meta = {"doc": doc, "bounds": bounds, "trust": trust, "api_max": api_max}
+    return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
 def doc_of(f: dataclasses.Field) -> str:
     return f.metadata.get("doc", "")
+
+
+def trust_of(f: dataclasses.Field) -> Trust | None:
+    return f.metadata.get("trust")
+
+
+def api_max_of(f: dataclasses.Field) -> int | float | None:
+    return f.metadata.get("api_max")
 
 
 def bounds_of(f: dataclasses.Field) -> dict[str, Any]:

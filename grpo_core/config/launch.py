@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from grpo_core.config.fields import Section, check, field, section
+from grpo_core.config.fields import Section, Trust, check, field, section
 
 
 class LauncherKind(enum.Enum):
@@ -26,9 +26,11 @@ class LauncherConfig(Section):
         ),
     )
     # multiprocess: processes here; ray: hosts, one task each
-    num_processes: int = field(2, doc="multiprocess: processes on this machine; ray: hosts, one task each", ge=1)
+    num_processes: int = field(
+        2, doc="multiprocess: processes on this machine; ray: hosts, one task each", ge=1, api_max=64
+    )
     # multiprocess: CPU devices of each process
-    devices_per_process: int = field(1, doc="multiprocess: CPU devices of each process", ge=1)
+    devices_per_process: int = field(1, doc="multiprocess: CPU devices of each process", ge=1, api_max=64)
     # multiprocess: 0 = a free port; ray: 0 = 8476 on host 0
     coordinator_port: int = field(
         0,
@@ -37,21 +39,29 @@ class LauncherConfig(Section):
         le=65535,
     )
     # ray: the cluster, as ray.init takes it ("auto", "ray://head:10001", "local")
-    address: str = field("auto", doc="ray: the cluster address as ray.init takes it (auto, ray://head:10001)")
+    address: str = field(
+        "auto", doc="ray: the cluster address as ray.init takes it (auto, ray://head:10001)", trust=Trust.ADDRESS
+    )
     # ray: each task's resources, e.g. {TPU: 4}; null: {CPU: 1}
-    resources_per_host: dict | None = field(None, doc="ray: each host task's resources, e.g. {TPU: 4}; empty: {CPU: 1}")
+    resources_per_host: dict | None = field(
+        None, doc="ray: each host task's resources, e.g. {TPU: 4}; empty: {CPU: 1}", trust=Trust.SAFE
+    )
     # ray: one task per node; SPREAD or PACK to share nodes (tests)
-    placement_strategy: str = field("STRICT_SPREAD", doc="ray: STRICT_SPREAD puts one task on each node")
+    placement_strategy: str = field(
+        "STRICT_SPREAD", doc="ray: STRICT_SPREAD puts one task on each node", trust=Trust.SAFE
+    )
     # tpu-vm
-    tpu_name: str | None = field(None, doc="tpu-vm: the TPU VM (slice) name")
+    tpu_name: str | None = field(None, doc="tpu-vm: the TPU VM (slice) name", trust=Trust.ADDRESS)
     # tpu-vm
-    zone: str | None = field(None, doc="tpu-vm: its zone")
+    zone: str | None = field(None, doc="tpu-vm: its zone", trust=Trust.ADDRESS)
     # tpu-vm; null: gcloud's configured project
-    project: str | None = field(None, doc="tpu-vm: its project; empty: gcloud's configured one")
+    project: str | None = field(None, doc="tpu-vm: its project; empty: gcloud's configured one", trust=Trust.ADDRESS)
     # tpu-vm: the project checkout on every host
-    workdir: str = field("~/grpo-pipeline", doc="tpu-vm: the project checkout on every host")
+    workdir: str = field("~/grpo-pipeline", doc="tpu-vm: the project checkout on every host", trust=Trust.PROGRAM)
     # tpu-vm: its interpreter, relative to workdir (or absolute)
-    python: str = field(".venv/bin/python", doc="tpu-vm: the interpreter on every host, relative to workdir")
+    python: str = field(
+        ".venv/bin/python", doc="tpu-vm: the interpreter on every host, relative to workdir", trust=Trust.PROGRAM
+    )
     # every process must join within this
     init_timeout_s: int = field(300, doc="Seconds every process has to join the run", ge=1)
     # a process silent this long fails the others

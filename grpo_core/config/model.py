@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from grpo_core.config.fields import Section, check, field, section
+from grpo_core.config.fields import Section, Trust, check, field, section
 from grpo_core.errors import ConfigError
 
 
@@ -103,6 +103,7 @@ class LoraConfig(Section):
             "model.layers.mlp.down_proj), e.g. .*(q_proj|v_proj).*"
         ),
         min_length=1,
+        trust=Trust.SAFE,
     )
     # GRPO's ratio compares the policy with the log-probs it sampled with (no dropout); dropout
     # in the update alone would bias every ratio and the clipping with it.
@@ -163,18 +164,20 @@ class ModelSection(Section):
     equal models hash equally: the tokenizer filled in ('char' for a preset, 'auto' = the
     checkpoint's own with a path), no preset beside a path, empty optional keys dropped."""
 
-    preset: str | None = field(None, doc="Model size and architecture when model.path is empty")
+    preset: str | None = field(None, doc="Model size and architecture when model.path is empty", trust=Trust.SAFE)
     path: str | None = field(
         None,
         doc="Start from a Hugging Face checkpoint (Qwen2, Qwen3, Llama): a Hub id like "
         "Qwen/Qwen3-0.6B, a folder or a gs:// folder. Empty: a preset with random weights",
+        trust=Trust.READS,
     )
-    revision: str | None = field(None, doc="Hub revision (branch, tag or commit) of model.path")
+    revision: str | None = field(None, doc="Hub revision (branch, tag or commit) of model.path", trust=Trust.SAFE)
     seed: int = field(0, doc="Seed of the starting weights of a preset", ge=0)
     tokenizer: str = field(
         "char",
         doc="Empty: the checkpoint's own tokenizer with model.path, else 'char' (the "
         "built-in character tokenizer); or a Hugging Face tokenizer id/folder",
+        trust=Trust.READS,
     )
     lora: LoraConfig | None = field(
         None,
@@ -187,6 +190,7 @@ class ModelSection(Section):
         doc="Start from another run's policy: a run name under storage.root or a run's folder/URL, its newest "
         "checkpoint or export, or NAME@STEP for a given step; a pattern like nightly-* takes the last finished "
         "run whose name matches (names sort by date). Empty: start from model.path or the preset",
+        trust=Trust.READS,
     )
     reference: ReferencePolicy = field(
         ReferencePolicy.START,
@@ -197,6 +201,7 @@ class ModelSection(Section):
         factory=dict,
         doc="ModelConfig fields over the preset's (Hugging Face names: "
         "hidden_size, dtype, ...); with model.path only dtype and param_dtype",
+        trust=Trust.SAFE,
     )
 
     def validate(self) -> None:

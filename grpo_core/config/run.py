@@ -29,7 +29,7 @@ import yaml
 
 from grpo_core.config import recipes
 from grpo_core.config.data import DataConfig, data_hash
-from grpo_core.config.fields import Section, apply_overrides, check, config_hash, field, section
+from grpo_core.config.fields import Section, Trust, apply_overrides, check, config_hash, field, section
 from grpo_core.config.launch import LauncherConfig
 from grpo_core.config.model import (
     PATH_OVERRIDES,
@@ -44,9 +44,10 @@ from grpo_core.config.target import Target
 from grpo_core.config.train import ISCorrection, TrainConfig
 from grpo_core.errors import ConfigError
 
+DEFAULT_STORAGE_ROOT = "runs"  # relative to the folder the flow runs in
 DEFAULT: dict[str, Any] = {
     "run_name": None,
-    "storage": {"root": "runs"},
+    "storage": {"root": DEFAULT_STORAGE_ROOT},
     "model": {"preset": "tiny", "seed": 0, "tokenizer": "char"},
     "data": {
         "source": "synthetic",
@@ -105,15 +106,24 @@ RUN_DOCS = {
 }
 
 
+# What the fields outside the sections name, for the trust policy (grpo_core.rewards.trust); the
+# sections' fields say it in their declarations.
+RUN_TRUST = {"run_name": Trust.SAFE, "storage.root": Trust.WRITES}
+
+
 @section(path="rewards[]")
 class RewardSpec(Section):
     """A reward function: a built-in name (see grpo_core.rewards.registry.builtin_rewards) or `file.py:fn` /
     `module:fn`, and its weight in the total (0: reported, not optimised)."""
 
-    function: str = field(doc="built-in name, path/to/file.py:function or module:function", min_length=1)
+    function: str = field(
+        doc="built-in name, path/to/file.py:function or module:function", min_length=1, trust=Trust.CODE
+    )
     weight: float = field(1.0, doc="weight in the total reward (0: reported, not optimised)")
     # keyword arguments of the call, e.g. soft_overlong's {max_completion_len: 512, soft_punish_cache: 128}
-    params: dict | None = field(None, doc="keyword arguments the function is called with (a built-in's settings)")
+    params: dict | None = field(
+        None, doc="keyword arguments the function is called with (a built-in's settings)", trust=Trust.SAFE
+    )
 
     def validate(self) -> None:
         check(
@@ -155,17 +165,17 @@ class EvalConfig(Section):
     """Evaluation of the starting policy and of each epoch's checkpoint on the eval split."""
 
     # RewardSpecs; empty: the training rewards (the default when the config sets rewards)
-    rewards: tuple = field((), doc="Rewards evaluation reports; empty: the training rewards")
+    rewards: tuple = field((), doc="Rewards evaluation reports; empty: the training rewards", trust=Trust.CODE)
     # The eval reward whose greedy mean is "accuracy"; unset with your own rewards: the first
     # with a weight above 0.
     accuracy_reward: str = field(
-        "exact_match", doc="The eval reward whose greedy mean is 'accuracy' and which decides pass@k"
+        "exact_match", doc="The eval reward whose greedy mean is 'accuracy' and which decides pass@k", trust=Trust.SAFE
     )
     # sampled completions per prompt for pass@k (1: greedy only)
-    num_samples: int = field(4, doc="Samples per prompt for pass@k (1: greedy only)", ge=1)
+    num_samples: int = field(4, doc="Samples per prompt for pass@k (1: greedy only)", ge=1, api_max=64)
     # for the pass@k samples
     temperature: float = field(1.0, doc="Temperature of the pass@k samples", gt=0)
-    batch_size: int = field(64, doc="Prompts per evaluation batch", ge=1)
+    batch_size: int = field(64, doc="Prompts per evaluation batch", ge=1, api_max=4096)
 
     def validate(self) -> None:
         object.__setattr__(self, "rewards", _reward_specs(self.rewards, "eval.rewards") if self.rewards else ())
@@ -181,8 +191,9 @@ class ReadinessConfig(Section):
         doc="TPU topology to AOT-compile every program of the run for and check against its HBM with XLA's "
         "own figures, e.g. v5e:2x2, v5e:2x4, v4:2x2x1, v6e:4x4 (needs libtpu: pip install '.[tpu-aot]'); "
         "empty: none",
+        trust=Trust.SAFE,
     )
-    num_slices: int = field(1, doc="Slices of the target (multislice, over the data-center network)", ge=1)
+    num_slices: int = field(1, doc="Slices of the target (multislice, over the data-center network)", ge=1, api_max=64)
 
     def validate(self) -> None:
         if self.target is not None:
@@ -194,7 +205,7 @@ class PipelineConfig(Section):
     """How the stages run. Nothing here changes a result, so none of it is in a stage hash."""
 
     # training stages; train.num_steps is split evenly across them
-    epochs: int = field(4, doc="Training stages; train.num_steps is split evenly across them", ge=1)
+    epochs: int = field(4, doc="Training stages; train.num_steps is split evenly across them", ge=1, api_max=1000)
     # steps between checkpoints (and metric shards)
     checkpoint_every: int = field(50, doc="Steps between checkpoints", ge=1)
     # the 3 newest checkpoints are kept; with this, each epoch's last one too
@@ -209,9 +220,9 @@ class PipelineConfig(Section):
         doc="The TPU topology (e.g. v5e:2x2) readiness compiles every program for, from any host",
     )
     # task retries of crashes, preemption and storage errors
-    retries: int = field(2, doc="Task retries of crashes, preemption and storage errors", ge=0)
+    retries: int = field(2, doc="Task retries of crashes, preemption and storage errors", ge=0, api_max=10)
     retry_delay_s: float = field(2.0, doc="Seconds between task retries", ge=0)
-    flow_retries: int = field(1, doc="Retries of the whole flow run", ge=0)
+    flow_retries: int = field(1, doc="Retries of the whole flow run", ge=0, api_max=10)
     lease_ttl_s: float = field(120.0, doc="Seconds a run root's lease outlives its holder's last heartbeat", gt=0)
     # hard limit per training-epoch attempt: the worker is killed
     train_timeout_s: float = field(3600.0, doc="Hard limit per training-epoch attempt, seconds", gt=0)
@@ -240,8 +251,11 @@ class PipelineConfig(Section):
         (),
         doc="Experiment trackers the metrics also go to: tensorboard (event files in {run}/tensorboard/), "
         "wandb, mlflow (MLFLOW_TRACKING_URI); 'all' or 'none' as in TRL",
+        trust=Trust.SAFE,
     )
-    tracking_project: str = field("grpo", doc="The W&B project and MLflow experiment of the run", min_length=1)
+    tracking_project: str = field(
+        "grpo", doc="The W&B project and MLflow experiment of the run", min_length=1, trust=Trust.SAFE
+    )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], path: str | None = None):
@@ -259,6 +273,7 @@ class PipelineConfig(Section):
     worker_python: str | None = field(
         None,
         doc="Interpreter of the training workers; empty: this one, or .venv-sglang's with train.rollout.engine=sglang",
+        trust=Trust.PROGRAM,
     )
     # How workers start: here (local), as N processes on this machine (multiprocess), on every
     # host of a Ray cluster (ray) or of a TPU VM slice (tpu-vm); see grpo_core.launch.launchers.
@@ -321,6 +336,10 @@ class RunConfig:
     # The versions of the sources the config names, by field (grpo_core.store.versions): part of
     # the data and training hashes, so new content is a new run. Set by grpo_core.data.resolve.with_versions.
     versions: tuple[tuple[str, str], ...] = ()
+    # Set where `rewards` is a default chosen for the user's data (recipes.RewardChoice: why, and
+    # whether the data's first row still decides: grpo_core.data.resolve.resolve_rewards). Not in
+    # to_dict: config.json and the flow's parameters hold the rewards themselves.
+    rewards_default: recipes.RewardChoice | None = dataclasses.field(default=None, compare=False)
 
     SECTIONS = ("run_name", "storage", "model", "data", "rewards", "train", "eval", "pipeline")
 
@@ -343,7 +362,12 @@ class RunConfig:
         # the synthetic task's tuned recipe, or on the user's data or a real model the defaults of
         # TRL and verl (grpo_core.config.recipes; `grpo check` says which filled what)
         base = recipes.apply(base, data)
-        if data.get("rewards"):  # the user's rewards: evaluate with them unless eval.rewards says otherwise
+        # no rewards on the user's data: ones that fit it, not the synthetic task's (math_answer
+        # where the rows carry a reference answer; recipes.default_rewards), else refused
+        chosen = recipes.default_rewards(data)
+        if chosen is not None:
+            base["rewards"] = [dict(s) for s in chosen.specs]
+        if data.get("rewards") or chosen is not None:  # evaluate with them unless eval.rewards says otherwise
             base["eval"] = {k: v for k, v in base["eval"].items() if k not in ("rewards", "accuracy_reward")}
         d = _merge(base, data)
         storage = d["storage"]
@@ -371,6 +395,7 @@ class RunConfig:
             eval=_section(EvalConfig, d["eval"], "eval"),
             pipeline=_section(PipelineConfig, d["pipeline"], "pipeline"),
             versions=tuple(sorted(versions.items())),
+            rewards_default=chosen,
         )
         if "accuracy_reward" not in (d["eval"] if isinstance(d["eval"], dict) else {}):
             specs = cfg.eval_rewards
@@ -607,6 +632,10 @@ def check_run_name(name: str, what: str = "run_name") -> None:
     )
     why = next((why for bad, why in problems if bad), None)
     check(why is None, f"{what} must be a single folder name, got {name!r}: {why}")
+    check(
+        not bare.startswith("_"),
+        f"{what} may not start with '_', got {name!r}: names like _flow-runs are the storage root's own records",
+    )
 
 
 def _model_section(value: Any) -> ModelSection:
@@ -658,10 +687,10 @@ def read_config(path: str | None = None, overrides: list[str] | None = None) -> 
             f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}",
         )
         data = loaded or {}
-    return _absolute_paths(apply_overrides(data, overrides or []))
+    return absolute_paths(apply_overrides(data, overrides or []))
 
 
-def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     """Local files named relative to where the command runs (a data file or folder, a reward
     file) become absolute: workers, deployments and retries may run elsewhere."""
     data = copy.deepcopy(data)

@@ -10,7 +10,7 @@ import math
 import typing
 from typing import Any
 
-from grpo_core.config.fields import Section, check, field, section
+from grpo_core.config.fields import Section, Trust, check, field, section
 from grpo_core.config.model import DType
 
 # ----------------------------------------------------------------------------------------------
@@ -27,7 +27,7 @@ PROMPT_BUCKETS = (4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 2
 class SamplingConfig(Section):
     """How completions are drawn. temperature 0 means greedy."""
 
-    max_new_tokens: int = field(32, doc="Longest completion", ge=1)
+    max_new_tokens: int = field(32, doc="Longest completion", ge=1, api_max=32_768)
     temperature: float = field(1.0, doc="Sampling temperature (0: greedy, refused for training)", ge=0)
     # 0 = off
     top_k: int = field(0, doc="Top-k (0: off)", ge=0)
@@ -148,8 +148,8 @@ class GRPOConfig(Section):
     """The GRPO objective and its rollout batch."""
 
     # G, completions per prompt
-    num_generations: int = field(8, doc="Completions per prompt (G)", ge=2)
-    prompts_per_step: int = field(8, doc="Prompts per step (P)", ge=1)
+    num_generations: int = field(8, doc="Completions per prompt (G)", ge=2, api_max=256)
+    prompts_per_step: int = field(8, doc="Prompts per step (P)", ge=1, api_max=4096)
     advantage: AdvantageEstimator = field(
         AdvantageEstimator.GRPO, doc="grpo: (r - mean)/std; dr_grpo: r - mean; rloo: leave-one-out"
     )
@@ -186,7 +186,7 @@ class GRPOConfig(Section):
     beta: float = field(0.0, doc="KL coefficient; 0: no reference model", ge=0)
     kl_estimator: KLEstimator = field(KLEstimator.K3, doc="KL estimator")
     # passes over each rollout batch (mu); > 1 is off-policy
-    num_iterations: int = field(1, doc="Passes over each rollout batch", ge=1)
+    num_iterations: int = field(1, doc="Passes over each rollout batch", ge=1, api_max=64)
     # optimizer updates per pass
     minibatches_per_rollout: int = field(1, doc="Optimizer updates per pass", ge=1)
     # micro-batches summed into one update; "auto": the fewest that fit the devices (grpo_core.config.memory)
@@ -198,7 +198,7 @@ class GRPOConfig(Section):
     # DAPO: drop zero-variance groups and refill
     dynamic_sampling: bool = field(False, doc="Drop groups whose rewards are all equal and sample again")
     # bound on extra rollouts to refill a dynamic-sampling batch
-    max_sampling_rounds: int = field(3, doc="Bound on sampling rounds per step", ge=1)
+    max_sampling_rounds: int = field(3, doc="Bound on sampling rounds per step", ge=1, api_max=64)
 
     def validate(self) -> None:
         check(
@@ -338,7 +338,9 @@ class RolloutConfig(Section):
     is_cap: float = field(2.0, doc="Cap C of the mismatch importance weights (TRL's importance_sampling_cap)", gt=1)
     # sglang-jax: the in-process engine, and the servers the http engine starts (server: sglang-jax)
     # engine weights/compute; null: the policy's compute dtype
-    dtype: str | None = field(None, doc="sglang/http engine dtype (float32, bfloat16); empty: the policy's")
+    dtype: str | None = field(
+        None, doc="sglang/http engine dtype (float32, bfloat16); empty: the policy's", trust=Trust.SAFE
+    )
     # share of device memory for weights + KV cache
     mem_fraction_static: float | None = field(
         None, doc="sglang: share of device memory for its weights and KV cache", gt=0, lt=1
@@ -353,7 +355,9 @@ class RolloutConfig(Section):
     disable_precompile: bool = field(
         False, doc="sglang: skip start-up compilation (faster start, slower first rollouts)"
     )
-    attention_backend: str | None = field(None, doc='null: "native" on CPU, sglang\'s default elsewhere')
+    attention_backend: str | None = field(
+        None, doc='null: "native" on CPU, sglang\'s default elsewhere', trust=Trust.SAFE
+    )
     deterministic: bool = field(True, doc="seeded per-row sampling: a resumed run redraws the same completions")
     # sglang-jax's overlap scheduler (CPU scheduling of the next batch during the current one).
     # Off by default: with it on, 3 of 6 sglang-jax 0.1.0rc0 servers started on CPU returned wrong
@@ -363,28 +367,32 @@ class RolloutConfig(Section):
     )
     # http
     # an already running server (not restarted here), e.g. http://10.0.0.2:30000
-    url: str | None = field(None, doc="http: a running server (with train.rollout.reload_route)")
+    url: str | None = field(None, doc="http: a running server (with train.rollout.reload_route)", trust=Trust.ADDRESS)
     api: HttpApi = field(HttpApi.OPENAI, doc="http: the server's API (openai: /v1/completions; sglang: /generate)")
-    model_name: str | None = field(None, doc='the "model" of each request; null: the server\'s first /v1/models entry')
+    model_name: str | None = field(
+        None, doc='the "model" of each request; null: the server\'s first /v1/models entry', trust=Trust.SAFE
+    )
     # "sglang-jax": start (and restart on each refresh) a server on 127.0.0.1
     server: str | None = field(
-        None, doc="http: 'sglang-jax' starts and restarts a server on 127.0.0.1 with each export"
+        None, doc="http: 'sglang-jax' starts and restarts a server on 127.0.0.1 with each export", trust=Trust.SAFE
     )
-    server_args: tuple[str, ...] = field((), doc="extra command-line arguments of that server")
+    server_args: tuple[str, ...] = field((), doc="extra command-line arguments of that server", trust=Trust.PROGRAM)
     # or any server this run starts and restarts itself, e.g. ["vllm", "serve", "{model}", "--port",
     # "{port}"]: {model} (the exported folder), {port}, {host} and {python} are filled in
     server_command: tuple[str, ...] = field(
-        (), doc="http: a server this run starts and restarts, e.g. vllm serve {model} --port {port}"
+        (),
+        doc="http: a server this run starts and restarts, e.g. vllm serve {model} --port {port}",
+        trust=Trust.PROGRAM,
     )
     reload_route: str | None = field(
-        None, doc='POST {"model_path": folder} to reload weights (SGLang: /update_weights_from_disk)'
+        None, doc='POST {"model_path": folder} to reload weights (SGLang: /update_weights_from_disk)', trust=Trust.SAFE
     )
     # http: steps between exports of the policy to the server
     sync_every: int = field(1, doc="http: steps between exports of the policy to the server", ge=1)
     export_dir: str | None = field(
-        None, doc="http: where exports go (must be readable by the server); null: a temp folder"
+        None, doc="http: where exports go (must be readable by the server); null: a temp folder", trust=Trust.WRITES
     )
-    request_retries: int = field(2, doc="http: retries of a failed or timed-out request", ge=0)
+    request_retries: int = field(2, doc="http: retries of a failed or timed-out request", ge=0, api_max=10)
 
     def validate(self) -> None:
         check(
@@ -543,14 +551,18 @@ class TrainConfig(Section):
         doc="GRPO steps in the whole run; auto: train.num_epochs passes over the prepared training rows "
         "(found before the run is named: grpo check prints it)",
         ge=1,
+        api_max=1_000_000,
     )
     # with num_steps: auto, how many steps: ceil(num_epochs x training rows / prompts_per_step)
     num_epochs: float = field(
-        3.0, doc="With train.num_steps: auto, passes over the prepared training rows (TRL's num_train_epochs)", gt=0
+        3.0,
+        doc="With train.num_steps: auto, passes over the prepared training rows (TRL's num_train_epochs)",
+        gt=0,
+        api_max=1000,
     )
     seed: int = field(0, doc="Seed of every step's sampling", ge=0)
     log_every: int | None = field(
-        None, doc="Steps between the training task's metric log lines; empty: about ten per epoch", ge=1
+        None, doc="Steps between the training task's step log lines; empty: about 50 a run (ceil(num_steps / 50))", ge=1
     )
     # A reward function that never returns would otherwise hold the worker until the stage's own
     # time limit (pipeline.train_timeout_s) and then be retried; past this the worker stops with a

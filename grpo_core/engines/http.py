@@ -49,6 +49,7 @@ from grpo_core.engines import (
     wait_for,
 )
 from grpo_core.engines.sglang import sampling_params, sglang_jax_args
+from grpo_core.errors import ConfigError
 from grpo_core.launch.processes import free_port, sglang_python, stop_process_groups
 from grpo_core.nn.hf import save_hf_model
 from grpo_core.nn.model import CausalLM
@@ -219,10 +220,12 @@ class HttpEngine:
     def _export(self, params, step: int) -> str:
 
         folder = os.path.join(self.export_root, f"step-{step}")
-        shutil.rmtree(folder, ignore_errors=True)
+        _clear_own_export(folder)
         save_hf_model(nnx.merge(self.plain_graphdef, params), folder)
         if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(folder)
+        with open(os.path.join(folder, EXPORT_MARK), "w") as f:  # last: what _clear_own_export may remove
+            f.write(f"step {step}\n")
         return folder
 
     def sync(self, params, step: int) -> float:
@@ -367,3 +370,23 @@ class HttpEngine:
             self.server.stop()
         if self._own_export:
             shutil.rmtree(self.export_root, ignore_errors=True)
+
+
+EXPORT_MARK = ".grpo-rollout-export"  # in each folder an export wrote, last
+
+
+def _clear_own_export(folder: str) -> None:
+    """Make room for an export at `folder`: an earlier export of this engine (its mark inside, e.g.
+    an attempt killed before it synced) is replaced; anything else there is the user's and is
+    never removed (ConfigError naming train.rollout.export_dir)."""
+    if not os.path.lexists(folder):
+        return
+    if os.path.isdir(folder) and not os.path.islink(folder) and os.path.isfile(os.path.join(folder, EXPORT_MARK)):
+        shutil.rmtree(folder)
+        return
+    if os.path.isdir(folder) and not os.path.islink(folder) and not os.listdir(folder):
+        return  # an empty folder: written into, nothing lost
+    raise ConfigError(
+        f"train.rollout.export_dir: {folder} exists and was not written by an export of this pipeline; "
+        "it is left as it is. Point train.rollout.export_dir at an empty folder (or leave it empty: a temp folder)"
+    )

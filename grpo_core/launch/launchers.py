@@ -169,18 +169,20 @@ def start(
     env: dict[str, str] | None = None,
     python: str | None = None,
     stay: bool = False,
+    scope: str = "",
 ) -> Launched:
     """Start the stage's processes, each in its own process group (so stop() reaches their
     children too), stdout and stderr piped. A local stage's worker is the one started ahead
     (start_ahead), or the one a stage before left waiting (park), when there is one for the same
     interpreter, environment and folder. `stay`: another worker stage follows, so a local worker
-    stays for it once this one ended well (grpo_core.stages.ahead; see park)."""
+    stays for it once this one ended well (grpo_core.stages.ahead; see park). `scope`: whose
+    worker started ahead it may take (the flow run's: see start_ahead)."""
     cfg = cfg or LauncherConfig()
     specs, stop_argv = plan(cfg, module_args, env, python)
     procs: list[subprocess.Popen] = []
     launched = Launched(cfg, specs, procs, stop_argv)
     local = cfg.kind is LauncherKind.LOCAL
-    ahead = _take_ahead(specs[0], stay) if local else None
+    ahead = _take_ahead(specs[0], stay, scope) if local else None
     if ahead is not None:
         procs.append(ahead)
         return launched
@@ -222,7 +224,10 @@ def _popen(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen
 # qualify; anything else, or a process that is gone, is stopped and a fresh worker started.
 AHEAD_MODULE = "grpo_core.stages.ahead"
 WORKER_MODULE = "grpo_core.stages.worker"
-_AHEAD: list[tuple[tuple, subprocess.Popen]] = []  # at most one: (_ahead_key, the process)
+# At most one per scope (a flow run: tasks.process.ahead_scope), so that two flow runs in one
+# process (grpo serve --limit 2, a readiness and a pipeline deployment at once) never take or stop
+# each other's: {scope: (_ahead_key, the process)}.
+_AHEAD: dict[str, tuple[tuple, subprocess.Popen]] = {}
 # reentrant: a Ctrl-C handler (tasks.process.request_interrupt) may drop it while this thread holds it
 _AHEAD_LOCK = threading.RLock()
 
@@ -231,10 +236,12 @@ def _ahead_key(python: str, env: dict[str, str]) -> tuple:
     return python, tuple(sorted({**os.environ, **env}.items())), os.getcwd()
 
 
-def _swap_ahead(*entry: tuple[tuple, subprocess.Popen]) -> list[tuple[tuple, subprocess.Popen]]:
-    """Put `entry` (or nothing) where the worker started ahead is kept; what was there."""
+def _swap_ahead(scope: str, *entry: tuple[tuple, subprocess.Popen]) -> list[tuple[tuple, subprocess.Popen]]:
+    """Put `entry` (or nothing) where `scope`'s worker started ahead is kept; what was there."""
     with _AHEAD_LOCK:
-        old, _AHEAD[:] = list(_AHEAD), list(entry)
+        old = [_AHEAD.pop(scope)] if scope in _AHEAD else []
+        if entry:
+            [_AHEAD[scope]] = entry
     return old
 
 
@@ -243,16 +250,18 @@ def start_ahead(
     env: dict[str, str] | None = None,
     python: str | None = None,
     first: dict | None = None,
+    scope: str = "",
 ) -> subprocess.Popen | None:
-    """Start the worker of the next local stage now (stopping one started earlier) and return it;
-    nothing for another launcher kind, which starts its processes elsewhere. `first`: a line for
-    it to act on before it waits for its stage (the readiness checks: grpo_core.stages.ahead)."""
+    """Start the worker of the next local stage now (stopping one `scope` started earlier) and
+    return it; nothing for another launcher kind, which starts its processes elsewhere. `first`: a
+    line for it to act on before it waits for its stage (the readiness checks:
+    grpo_core.stages.ahead). `scope`: whose it is (a flow run); only that scope's stages take it."""
     cfg = cfg or LauncherConfig()
     if cfg.kind is not LauncherKind.LOCAL:
         return None
     [spec], _ = plan(cfg, [AHEAD_MODULE], env, python)
     proc = _popen(spec.argv, spec.env, stdin=subprocess.PIPE)
-    _stop_ahead(_swap_ahead((_ahead_key(spec.argv[0], spec.env), proc)))
+    _stop_ahead(_swap_ahead(scope, (_ahead_key(spec.argv[0], spec.env), proc)))
     if first is not None:
         try:
             proc.stdin.write(json.dumps(first) + "\n")
@@ -262,18 +271,26 @@ def start_ahead(
     return proc
 
 
-def drop_ahead() -> None:
-    """Stop the worker started ahead, if any (the pipeline ended, or was interrupted)."""
-    _stop_ahead(_swap_ahead())
+def drop_ahead(scope: str) -> None:
+    """Stop `scope`'s worker started ahead, if any (its pipeline ended, or no stage follows)."""
+    _stop_ahead(_swap_ahead(scope))
 
 
-def park(launched: Launched) -> None:
+def drop_all_ahead() -> None:
+    """Stop every worker started ahead in this process (Ctrl-C, the process's exit)."""
+    with _AHEAD_LOCK:
+        old = list(_AHEAD.values())
+        _AHEAD.clear()
+    _stop_ahead(old)
+
+
+def park(launched: Launched, scope: str = "") -> None:
     """Keep a local stage's worker that stayed (it printed stage_end) for the next stage, as a
     worker started ahead is kept: the next local stage with the same interpreter, environment
     and folder runs in it; anything else, or the pipeline's end, stops it (drop_ahead). Its
     stage is over and written, so stopping it loses nothing."""
     [spec], [proc] = launched.specs, launched.procs
-    _stop_ahead(_swap_ahead((_ahead_key(spec.argv[0], spec.env), proc)))
+    _stop_ahead(_swap_ahead(scope, (_ahead_key(spec.argv[0], spec.env), proc)))
 
 
 def _is_worker(argv: list[str]) -> bool:
@@ -288,10 +305,10 @@ def _hand(proc: subprocess.Popen, argv: list[str], stay: bool) -> None:
         proc.stdin.close()
 
 
-def _take_ahead(spec: ProcessSpec, stay: bool = False) -> subprocess.Popen | None:
-    """The worker started ahead (or parked), given `spec`'s command line, when it can run `spec`;
-    else None (and it is stopped)."""
-    old = _swap_ahead()
+def _take_ahead(spec: ProcessSpec, stay: bool = False, scope: str = "") -> subprocess.Popen | None:
+    """`scope`'s worker started ahead (or parked), given `spec`'s command line, when it can run
+    `spec`; else None (and it is stopped)."""
+    old = _swap_ahead(scope)
     if not old:
         return None
     [(key, proc)] = old
@@ -329,7 +346,7 @@ def _close_output(proc: subprocess.Popen) -> None:
             stream.close()
 
 
-atexit.register(drop_ahead)
+atexit.register(drop_all_ahead)
 
 
 # -- the Ray driver --------------------------------------------------------------------------------

@@ -1,69 +1,67 @@
-"""Who may run what: the code a config may name, by where the config came from.
+"""Who may run what: what a config may name, by where the config came from. It started with the
+rewards (code a config names) and now holds every field that names something outside the run:
+it lives beside the reward registry it checks names against (grpo_core.config is data only).
 
 A config the local user gives (`grpo run`, `grpo check`, a YAML file, a direct call of the flow)
-is that user's own: it may name any reward file or module (`path/to/file.py:fn`, `module:fn`)
-and any program (`pipeline.worker_python`, `train.rollout.server_command`), which that user
-could run anyway. A config that arrives as a deployment's parameters (the API, the UI's Run
-form, a schedule) comes from whoever can reach the Prefect server, and runs on the operator's
-machine, so it may name only what the operator allowed where the flow runs:
+is that user's own: it may name any reward file or module, any program, place or address, and
+ask for any amount of work, which that user could do anyway. A config that arrives as a
+deployment's parameters (the API, the UI's Run form, a schedule) comes from whoever can reach the
+Prefect server, and runs on the operator's machine, so every field that names something outside
+the run obeys one policy, before any task runs. Each such field says what it names next to its
+declaration (`field(..., trust=Trust.X)`, grpo_core.config.fields.Trust; `api_max=` for work):
 
-- the built-in rewards, by name;
-- reward files under the folders (or the files) in GRPO_REWARD_PATHS (os.pathsep-separated;
-  `grpo serve --allow-reward-path`); unset, the `rewards/` folder of the flow's working
-  directory (the project's own), when there is one;
-- reward modules named in GRPO_REWARD_MODULES (comma-separated; `grpo serve
-  --allow-reward-module`): `pkg.rewards` allows `pkg.rewards:fn` and its submodules' functions,
-  `pkg.rewards:fn` that one function. The standard library and installed packages are never
-  rewards otherwise (`pty:spawn`, `subprocess:run`, `os:popen`, `builtins:exec` all have a
-  signature a reward may have);
-- the fields that start programs (PROGRAM_FIELDS) at their defaults, unless GRPO_ALLOW_FIELDS
-  (comma-separated; `grpo serve --allow-field`) names the field;
-- the places it writes and reads (PLACE_FIELDS: storage.root, the data files, model and tokenizer
-  folders, an init_from folder or URL) as the deployment's own parameters set them, or under a
-  root in GRPO_ALLOW_ROOTS (comma-separated folders or URLs; `grpo serve --allow-root`): a run
-  from the UI writes into no other folder or bucket and reads no other file of the machine. Hub
-  ids, the synthetic task and init_from run names (runs under storage.root) are not places.
+- CODE (rewards[].function, eval.rewards): the built-in rewards by name; reward files under the
+  folders (or the files) in GRPO_REWARD_PATHS (`grpo serve --allow-reward-path`; unset: the
+  `rewards/` folder of the flow's working directory); reward modules named in
+  GRPO_REWARD_MODULES (`--allow-reward-module`): `pkg.rewards` allows `pkg.rewards:fn` and its
+  submodules' functions, `pkg.rewards:fn` that one function. The standard library and installed
+  packages are never rewards otherwise (`pty:spawn`, `os:system` have a reward's signature). A
+  module name is checked as text, never imported to check it (importing runs its `__init__`).
+  A pickled reward (`….pkl:fn`, a notebook's callable: grpo_core.rewards.by_value) is never
+  allowed: unpickling runs code, and nothing an operator sets allows it.
+- PROGRAM (pipeline.worker_python, the launcher's python and workdir, the rollout server's
+  command and arguments): at their defaults unless GRPO_ALLOW_FIELDS (`--allow-field`) names the
+  field.
+- READS and WRITES (storage.root, the data files, model and tokenizer folders, init_from,
+  train.rollout.export_dir; the evaluate deployment's run_url): the default config's places, or
+  under a root in GRPO_ALLOW_ROOTS (`--allow-root`; `grpo serve` adds its own config's places).
+  Hub ids, the synthetic task and init_from run names are not places.
+- ADDRESS (train.rollout.url, the Ray address, the TPU VM a launcher acts on): at their defaults,
+  or a host in GRPO_ALLOW_HOSTS (`--allow-host HOST` or `HOST:PORT`), or a field named in
+  GRPO_ALLOW_FIELDS.
+- Work (`api_max`: rows, steps, epochs, processes, batch sizes, sample counts): at most the
+  field's declared limit, or the operator's in GRPO_LIMITS (`--raise-limit FIELD=N`).
 
-A module name is checked as text and never imported to check it: importing a package runs its
-`__init__`, which is the code being refused.
+The anchor is the process that runs the flow: these variables are read from its environment, set
+by the operator when `grpo serve` or a work-pool worker was started. Nothing a caller of the API
+can change (a deployment's parameters, a PATCH of them) widens it; a flow run whose job
+variables set one of them is refused (Prefect's process work pools pass job variables into the
+flow run's environment). docs: the trust model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import Any, Mapping
+import typing
+from typing import Any, Iterator, Mapping
+from urllib.parse import urlsplit
 
-from grpo_core.config.run import RunConfig
+from grpo_core.config.fields import Trust, api_max_of, section_type, trust_of
+from grpo_core.config.run import DEFAULT_STORAGE_ROOT, RUN_TRUST, RewardSpec, RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.rewards.by_value import is_pickled
 from grpo_core.rewards.registry import builtin_rewards
 
 ENV_PATHS = "GRPO_REWARD_PATHS"
 ENV_MODULES = "GRPO_REWARD_MODULES"
 ENV_FIELDS = "GRPO_ALLOW_FIELDS"
 ENV_ROOTS = "GRPO_ALLOW_ROOTS"
+ENV_HOSTS = "GRPO_ALLOW_HOSTS"
+ENV_LIMITS = "GRPO_LIMITS"
+TRUST_ENV = (ENV_PATHS, ENV_MODULES, ENV_FIELDS, ENV_ROOTS, ENV_HOSTS, ENV_LIMITS)
 DEFAULT_REWARD_DIR = "rewards"  # the project's reward folder, in the flow's working directory
-
-# Fields whose value is a program to run (or the folder or interpreter it runs with): a
-# deployment's config leaves them at their defaults unless the operator allows them by name.
-PROGRAM_FIELDS = (
-    "pipeline.worker_python",
-    "pipeline.launcher.python",
-    "pipeline.launcher.workdir",
-    "train.rollout.server_command",
-    "train.rollout.server_args",
-)
-
-# Fields that name a place the run writes (storage.root) or reads: a deployment's config keeps
-# them as the deployment set them, or under a root the operator allowed.
-PLACE_FIELDS = (
-    "storage.root",
-    "data.source",
-    "data.eval_source",
-    "model.path",
-    "model.tokenizer",
-    "model.init_from",
-)
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 HOW_TO_ALLOW = (
@@ -74,13 +72,49 @@ HOW_TO_ALLOW = (
 
 
 @dataclasses.dataclass(frozen=True)
+class Declared:
+    """One field of the typed config as the policy sees it."""
+
+    path: str  # dotted, rewards[].function for a list's items
+    trust: Trust | None
+    api_max: int | float | None
+    hint: Any
+
+
+def _walk(cls: type, prefix: str) -> Iterator[Declared]:
+    for name, hint, f in cls.describe():
+        sub = section_type(hint)
+        if sub is not None:
+            yield from _walk(sub, f"{prefix}{name}.")
+        else:
+            yield Declared(f"{prefix}{name}", trust_of(f), api_max_of(f), hint)
+
+
+@functools.lru_cache(maxsize=1)
+def declared() -> tuple[Declared, ...]:
+    """Every leaf field of the run config, in declaration order, with its trust class and limit."""
+    hints = typing.get_type_hints(RunConfig)
+    out = [Declared(p, t, None, str) for p, t in RUN_TRUST.items()]
+    for section in ("model", "data", "train", "eval", "pipeline"):
+        out += _walk(section_type(hints[section]), f"{section}.")
+    out += _walk(RewardSpec, "rewards[].")
+    return tuple(out)
+
+
+def fields_of(*kinds: Trust) -> tuple[str, ...]:
+    return tuple(d.path for d in declared() if d.trust in kinds)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrustPolicy:
     """What a config from a deployment's parameters may name (see the module's doc)."""
 
     reward_paths: tuple[str, ...] = ()  # real absolute paths: folders, or single files
     reward_modules: tuple[str, ...] = ()  # "pkg.mod" (and its submodules) or "pkg.mod:fn"
-    fields: tuple[str, ...] = ()  # PROGRAM_FIELDS a deployment's config may set
+    fields: tuple[str, ...] = ()  # PROGRAM and ADDRESS fields a deployment's config may set
     roots: tuple[str, ...] = ()  # folders (real absolute paths) and URLs a deployment's places may lie under
+    hosts: tuple[str, ...] = ()  # hosts (or host:port) a deployment's addresses may name
+    limits: tuple[tuple[str, float], ...] = ()  # the operator's limits on work, over the declared ones
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, cwd: str | None = None) -> "TrustPolicy":
@@ -92,15 +126,13 @@ class TrustPolicy:
             default = os.path.join(cwd, DEFAULT_REWARD_DIR)
             paths = [default] if os.path.isdir(default) else []
         split = lambda name: tuple(x.strip() for x in env.get(name, "").split(",") if x.strip())  # noqa: E731
-        fields = split(ENV_FIELDS)
-        unknown = [f for f in fields if f not in PROGRAM_FIELDS]
-        if unknown:
-            raise ConfigError(f"{ENV_FIELDS} names {unknown}, which are not among {list(PROGRAM_FIELDS)}")
         return cls(
             reward_paths=tuple(os.path.realpath(os.path.join(cwd, os.path.expanduser(p))) for p in paths),
             reward_modules=split(ENV_MODULES),
-            fields=fields,
+            fields=check_allowed_fields(split(ENV_FIELDS), ENV_FIELDS),
             roots=tuple(_place(r, cwd) for r in split(ENV_ROOTS)),
+            hosts=tuple(h.lower() for h in split(ENV_HOSTS)),
+            limits=parse_limits(split(ENV_LIMITS), ENV_LIMITS),
         )
 
     def reward_refusal(self, spec: str, cwd: str | None = None) -> str | None:
@@ -110,6 +142,11 @@ class TrustPolicy:
         if ":" not in spec:
             return None  # not code: make_rewards refuses it, naming the built-ins
         where, name = spec.rsplit(":", 1)
+        if is_pickled(spec):  # code by value (flows.notebook): whatever the folder, no operator setting allows it
+            return (
+                "it names a pickled reward (a callable pickled by value, from a notebook or a script), which runs "
+                "only where it was pickled: a deployment never loads one. Put the function in a reward file"
+            )
         if where.endswith(".py"):
             path = os.path.realpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(where)))
             if any(_inside(path, allowed) for allowed in self.reward_paths):
@@ -119,24 +156,39 @@ class TrustPolicy:
             return None
         return f"the module {where!r} is not an allowed reward module ({_listed(self.reward_modules)})"
 
-    def place_refusal(self, field: str, value: Any, baseline: Any = None, cwd: str | None = None) -> str | None:
-        """Why `field`'s `value` (a place: see PLACE_FIELDS) may not be used by a deployment's
-        config, or None if it may: as `baseline` (the deployment's own config) has it, not a place,
-        or under an allowed root."""
-        if value in (None, "") or (baseline is not None and value == _get(baseline, field)):
+    def place_refusal(self, field: str, value: Any, cwd: str | None = None) -> str | None:
+        """Why `field`'s `value` (a READS or WRITES place) may not be used by a deployment's config,
+        or None if it may: the default config's, not a place, or under an allowed root."""
+        if value in (None, "") or value == value_of(_default(), field):
             return None
         if not _is_place(field, value):
             return None
-        where = _place(value.split("@")[0] if field == "model.init_from" else value, cwd or os.getcwd())
-        if any(_under(where, root) for root in self.roots):
+        cwd = cwd or os.getcwd()
+        where = _place(value.split("@")[0] if field == "model.init_from" else value, cwd)
+        if where == _place(DEFAULT_STORAGE_ROOT, cwd) or any(_under(where, root) for root in self.roots):
             return None
-        return f"{where} is not where this deployment's runs {'write' if field == 'storage.root' else 'read'} " + (
+        verb = "write" if field in fields_of(Trust.WRITES) or field == "run_url" else "read"
+        return f"{where} is not where this deployment's runs {verb} " + (
             f"({_listed(self.roots)})" if self.roots else "(no other root is allowed)"
         )
 
-    def check(self, cfg: Any, cwd: str | None = None, baseline: Any = None) -> None:
+    def address_refusal(self, field: str, value: Any) -> str | None:
+        """Why `field`'s `value` (an ADDRESS) may not be used by a deployment's config, or None."""
+        if value in (None, "") or value == value_of(_default(), field) or field in self.fields:
+            return None
+        host = _host(value)
+        if host and any(h in (host[0], f"{host[0]}:{host[1]}") for h in self.hosts):
+            return None
+        if host:
+            return f"the host {host[0]}{f':{host[1]}' if host[1] else ''} is not allowed ({_listed(self.hosts)})"
+        return "it names a machine this run would act on"
+
+    def limit(self, field: str, declared_max: float) -> float:
+        return dict(self.limits).get(field, declared_max)
+
+    def check(self, cfg: Any, cwd: str | None = None) -> None:
         """ConfigError naming the first field of `cfg` (a RunConfig) that a deployment's config may
-        not set; `baseline`: the deployment's own config, whose places are allowed."""
+        not set, and the setting that would allow it."""
         for field, specs in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards)):
             for i, spec in enumerate(specs):
                 why = self.reward_refusal(spec.function, cwd)
@@ -146,36 +198,112 @@ class TrustPolicy:
                         "A config from the API or the UI may name the built-in rewards and the reward files "
                         "and modules the operator allowed; " + HOW_TO_ALLOW.format(paths=ENV_PATHS, modules=ENV_MODULES)
                     )
-        default = RunConfig.from_dict({})
-        for field in PROGRAM_FIELDS:
-            if field not in self.fields and _get(cfg, field) != _get(default, field):
+        for d in declared():
+            if d.path.startswith("rewards[]") or d.path == "eval.rewards":
+                continue  # above
+            value = value_of(cfg, d.path)
+            if d.trust is Trust.PROGRAM and d.path not in self.fields and value != value_of(_default(), d.path):
                 raise ConfigError(
-                    f"{field}={_get(cfg, field)!r} may not be set in a deployment run: it names a program "
-                    f"this machine would run. An operator allows it with `grpo serve --allow-field {field}` "
-                    f"(or {ENV_FIELDS}={field} in the environment of the process that runs the flow)"
+                    f"{d.path}={value!r} may not be set in a deployment run: it names a program "
+                    f"this machine would run. An operator allows it with `grpo serve --allow-field {d.path}` "
+                    f"(or {ENV_FIELDS}={d.path} in the environment of the process that runs the flow)"
                 )
-        for field in PLACE_FIELDS:  # as the deployment has them (unknown: the default config's), or allowed
-            why = self.place_refusal(field, _get(cfg, field), baseline or default, cwd)
-            if why:
-                raise ConfigError(
-                    f"{field}={_get(cfg, field)!r} may not be set in a deployment run: {why}. An operator allows "
-                    f"a folder or bucket prefix with `grpo serve --allow-root ROOT` (or {ENV_ROOTS}=ROOT,... in the "
-                    "environment of the process that runs the flow, e.g. a work-pool worker)"
-                )
+            if d.trust in (Trust.READS, Trust.WRITES):
+                why = self.place_refusal(d.path, value, cwd)
+                if why:
+                    raise ConfigError(
+                        f"{d.path}={value!r} may not be set in a deployment run: {why}. An operator allows a "
+                        f"folder or bucket prefix with `grpo serve --allow-root ROOT` (or {ENV_ROOTS}=ROOT,... in "
+                        "the environment of the process that runs the flow, e.g. a work-pool worker)"
+                    )
+            if d.trust is Trust.ADDRESS:
+                why = self.address_refusal(d.path, value)
+                if why:
+                    raise ConfigError(
+                        f"{d.path}={value!r} may not be set in a deployment run: {why}. An operator allows a host "
+                        f"with `grpo serve --allow-host HOST[:PORT]` ({ENV_HOSTS}=...) or the field with "
+                        f"`grpo serve --allow-field {d.path}` ({ENV_FIELDS}=...)"
+                    )
+            if d.api_max is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+                most = self.limit(d.path, d.api_max)
+                most = int(most) if most == int(most) else most
+                if value > most:
+                    raise ConfigError(
+                        f"{d.path}={value!r} is more than a deployment run may ask for ({most}). An operator "
+                        f"raises the limit with `grpo serve --raise-limit {d.path}=N` (or {ENV_LIMITS}="
+                        f"{d.path}=N,... in the environment of the process that runs the flow)"
+                    )
+
+    def check_run_url(self, run_url: str, cwd: str | None = None) -> None:
+        """The evaluate deployment's run folder: a place it reads and writes, under an allowed root."""
+        where = _place(run_url, cwd or os.getcwd())
+        default_root = _place(DEFAULT_STORAGE_ROOT, cwd or os.getcwd())
+        if _under(where, default_root) or any(_under(where, root) for root in self.roots):
+            return
+        raise ConfigError(
+            f"run_url={run_url!r} may not be evaluated in a deployment run: {where} is not under a root this "
+            f"deployment's runs use ({_listed(self.roots)}). An operator allows a folder or bucket prefix with "
+            f"`grpo serve --allow-root ROOT` (or {ENV_ROOTS}=ROOT,...)"
+        )
 
 
-def _get(cfg: Any, dotted: str) -> Any:
+def check_allowed_fields(fields: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """The fields an operator may allow by name: the PROGRAM and ADDRESS ones."""
+    allowed = fields_of(Trust.PROGRAM, Trust.ADDRESS)
+    unknown = [f for f in fields if f not in allowed]
+    if unknown:
+        raise ConfigError(f"{where} names {unknown}, which are not among {list(allowed)}")
+    return fields
+
+
+def parse_limits(items: tuple[str, ...] | list[str], where: str) -> tuple[tuple[str, float], ...]:
+    """FIELD=N items (the operator's limits on work) checked against the fields that have one."""
+    bounded = {d.path for d in declared() if d.api_max is not None}
+    out = []
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in bounded:
+            raise ConfigError(f"{where} {item!r} must be FIELD=N with FIELD one of {sorted(bounded)}")
+        try:
+            out.append((name, float(raw)))
+        except ValueError:
+            raise ConfigError(f"{where} {item!r}: {raw!r} is not a number") from None
+    return tuple(out)
+
+
+def refused_job_variables(job_variables: Mapping[str, Any] | None) -> str | None:
+    """Why a flow run's job variables may not be used: they set the policy's own variables in the
+    environment of the process that runs the flow (Prefect's process work pools pass `env` on)."""
+    env = (job_variables or {}).get("env") if isinstance(job_variables, Mapping) else None
+    named = sorted(k for k in (env or {}) if k in TRUST_ENV) if isinstance(env, Mapping) else []
+    if named:
+        return (
+            f"job_variables.env sets {', '.join(named)}: what a deployment run may reach is the operator's to "
+            "say, in the environment of the process that runs the flow (grpo serve --allow-*, or a work-pool "
+            "worker's environment), not in a run's job variables"
+        )
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _default() -> RunConfig:
+    return RunConfig.from_dict({})
+
+
+def value_of(cfg: Any, dotted: str) -> Any:
+    """A RunConfig's value of a dotted field (storage.root included)."""
     if dotted == "storage.root":
         return cfg.storage_root
     obj = cfg
     for part in dotted.split("."):
-        obj = getattr(obj, part)
+        obj = getattr(obj, part) if obj is not None else None  # an optional section left out: None
     return obj
 
 
 def _is_place(field: str, value: str) -> bool:
     """Whether a field's value names a folder, file or URL (not a Hub id, 'synthetic', a run name)."""
-    if field == "storage.root" or "://" in value:
+    if field in fields_of(Trust.WRITES) or "://" in value:
         return True
     if field == "model.init_from":
         ref = value.split("@")[0].strip("/")
@@ -184,6 +312,18 @@ def _is_place(field: str, value: str) -> bool:
         return False
     path = os.path.expanduser(value)
     return value.startswith(("/", ".", "~")) or value.endswith(_FILE_SUFFIXES) or os.path.exists(path)
+
+
+def _host(value: str) -> tuple[str, int | None] | None:
+    """(host, port) of a URL or a host:port, lower-case; None for a bare name."""
+    text = value if "://" in value else f"//{value}" if ":" in value else None
+    if text is None:
+        return None
+    try:
+        parts = urlsplit(text)
+        return (parts.hostname or "").lower(), parts.port
+    except ValueError:
+        return (value.lower(), None)
 
 
 def _place(value: str, cwd: str) -> str:
@@ -195,6 +335,8 @@ def _place(value: str, cwd: str) -> str:
 
 def _under(where: str, root: str) -> bool:
     if "://" in where or "://" in root:
+        if ".." in where.split("://", 1)[-1].split("/"):  # gs://bucket/runs/../other is not under runs
+            return False
         return where == root or where.startswith(root + "/")
     try:
         return os.path.commonpath([where, root]) == root

@@ -1,0 +1,315 @@
+"""What a caller of the Prefect API may try, through the served deployments, one row each:
+
+    python -m bench.attack_matrix [--only NAME[,NAME]]
+
+A Prefect server (the embedded one) and a real `grpo serve` (its operator config: a run root and a
+data file of its own), started and stopped here; each case submits parameters to a deployment
+through the API (run_deployment, a PATCH of the deployment, job variables) and prints whether the
+flow run was refused before any task ran, how long the refusal took after submission, and the
+message. A case passes when it is refused naming the field and the setting that would allow it
+(or, for the allowed cases, not refused by the trust policy); the script exits 1 when one is not.
+tests/test_attacks.py runs the same cases against the suite's server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+SECRET = "SECRET-PROMPT-alpha"
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """The folders of one matrix: the operator's (served) and an attacker's target outside them."""
+
+    base: Path
+
+    @property
+    def root(self) -> Path:  # the served config's storage.root
+        return self.base / "served-runs"
+
+    @property
+    def data(self) -> Path:  # the served config's data file
+        return self.base / "served-data" / "train.jsonl"
+
+    @property
+    def outside(self) -> Path:  # a folder of the machine no deployment run may touch
+        return self.base / "outside"
+
+    @property
+    def secret(self) -> Path:
+        return self.outside / "secret.jsonl"
+
+    def make(self) -> None:
+        for folder in (self.root, self.data.parent, self.outside / "step-0"):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.data.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": "a"}) + "\n" for i in range(64)))
+        self.secret.write_text(json.dumps({"prompt": SECRET}) + "\n")
+        (self.outside / "step-0" / "keep.txt").write_text("keep me")
+
+
+def operator_config(p: Place) -> dict[str, Any]:
+    """What the operator serves (grpo serve --set ...): a tiny run on their own data file."""
+    return {
+        "storage": {"root": str(p.root)},
+        "data": {"source": str(p.data), "eval_rows": 8},
+        "rewards": [{"function": "exact_match"}],
+        "train": {"num_steps": 2, "grpo": {"prompts_per_step": 4}},
+        "pipeline": {"epochs": 1, "flow_retries": 0, "retry_delay_s": 0},
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    deployment: str  # grpo-pipeline/pipeline, grpo-readiness/readiness, grpo-evaluate/evaluate
+    parameters: Callable[[Place], dict[str, Any]]
+    expect: str  # in the refusal's message (the field, and the setting that would allow it)
+    refused: bool = True  # False: the trust policy lets it through (it may fail later, for another reason)
+    job_variables: dict[str, Any] | None = None
+    patch: Callable[[Place], dict[str, Any]] | None = None  # the deployment's parameters, PATCHed first
+
+
+def _cfg(**sections: Any) -> Callable[[Place], dict[str, Any]]:
+    """A config over the served one, each value a function of the Place (or a constant)."""
+
+    def build(p: Place) -> dict[str, Any]:
+        out = json.loads(json.dumps(operator_config(p)))
+        for dotted, value in sections.items():
+            node = out
+            keys = dotted.split("__")
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = value(p) if callable(value) else value
+        return {"config": out}
+
+    return build
+
+
+PIPE, READY, EVAL = "grpo-pipeline/pipeline", "grpo-readiness/readiness", "grpo-evaluate/evaluate"
+TRAIN = "grpo-pipeline/train"  # the everyday deployment: the short form (flows/everyday.py)
+HTTP = {"engine": "http", "url": "http://203.0.113.9:30000", "reload_route": "/r"}
+OWN = {"engine": "http", "server": "sglang-jax"}  # a server the run starts itself, on 127.0.0.1
+CMD = ["sh", "-c", "touch pwned; echo {model}"]
+RAY = {"kind": "ray", "address": "ray://203.0.113.9:10001"}
+MANY = {"kind": "multiprocess", "num_processes": 10**5}
+OPEN = {"env": {"GRPO_ALLOW_ROOTS": "/"}}
+
+CASES = [
+    # code: a library callable with a reward's signature
+    Case("reward pty:spawn", PIPE, _cfg(rewards=[{"function": "pty:spawn"}]), "--allow-reward-module"),
+    Case("reward os:system (readiness)", READY, _cfg(rewards=[{"function": "os:system"}]), "rewards[0].function"),
+    # programs
+    Case("worker_python (readiness)", READY, _cfg(pipeline__worker_python="/bin/sh"), "--allow-field"),
+    Case("worker_python", PIPE, _cfg(pipeline__worker_python="/bin/sh"), "pipeline.worker_python"),
+    Case(
+        "server_command",
+        PIPE,
+        _cfg(train__rollout={"engine": "http", "server_command": CMD}),
+        "names a program",
+    ),
+    # places read and written
+    Case("data outside (readiness)", READY, _cfg(data__source=lambda p: str(p.secret)), "data.source"),
+    Case("data outside", PIPE, _cfg(data__source=lambda p: str(p.secret)), "--allow-root"),
+    Case("storage.root outside", PIPE, _cfg(storage__root=lambda p: str(p.outside)), "storage.root"),
+    Case("storage.root outside (readiness)", READY, _cfg(storage__root=lambda p: str(p.outside)), "storage.root"),
+    Case(
+        "export_dir outside", PIPE, _cfg(train__rollout=lambda p: {**OWN, "export_dir": str(p.outside)}), "export_dir"
+    ),
+    # addresses
+    Case("rollout url", PIPE, _cfg(train__rollout=HTTP), "--allow-host"),
+    Case("rollout url (readiness)", READY, _cfg(train__rollout=HTTP), "train.rollout.url"),
+    Case(
+        "ray address", PIPE, _cfg(pipeline__launcher={"kind": "ray", "address": "ray://203.0.113.9:10001"}), "address"
+    ),
+    # work without bound
+    Case("synthetic_rows 1e9", PIPE, _cfg(data={"synthetic_rows": 10**9}), "--raise-limit data.synthetic_rows"),
+    Case("num_steps 1e12 (readiness)", READY, _cfg(train__num_steps=10**12), "train.num_steps"),
+    Case("eval batch 1e6", PIPE, _cfg(eval={"batch_size": 10**6, "num_samples": 10**6}), "eval."),
+    Case(
+        "processes 1e5",
+        PIPE,
+        _cfg(pipeline__launcher={"kind": "multiprocess", "num_processes": 10**5}),
+        "num_processes",
+    ),
+    # the anchor: what the API can edit does not widen it
+    Case(
+        "PATCH storage.root, data",
+        PIPE,
+        lambda p: {},
+        "may not be set in a deployment run",
+        patch=_cfg(storage__root=lambda p: str(p.outside), data__source=lambda p: str(p.secret)),
+    ),
+    Case(
+        "job variables env", PIPE, lambda p: {}, "job_variables.env", job_variables={"env": {"GRPO_ALLOW_ROOTS": "/"}}
+    ),
+    Case("reserved run_name", PIPE, _cfg(run_name="_flow-runs"), "run_name"),
+    # the everyday deployment (its short form's fields)
+    Case("data outside (train)", TRAIN, lambda p: {"data_source": str(p.secret)}, "data.source"),
+    Case("storage.root outside (train)", TRAIN, lambda p: {"storage_root": str(p.outside)}, "storage.root"),
+    Case("reward os:system (train)", TRAIN, lambda p: {"rewards": [{"function": "os:system"}]}, "rewards[0]"),
+    Case("num_steps 1e12 (train)", TRAIN, lambda p: {"num_steps": 10**12}, "train.num_steps"),
+    # the evaluate deployment
+    Case("evaluate outside", EVAL, lambda p: {"run_url": str(p.outside)}, "run_url"),
+    # the served pipeline's own runs may be evaluated (not a trust refusal: there is no run yet)
+    Case("evaluate a served run", EVAL, lambda p: {"run_url": str(p.root / "r")}, "config.json", refused=False),
+]
+
+
+def serve(env: dict[str, str], p: Place, cwd: Path, bin_dir: str) -> subprocess.Popen:
+    """`grpo serve` with the operator's config, 4 flow runs at a time, output to cwd/serve.log."""
+    sets: list[str] = []
+
+    def flat(d: dict, prefix: str = "") -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                flat(v, f"{prefix}{k}.")
+            else:
+                sets.extend(["--set", f"{prefix}{k}={json.dumps(v)}"])
+
+    flat(operator_config(p))
+    log = open(cwd / "serve.log", "w")  # noqa: SIM115 - the process writes it until stopped
+    return subprocess.Popen(
+        [f"{bin_dir}/grpo", "serve", "--limit", "4", *sets],
+        env=env,
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def wait_registered(client, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.read_deployment_by_name(READY)
+            return
+        except Exception:  # noqa: BLE001 - not registered yet
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("grpo serve did not register its deployments") from None
+            time.sleep(0.5)
+
+
+@dataclasses.dataclass
+class Outcome:
+    case: Case
+    state: str
+    seconds: float
+    message: str
+    tasks: int
+
+    @property
+    def ok(self) -> bool:
+        refused = self.state == "FAILED" and self.tasks == 0 and "ConfigError: " in self.message
+        if not self.case.refused:  # let through by the policy: whatever fails next is not a refusal of it
+            return "deployment run" not in self.message and self.case.expect in self.message
+        return refused and self.case.expect in self.message and SECRET not in self.message
+
+
+def submit(client, case: Case, p: Place, timeout_s: float = 300) -> Outcome:
+    """Submit one case and wait for its flow run to end."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.deployments import run_deployment
+
+    dep = client.read_deployment_by_name(case.deployment)
+    before = dep.parameters
+    if case.patch:  # what an unauthenticated PATCH /api/deployments/{id} did (HTTP 204)
+        client.update_deployment(dep.id, _deployment_update(parameters=case.patch(p)))
+    try:
+        t = time.monotonic()
+        run = run_deployment(
+            case.deployment, parameters=case.parameters(p), job_variables=case.job_variables, timeout=0
+        )
+    finally:
+        if case.patch:
+            client.update_deployment(dep.id, _deployment_update(parameters=before))
+    deadline = time.monotonic() + timeout_s
+    while not (run := client.read_flow_run(run.id)).state.is_final():
+        if time.monotonic() > deadline:
+            return Outcome(case, run.state.type.value, time.monotonic() - t, "did not end", -1)
+        time.sleep(0.25)
+    seconds = time.monotonic() - t  # from submission to the final state, as the caller sees it
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    return Outcome(case, run.state.type.value, seconds, run.state.message or "", len(tasks))
+
+
+def _deployment_update(**fields: Any):
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    return DeploymentUpdate(**fields)
+
+
+def run_cases(client, cases: list[Case], p: Place) -> list[Outcome]:
+    """The pipeline deployment's cases in turn (it runs one flow run at a time), the others beside
+    them in turn: a case's seconds are from its submission to its refusal, nothing queued before it."""
+    out: dict[int, Outcome] = {}
+
+    def stream(indices: list[int]) -> None:
+        for i in indices:
+            try:
+                out[i] = submit(client, cases[i], p)
+            except Exception as exc:  # noqa: BLE001 - a case that breaks is a failed row
+                out[i] = Outcome(cases[i], "ERROR", 0.0, f"{type(exc).__name__}: {exc}", -1)
+
+    pipeline = [i for i, c in enumerate(cases) if c.deployment in (PIPE, TRAIN)]  # one flow: one slot
+    others = [i for i, c in enumerate(cases) if c.deployment not in (PIPE, TRAIN)]
+    # in a copy of this thread's context: the Prefect settings (API URL, auth) set here
+    beside = threading.Thread(target=contextvars.copy_context().run, args=(stream, others))
+    beside.start()
+    stream(pipeline)
+    beside.join()
+    return [out[i] for i in range(len(cases))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.attack_matrix")
+    ap.add_argument("--only", default="", help="comma-separated case names")
+    args = ap.parse_args(argv)
+    cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.local_server import embedded_server
+
+    base = Path(tempfile.mkdtemp(prefix="grpo-attacks-"))
+    p = Place(base)
+    p.make()
+    with embedded_server() as url:
+        env = {**os.environ, "PREFECT_API_URL": url or "", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+        proc = serve(env, p, base, str(Path(sys.executable).parent))
+        try:
+            with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+                wait_registered(client, proc)
+                outcomes = run_cases(client, cases, p)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"{'case':34} {'deployment':26} {'ok':3} {'state':9} {'s':>5} message (s: submission to refusal)")
+    for o in outcomes:
+        line = f"{o.case.name:34} {o.case.deployment:26} {'yes' if o.ok else 'NO':3} {o.state:9} {o.seconds:5.1f} "
+        print(line + textwrap.shorten(o.message.replace("Flow run encountered an exception: ", ""), 140), flush=True)
+    kept = (p.outside / "step-0" / "keep.txt").exists() and not any(p.outside.glob("*/config.json"))
+    failed = sum(not o.ok for o in outcomes) + (not kept)
+    print(
+        f"{len(outcomes) - sum(not o.ok for o in outcomes)}/{len(outcomes)} as expected; outside folder untouched: "
+        f"{'yes' if kept else 'NO'}; serve's log in {base}/serve.log"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
