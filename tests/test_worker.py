@@ -52,10 +52,11 @@ def worker(root, until=None, steps=None, env=None, then=()):
 
 
 def events(proc):
-    """The worker's events after the memory plan a training worker reports first."""
+    """The worker's events after the memory plan a training worker reports first, without the
+    evaluation's progress (tests/test_progress.py)."""
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    ev = [json.loads(line) for line in out.splitlines()]
+    ev = [e for e in map(json.loads, out.splitlines()) if e["event"] != "eval_progress"]
     if ev and ev[0]["event"] == "memory":
         assert ev[0]["total_bytes"] > 0 and ev[0]["fits"] and "train.remat=" in ev[0]["describe"]
         ev = ev[1:]
