@@ -265,7 +265,7 @@ def test_job_variables_may_not_set_the_policy():
 def test_templates_name_columns_only():
     cfg("data.source=x.jsonl", "data.template='Q: {question}\nA:'")
     for bad in ("{question.__class__}", "{question[0]}", "{}"):
-        with pytest.raises(ConfigError, match=r"^data\.template may name columns only"):
+        with pytest.raises(ConfigError, match=r"placeholders must be column names like \{question\}"):
             cfg("data.source=x.jsonl", f"data.template='{bad}'")
 
 

@@ -116,8 +116,6 @@ class DataConfig(Section):
             self.synthetic is None or isinstance(self.synthetic, dict),
             f"data.synthetic must be a mapping of task fields, got {self.synthetic!r}",
         )
-        if self.template is not None:
-            check_template(self.template)
         if self.is_file:
             check(
                 self.eval_split is None,
@@ -190,18 +188,3 @@ def data_hash(cfg: DataConfig, tokenizer_id: str, versions: dict[str, str] | Non
     (grpo_core.store.versions; left out where none is known, so older keys hold)."""
     fields = {k: v for k, v in cfg.to_dict().items() if _HASH_OMITS_DEFAULT.get(k, object()) != v}
     return config_hash({"data": fields, "tokenizer": tokenizer_id, **({"versions": versions} if versions else {})})
-
-
-def check_template(template: str) -> None:
-    """data.template names the row's columns as {column}, nothing more: str.format would also follow
-    {column.attr} and {column[key]} into the objects behind a value (a template from the API could
-    reach the process's globals that way)."""
-    try:
-        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-    except ValueError as exc:
-        raise ConfigError(f"data.template {template!r} is not a valid template: {exc}") from None
-    bad = [n for n in names if not n.isidentifier()]
-    check(
-        not bad,
-        f"data.template may name columns only, as {{column}}; got {{{bad[0] if bad else ''}}} in {template!r}",
-    )
