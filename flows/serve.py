@@ -182,10 +182,11 @@ def allow_code(
             value = value_of(own, field)
             if value and policy.place_refusal(field, value) is not None:  # a place, not allowed yet
                 own_places.append(value.split("@")[0] if field == "model.init_from" else value)
+        default = _config({})  # built once: the fields' defaults, as a run's empty form reads
         own_fields = [  # the programs and addresses it names itself
             f
             for f in fields_of(Trust.PROGRAM, Trust.ADDRESS)
-            if f not in policy.fields and value_of(own, f) != value_of(_config({}), f)
+            if f not in policy.fields and value_of(own, f) != value_of(default, f)
         ]
     os.environ[ENV_PATHS] = os.pathsep.join(dict.fromkeys(paths))
     os.environ[ENV_MODULES] = ",".join(dict.fromkeys(modules))

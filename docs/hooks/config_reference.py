@@ -16,7 +16,6 @@ import dataclasses
 import enum
 import html
 import sys
-import types
 import typing
 from typing import Any, Iterator
 
@@ -25,6 +24,7 @@ from grpo_core.config.fields import (
     MISSING,
     Section,
     Trust,
+    _parts,  # the same reading of a hint as validation's (None, and words like 'auto')
     api_max_of,
     bounds_of,
     doc_of,
@@ -57,16 +57,6 @@ class Row:
     default: str
     allowed: str
     doc: str
-
-
-def _parts(hint: Any) -> tuple[Any, bool, tuple[str, ...]]:
-    """(the main type, whether null is allowed, the words allowed beside it such as "auto")."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin not in (typing.Union, types.UnionType):
-        return hint, False, ()
-    words = tuple(w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a))
-    main = next(a for a in args if a is not type(None) and typing.get_origin(a) is not typing.Literal)
-    return main, type(None) in args, words
 
 
 def _type_name(hint: Any) -> str:

@@ -167,7 +167,7 @@ class TrustPolicy:
         where = _place(value.split("@")[0] if field == "model.init_from" else value, cwd)
         if where == _place(DEFAULT_STORAGE_ROOT, cwd) or any(_under(where, root) for root in self.roots):
             return None
-        verb = "write" if field in fields_of(Trust.WRITES) or field == "run_url" else "read"
+        verb = "write" if field in fields_of(Trust.WRITES) else "read"
         return f"{where} is not where this deployment's runs {verb} " + (
             f"({_listed(self.roots)})" if self.roots else "(no other root is allowed)"
         )
