@@ -88,6 +88,7 @@ bench: $(STAMP) bytecode $(SGL_DEP)  # one after another: each measures this mac
 	$(BIN)/python -m bench.rollout_engines
 	$(BIN)/python -m bench.start_policy
 	$(BIN)/python -m bench.rescore
+	$(BIN)/python -m bench.decode_bytes
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) *.egg-info

@@ -149,6 +149,34 @@ def test_decode_chunks_draw_what_one_token_at_a_time_draws(model, chunk, stop):
         assert not bool(np.all(want.truncated))
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(decode_phases=3),  # phases of 2, 2 and 2 token steps, each reading its part of the cache
+        dict(decode_phases=9),  # more phases than steps: one step each
+        dict(unroll_layers=True),  # straight-code layers over weights laid out per layer
+        dict(unroll_layers=True, decode_phases=2, one_pass=True),
+    ],
+)
+@pytest.mark.parametrize("stop", [False, True])
+def test_decode_layouts_draw_what_the_plain_loop_draws(model, variant, stop):
+    """The decode loop in phases, and its layers as straight code, give the plain loop's tokens,
+    log-probs, lengths and truncation flags (EOS or not), and the phases split N - 1 steps."""
+    from grpo_core.generate.sampler import phase_steps
+
+    tok, val = pad_prompts(PROMPTS, (8,), 0)
+    eos = (int(generate(model, None, tok, val, jax.random.key(0), opts(temperature=0.0)).tokens[0, 2]),) if stop else ()
+    plain = opts(temperature=0.9, eos_ids=eos, pad_id=39, one_pass=variant.get("one_pass", False))
+    want = generate(model, None, tok, val, jax.random.key(4), plain, num_samples=2)
+    other = opts(**{**vars(plain), **variant})
+    got = generate(model, None, tok, val, jax.random.key(4), other, num_samples=2)
+    for field in ("tokens", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    steps = phase_steps(other)
+    assert sum(steps) == other.max_new_tokens - 1 and len(steps) == min(other.decode_phases, 6) and min(steps) >= 1
+
+
 def test_decode_updates_the_cache_in_place(model):
     """The compiled decode loop aliases the donated KV cache to its output and keeps no second
     copy of it (its scratch space holds one layer's keys and values being read, less than the
@@ -171,8 +199,8 @@ def test_backend_defaults_and_chunk_setting(monkeypatch):
 
     monkeypatch.delenv("GRPO_DECODE_CHUNK", raising=False)
     monkeypatch.delenv("GRPO_DECODE_UNROLL", raising=False)
-    assert backend_defaults("cpu") == {"decode_chunk": 1, "one_pass": False, "unroll_layers": False}
-    assert backend_defaults("tpu") == {"decode_chunk": 1, "one_pass": True, "unroll_layers": False}
+    assert backend_defaults("cpu") == {"decode_chunk": 1, "one_pass": False, "unroll_layers": False, "decode_phases": 1}
+    assert backend_defaults("tpu") == {"decode_chunk": 1, "one_pass": True, "unroll_layers": False, "decode_phases": 4}
     assert backend_defaults("gpu")["unroll_layers"]
     monkeypatch.setenv("GRPO_DECODE_CHUNK", "4")
     assert backend_defaults("gpu")["decode_chunk"] == 4

@@ -59,9 +59,9 @@ def test_layout_rules():
     )
     assert rule("0", "count", shape=()) == P()
     assert rule("model", "embed_tokens", "embedding", shape=(51, 128)) == P(None, "fsdp")  # 51 rows stay whole
-    assert fit(KV_CACHE_AXES, (2, 8, 10, 2, 32), mesh) == P(None, ("data", "fsdp"), None, "tensor")
-    assert fit(KV_CACHE_AXES, (2, 6, 10, 3, 32), mesh) == P(None, "data")  # 6 rows: data only; 3 heads whole
-    assert fit(KV_CACHE_AXES, (2, 8, 10, 2, 32), AbstractMesh((1, 8, 1), ("data", "fsdp", "tensor"))) == P(None, "fsdp")
+    assert fit(KV_CACHE_AXES, (2, 8, 2, 10, 32), mesh) == P(None, ("data", "fsdp"), "tensor")
+    assert fit(KV_CACHE_AXES, (2, 6, 3, 10, 32), mesh) == P(None, "data")  # 6 rows: data only; 3 heads whole
+    assert fit(KV_CACHE_AXES, (2, 8, 2, 10, 32), AbstractMesh((1, 8, 1), ("data", "fsdp", "tensor"))) == P(None, "fsdp")
 
 
 def test_readiness_counts_memory_per_device_and_checks_the_mesh():
@@ -179,7 +179,7 @@ def test_sharded_run_matches_one_device(tmp_path):
     assert lay["mu_down_proj"] == [None, "tensor", "fsdp"]  # AdamW moments like their params
     assert lay["ref_q_proj"] == lay["q_proj"]
     # KV cache of 4 prompts x 4 samples on the rollout mesh: rows over data, kv heads over tensor.
-    assert lay["kv_cache"] == [None, "data", None, "tensor"] and lay["kv_cache_rows"] == 16
+    assert lay["kv_cache"] == [None, "data", "tensor"] and lay["kv_cache_rows"] == 16
     assert one["layout"]["q_proj"] == []
     assert lay["resumed_q_proj"] == [None, "fsdp"] and lay["resumed_equal"]  # restored onto fsdp=8 (64 heads-dims / 8)
 

@@ -8,8 +8,10 @@ parameters as an `nnx.State` and rebuild the module inside the trace, so a new s
 Each of the `num_prompts` prompts is prefilled once and its cache repeated for its G samples,
 so prompt compute does not grow with the group size. The decode loop is a `lax.while_loop`
 that stops as soon as every row has hit EOS (tested once per chunk of `decode_chunk` tokens, 1 by
-default); on a GPU each step's layers run as straight code, not a loop; the KV cache is donated to it so XLA updates the
-cache in place instead of copying (B, S, K, D) per layer each step.
+default); on a GPU each step's layers run as straight code, not a loop. The KV cache is donated
+to it and each step writes its new keys and values once, after the layer loop, which only reads
+the cache (CausalLM.decode_hidden_states), so XLA updates the cache in place instead of copying
+it; `python -m bench.decode_bytes` measures the bytes a token step moves against the floor.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SamplerOptions:
     decode_chunk: int = 1  # tokens drawn between two all-rows-done tests (backend_defaults)
     one_pass: bool = False  # draw with Gumbel-max over the whole vocabulary (backend_defaults)
     unroll_layers: bool = False  # a decode step's layers as straight code, not a loop (backend_defaults)
+    decode_phases: int = 1  # decode loops one after another, each reading the cache it can have filled
 
     @classmethod
     def from_config(cls, cfg: SamplingConfig, eos_ids: Sequence[int], pad_id: int, **overrides):
@@ -76,6 +79,11 @@ def backend_defaults(platform: str) -> dict:
         "decode_chunk": switches.decode_chunk(),
         "one_pass": platform != "cpu",
         "unroll_layers": platform == "gpu" if unroll is None else unroll,
+        # the decode loop in phases, each attending to the cache slots it can have filled (phase j
+        # of k: the prompt and (j+1)/k of the completion), not all of them: a GPU's or TPU's token
+        # step reads about N/2k slots more than it must instead of N/2 (bench.decode_bytes); each
+        # phase compiles a loop body of its own, so CPU, where compilation dominates, keeps one
+        "decode_phases": 1 if platform == "cpu" else 4,
     }
 
 
@@ -123,11 +131,20 @@ def sample_logits(logits: jax.Array, key: jax.Array, opts: SamplerOptions) -> tu
     distribution the learner scores, so the ratio pi_theta / pi_old starts at 1.
     """
     t = opts.temperature if opts.temperature > 0 else 1.0
-    logp_all = jax.nn.log_softmax(logits / t, axis=-1)
-    if opts.temperature == 0:
-        ids = jnp.argmax(logits, axis=-1)
-    else:
-        ids = _sample_filtered(logp_all, key, opts.top_k, opts.top_p, opts.one_pass)
+    scaled = logits / t
+    if opts.temperature == 0 or (opts.one_pass and opts.top_k == 0 and opts.top_p >= 1.0):
+        # the whole vocabulary: the draw and the normaliser each one pass over the logits, and no
+        # (B, V) log-probs written (the draw is the same: Gumbel-max ignores a shift per row)
+        top = jnp.max(scaled, axis=-1, keepdims=True)
+        log_norm = jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1))
+        if opts.temperature == 0:
+            ids = jnp.argmax(logits, axis=-1)
+        else:
+            ids = jax.random.categorical(key, scaled, axis=-1)
+        chosen = jnp.take_along_axis(scaled - top, ids[:, None], axis=-1)[:, 0]
+        return ids.astype(jnp.int32), chosen - log_norm
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    ids = _sample_filtered(logp_all, key, opts.top_k, opts.top_p, opts.one_pass)
     logp = jnp.take_along_axis(logp_all, ids[:, None], axis=-1)[:, 0]
     return ids.astype(jnp.int32), logp
 
@@ -205,7 +222,7 @@ def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: Sampler
 
     # Repeat each prompt's cache for its G samples: rows i*G .. i*G+G-1 belong to prompt i.
     rep = lambda x: jnp.repeat(x, num_samples, axis=0)
-    cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, S, K, D)
+    cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, K, S, D)
     if mesh is not None:
         cache = constrain_kv_cache(cache, mesh)
     logits, prompt_valid = rep(logits), rep(prompt_valid)
@@ -241,21 +258,19 @@ def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOpt
     -> (the cache, the rows' Completions)."""
     model: CausalLM = nnx.merge(graphdef, params)
     n, chunk = opts.max_new_tokens, max(1, opts.decode_chunk)
+    layers = model.layers_apart() if opts.unroll_layers else None  # outside the loop: once a call
 
-    def cond(carry):
-        _, s = carry
-        return (s.t < n) & ~jnp.all(s.done)
-
-    def step(carry, guard: bool):
+    def step(carry, guard: bool, span: int | None):
         """Draw token t. `guard`: t may be past the last token (a chunk's tail), when nothing is
         written (the step's compute is wasted, its outputs dropped)."""
         cache, s = carry
         t = s.t
         slot = prompt_len + t - 1  # the cache slot of the previous token, fed now
         prev = jax.lax.dynamic_slice_in_dim(s.tokens, t - 1, 1, axis=1)  # (B, 1)
-        key_valid = jax.lax.dynamic_update_slice_in_dim(s.key_valid, jnp.ones((prev.shape[0], 1), bool), slot, 1)
         pos = (s.next_pos + t - 1)[:, None]  # (B, 1)
-        h, cache = model.hidden_states(prev, pos, key_valid[:, None, :], cache, slot, unroll=opts.unroll_layers)
+        # the token attends to the slots filled before it and to itself; its slot is filled after
+        h, cache = model.decode_hidden_states(prev, pos, s.key_valid, cache, slot, layers=layers, span=span)
+        key_valid = jax.lax.dynamic_update_slice_in_dim(s.key_valid, jnp.ones((prev.shape[0], 1), bool), slot, 1)
         ids, lp = sample_logits(model.logits(h)[:, 0], jax.random.fold_in(key, t), opts)
         live = ~s.done & (t < n) if guard else ~s.done
         ids = jnp.where(live, ids, opts.pad_id)
@@ -274,15 +289,38 @@ def decode(graphdef, params, cache, state: DecodeState, key, *, opts: SamplerOpt
         )
         return cache, s
 
-    if chunk == 1:
-        body = functools.partial(step, guard=False)
-    else:  # a fixed-count inner loop: no host test between its steps (backend_defaults)
-        body = lambda carry: jax.lax.fori_loop(0, chunk, lambda _, c: step(c, guard=True), carry)
+    def until(end):
+        return lambda carry: (carry[1].t < end) & ~jnp.all(carry[1].done)
 
+    carry = (cache, state)
+    if chunk == 1:  # phase j draws tokens up to ends[j]: the slots below prompt_len + ends[j] - 1 are all it reads
+        for end in _phase_ends(opts):
+            span = None if end == n else prompt_len + end - 1
+            carry = jax.lax.while_loop(until(end), functools.partial(step, guard=False, span=span), carry)
+    else:  # a fixed-count inner loop: no host test between its steps (backend_defaults)
+        body = lambda carry: jax.lax.fori_loop(0, chunk, lambda _, c: step(c, guard=True, span=None), carry)
+        carry = jax.lax.while_loop(until(n), body, carry)
     # The cache is returned (and dropped by the caller) so the donated input buffer can alias
     # an output: XLA then updates it in place instead of copying it into the loop.
-    cache, s = jax.lax.while_loop(cond, body, (cache, state))
+    cache, s = carry
     return cache, Completions(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths, truncated=~s.done)
+
+
+def _phase_ends(opts: SamplerOptions) -> list[int]:
+    """The token index each phase of the decode loop stops before (see backend_defaults)."""
+    n = opts.max_new_tokens
+    if max(1, opts.decode_chunk) != 1 or n < 2:
+        return [n]
+    phases = max(1, min(opts.decode_phases, n - 1))
+    return sorted({1 + -(-(n - 1) * (j + 1) // phases) for j in range(phases)})
+
+
+def phase_steps(opts: SamplerOptions) -> list[int]:
+    """Token steps in each of the decode program's loops, for completions of full length (the
+    program draws token 0 in prefill, then N - 1 in its loops): what the loops' costs are
+    weighted by (grpo_core.rl.hlo_cost.Analysis.weighted)."""
+    ends = _phase_ends(opts)
+    return [e - s for s, e in zip([1, *ends[:-1]], ends)]
 
 
 def _on_device(x):

@@ -26,7 +26,7 @@ from grpo_core.config.model import DType, ModelConfig
 from grpo_core.config.train import RematPolicy
 from grpo_core.runtime.mesh import BATCH, KV_CACHE_AXES, constrain
 
-# A KV cache: (k, v), each (L, B, S, K, D) for L layers.
+# A KV cache: (k, v), each (L, B, K, S, D) for L layers.
 KVCache = tuple[jax.Array, jax.Array]
 
 
@@ -151,20 +151,45 @@ class Attention(nnx.Module):
         """x: (B, T, E); mask: (B, T, S) True where a query may attend a key.
 
         Without a cache, keys are this call's own tokens (S == T). With the stacked cache
-        (L, B, S, K, D), this call's k/v are written into layer `layer` at slot `cache_index`
+        (L, B, K, S, D), this call's k/v are written into layer `layer` at slot `cache_index`
         first and attention runs over all S slots; the mask hides the slots not filled yet.
         """
         b, t, e = x.shape
         [(q, k, v)] = self._qkv(x.reshape(b * t, e), [(b, t)], [positions], inv_freq, fused)
-        if cache is not None:
+        if cache is not None:  # (L, B, K, S, D): this call's (B, T, K, D) go in as (B, K, T, D)
             ck, cv = cache
-            at = (layer, 0, cache_index, 0, 0)
-            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+            at = (layer, 0, 0, cache_index, 0)
+            ck = jax.lax.dynamic_update_slice(ck, jnp.swapaxes(k, 1, 2)[None].astype(ck.dtype), at)
+            cv = jax.lax.dynamic_update_slice(cv, jnp.swapaxes(v, 1, 2)[None].astype(cv.dtype), at)
             cache = (ck, cv)
-            k, v = ck[layer], cv[layer]
+            k, v = jnp.swapaxes(ck[layer], 1, 2), jnp.swapaxes(cv[layer], 1, 2)
         out = self._attend(q, k, v, mask)
         return self.o_proj(out.astype(x.dtype)).reshape(b, t, e), cache
+
+    def decode(self, x, positions, inv_freq, key_valid, cache, layer, slot=None, fused=None, span=None):
+        """One new token per row against layer `layer` of the stacked cache (L, B, K, S, D):
+        x (B, 1, E), key_valid (B, S). With `slot` None the cache is only read: `key_valid` marks
+        the slots filled before this token, which attends to them and to its own key and value,
+        returned (B, K, 1, D) for the caller to write once for every layer after a loop over them
+        (a write inside the loop made XLA copy the whole stacked cache per layer). With `slot`,
+        the token's key and value are written there first and read back with the rest (straight
+        code, where a write before the read is what keeps it in place); `key_valid` includes the
+        slot, and the updated cache is returned. `span`: only the first `span` slots are read (the
+        ones a phase of the decode loop can have filled, see sampler.decode)."""
+        b, _, e = x.shape
+        cut = lambda c: c[layer] if span is None else jax.lax.dynamic_slice_in_dim(c, layer, 1)[0, :, :, :span]
+        if span is not None:
+            key_valid = key_valid[:, :span]
+        [(q, k, v)] = self._qkv(x.reshape(b, e), [(b, 1)], [positions], inv_freq, fused)
+        ck, cv = cache
+        k, v = jnp.swapaxes(k, 1, 2).astype(ck.dtype), jnp.swapaxes(v, 1, 2).astype(cv.dtype)  # (B, K, 1, D)
+        if slot is None:
+            out, new = attend_decode(q, cut(ck), cut(cv), key_valid, k, v), (k, v)
+        else:
+            ck = jax.lax.dynamic_update_slice(ck, k[None], (layer, 0, 0, slot, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v[None], (layer, 0, 0, slot, 0))
+            out, new = attend_decode(q, cut(ck), cut(cv), key_valid), (ck, cv)
+        return self.o_proj(out.reshape(b, -1).astype(x.dtype)).reshape(b, 1, e), new
 
     def grouped(self, xf, prefix: "GroupedInputs", inv_freq):
         """Shared-prefix attention over flat tokens [P*Tp prompt tokens | B*Tc completion tokens].
@@ -212,6 +237,14 @@ class DecoderLayer(nnx.Module):
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), fused)
         return x, new_cache
+
+    def decode(self, x, positions, inv_freq, key_valid, cache, layer, slot=None, fused=None, span=None):
+        """One token per row; see Attention.decode. -> (x, the token's (k, v) or the cache)."""
+        h, new = self.self_attn.decode(
+            self.input_layernorm(x), positions, inv_freq, key_valid, cache, layer, slot, fused, span
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), fused), new
 
     def grouped(self, xf, prefix: "GroupedInputs", inv_freq):
         """xf: flat (P*Tp + B*Tc, E) tokens; see Attention.grouped."""
@@ -265,6 +298,46 @@ class CausalLM(nnx.Module):
         xs = (stacked, jnp.arange(layers), fused)
         (x, cache), _ = jax.lax.scan(body, (x, cache), xs, unroll=layers if unroll else 1)
         return self.model.norm(x), cache
+
+    def layers_apart(self):
+        """The stacked layers' weights as one array per layer (and the fused projections, see
+        fuse_projections), for `decode_hidden_states(layers=...)`: made once, before a decode loop,
+        so that a step's straight-code layers read their own weights. A layer sliced out of the
+        stacked arrays inside the loop is copied before its matmuls on a GPU and on CPU (XLA:TPU
+        reads the slice inside the matmul's fusion), three times the weights' bytes a token."""
+        graphdef, stacked = nnx.split(self.model.layers)
+        fused = fuse_projections(self.model.layers)
+        n = self.config.num_hidden_layers
+        pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+        return graphdef, [pick(stacked, i) for i in range(n)], [pick(fused, i) for i in range(n)]
+
+    def decode_hidden_states(self, tokens, positions, key_valid, cache: KVCache, slot, layers=None, span=None):
+        """One decode step: tokens, positions (B, 1); key_valid (B, S) the cache slots filled
+        before; the tokens' keys and values are written at `slot` of every layer at once, after
+        the layers, which only read the cache: XLA updates the donated cache in place with no copy
+        of it per layer. `layers`: `layers_apart()`, made outside the decode loop, for the layers
+        as straight code; else a loop over the stacked layers. `span`: the slots read (all: None);
+        `slot` must be below it. -> ((B, 1, E), cache)."""
+        inv_freq = rope_inv_freq(self.config)
+        x = self.model.embed_tokens(tokens)
+        if layers is not None:  # straight code over weights laid out per layer (see layers_apart)
+            graphdef, states, fused = layers
+            valid = jax.lax.dynamic_update_slice_in_dim(key_valid, jnp.ones((x.shape[0], 1), bool), slot, 1)
+            for i, (state, f) in enumerate(zip(states, fused)):
+                x, cache = nnx.merge(graphdef, state).decode(x, positions, inv_freq, valid, cache, i, slot, f, span)
+            return self.model.norm(x), cache
+        fused = fuse_projections(self.model.layers)
+        graphdef, stacked = nnx.split(self.model.layers)
+
+        def body(x, xs):
+            state, i, f = xs
+            return nnx.merge(graphdef, state).decode(x, positions, inv_freq, key_valid, cache, i, None, f, span)
+
+        xs = (stacked, jnp.arange(self.config.num_hidden_layers), fused)
+        x, (k, v) = jax.lax.scan(body, x, xs)  # k, v: (L, B, K, 1, D)
+        ck, cv = cache
+        at = (0, 0, 0, slot, 0)
+        return self.model.norm(x), (jax.lax.dynamic_update_slice(ck, k, at), jax.lax.dynamic_update_slice(cv, v, at))
 
     def hidden_states_grouped(
         self, prompt_tokens, prompt_valid, completion_tokens, remat: RematPolicy = RematPolicy.NONE, mesh=None
@@ -404,6 +477,34 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
 
 
+def attend_decode(q, ck, cv, key_valid, k=None, v=None) -> jax.Array:
+    """One query per row over a cache and the query's own key: q (B, 1, H, D); ck/cv (B, K, S, D)
+    with key_valid (B, S); k/v (B, K, 1, D), always attended (None: the cache holds them) ->
+    (B, 1, H, D) in q's dtype. As
+    `attend` computes it (scores, softmax and the weighted sum in f32, GQA without repeating K/V),
+    the cache's and the own key's scores one softmax; the cache's layout (heads before slots) is
+    the one its matmuls read without a transpose."""
+    b, _, h, d = q.shape
+    kv = ck.shape[1]
+    qg = q.reshape(b, kv, h // kv, d).astype(ck.dtype)  # (B, K, G, D): query heads by kv head
+    scale = 1.0 / math.sqrt(d)
+    f32 = jnp.float32
+    s_cache = jnp.einsum("bkgd,bksd->bkgs", qg, ck, preferred_element_type=f32) * scale
+    s_cache = jnp.where(key_valid[:, None, None, :], s_cache, jnp.finfo(f32).min)
+    top = jnp.max(s_cache, axis=-1, keepdims=True)
+    if k is not None:
+        s_self = jnp.einsum("bkgd,bkd->bkg", qg, k[:, :, 0], preferred_element_type=f32)[..., None] * scale
+        top = jnp.maximum(top, s_self)
+    p_cache = jnp.exp(s_cache - top)
+    total = jnp.sum(p_cache, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgs,bksd->bkgd", p_cache.astype(cv.dtype), cv, preferred_element_type=f32)
+    if k is not None:
+        p_self = jnp.exp(s_self - top)
+        total = total + p_self
+        out = out + p_self * v[:, :, 0, None, :].astype(f32)
+    return (out / total).reshape(b, 1, h, d).astype(q.dtype)
+
+
 def _cudnn_attend(q, k, v, mask):
     """cuDNN's flash attention, whose backward takes a mask only for even query and key lengths:
     odd ones get one more query (attending key 0; its output dropped, so it adds no gradient) or
@@ -457,9 +558,10 @@ class GroupedInputs:
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, slots: int, mesh=None) -> KVCache:
-    """Zeros (L, B, S, K, D); inside a jitted function with a `mesh`, laid out over it as
-    KV_CACHE_AXES says (rows over data x fsdp, kv heads over tensor)."""
-    shape = (cfg.num_hidden_layers, batch, slots, cfg.num_key_value_heads, cfg.head_dim)
+    """Zeros (L, B, K, S, D); inside a jitted function with a `mesh`, laid out over it as
+    KV_CACHE_AXES says (rows over data x fsdp, kv heads over tensor). Heads before slots: a
+    decode step's two matmuls read a layer's (B, K, S, D) as they are, batched over (B, K)."""
+    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim)
     dt = _dtype(cfg.dtype)
     cache = jnp.zeros(shape, dt), jnp.zeros(shape, dt)
     return cache if mesh is None else constrain_kv_cache(cache, mesh)

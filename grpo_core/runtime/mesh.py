@@ -232,7 +232,7 @@ _IN_OUT = {
     "o_proj": ("tensor", "fsdp"),
     "down_proj": ("tensor", "fsdp"),
 }
-KV_CACHE_AXES = (None, ("data", "fsdp"), None, "tensor", None)  # (L, B, S, K, D): rows and kv heads
+KV_CACHE_AXES = (None, ("data", "fsdp"), "tensor", None, None)  # (L, B, K, S, D): rows and kv heads
 
 
 def partition_axes(names: tuple[str, ...], ndim: int) -> tuple:
