@@ -199,9 +199,16 @@ def test_backend_defaults_and_chunk_setting(monkeypatch):
 
     monkeypatch.delenv("GRPO_DECODE_CHUNK", raising=False)
     monkeypatch.delenv("GRPO_DECODE_UNROLL", raising=False)
+    monkeypatch.delenv("GRPO_DECODE_PHASES", raising=False)
     assert backend_defaults("cpu") == {"decode_chunk": 1, "one_pass": False, "unroll_layers": False, "decode_phases": 1}
     assert backend_defaults("tpu") == {"decode_chunk": 1, "one_pass": True, "unroll_layers": False, "decode_phases": 4}
     assert backend_defaults("gpu")["unroll_layers"]
+    monkeypatch.setenv("GRPO_DECODE_PHASES", "2")
+    assert backend_defaults("tpu")["decode_phases"] == 2
+    monkeypatch.setenv("GRPO_DECODE_PHASES", "none")
+    with pytest.raises(ConfigError, match="GRPO_DECODE_PHASES='none'"):
+        backend_defaults("tpu")
+    monkeypatch.delenv("GRPO_DECODE_PHASES")
     monkeypatch.setenv("GRPO_DECODE_CHUNK", "4")
     assert backend_defaults("gpu")["decode_chunk"] == 4
     monkeypatch.setenv("GRPO_DECODE_CHUNK", "0")

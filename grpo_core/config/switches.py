@@ -27,6 +27,17 @@ def on_off(name: str) -> bool | None:
     return None if value == "" else value == "1"
 
 
+def decode_phases(default: int) -> int:
+    """GRPO_DECODE_PHASES: decode loops one after another, each attending to the cache slots it
+    can have filled (default: the backend's, grpo_core.generate.sampler.backend_defaults)."""
+    value = os.environ.get("GRPO_DECODE_PHASES", "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"GRPO_DECODE_PHASES={value!r}: a whole number of loops, 1 or more")
+    return int(value)
+
+
 def decode_chunk() -> int:
     """GRPO_DECODE_CHUNK: tokens per all-rows-done test of the decode loop (default 1)."""
     value = os.environ.get("GRPO_DECODE_CHUNK", "").strip()

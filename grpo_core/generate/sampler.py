@@ -83,7 +83,8 @@ def backend_defaults(platform: str) -> dict:
         # of k: the prompt and (j+1)/k of the completion), not all of them: a GPU's or TPU's token
         # step reads about N/2k slots more than it must instead of N/2 (bench.decode_bytes); each
         # phase compiles a loop body of its own, so CPU, where compilation dominates, keeps one
-        "decode_phases": 1 if platform == "cpu" else 4,
+        # (GRPO_DECODE_PHASES=N overrides; at Qwen2.5-0.5B's shape XLA:TPU compiles 4 in 15-17 s, 1 in 11-12)
+        "decode_phases": switches.decode_phases(1 if platform == "cpu" else 4),
     }
 
 
