@@ -150,7 +150,8 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, inv_freq, mask, cache=None, cache_index=None, layer=None, fused=None):
         """x: (B, T, E); mask: (B, T, S) True where a query may attend a key.
 
-        Without a cache, keys are this call's own tokens (S == T). With the stacked cache
+        Without a cache, keys are this call's own tokens (S == T), and with the cache filled from
+        slot 0 (a prefill), too: the slots after them are empty. With the stacked cache
         (L, B, K, S, D), this call's k/v are written into layer `layer` at slot `cache_index`
         first and attention runs over all S slots; the mask hides the slots not filled yet.
         """
@@ -162,7 +163,10 @@ class Attention(nnx.Module):
             ck = jax.lax.dynamic_update_slice(ck, jnp.swapaxes(k, 1, 2)[None].astype(ck.dtype), at)
             cv = jax.lax.dynamic_update_slice(cv, jnp.swapaxes(v, 1, 2)[None].astype(cv.dtype), at)
             cache = (ck, cv)
-            k, v = jnp.swapaxes(ck[layer], 1, 2), jnp.swapaxes(cv[layer], 1, 2)
+            if isinstance(cache_index, int) and cache_index == 0:  # a prefill: its own keys are all there are
+                mask = mask[:, :, :t]
+            else:
+                k, v = jnp.swapaxes(ck[layer], 1, 2), jnp.swapaxes(cv[layer], 1, 2)
         out = self._attend(q, k, v, mask)
         return self.o_proj(out.astype(x.dtype)).reshape(b, t, e), cache
 

@@ -8,11 +8,15 @@ matmuls, a loop's body times its trip count. A loop whose trip count depends on 
 decode loop stops when every row is done) is counted once per iteration and reported apart, so
 a decode program's figures come out per token step.
 
-Bytes as XLA's cost model counts them: an op reads its operands and writes its result; an
+Bytes are logical bytes (no tile padding): an op reads its operands and writes its result; an
 operand only sliced inside a fusion (a layer's weights out of the stacked ones, a layer's KV
-cache) is read at the slice's size; an in-place `dynamic-update-slice` writes only its update.
-Logical sizes (no tile padding). With every trip count taken as 1 the figures match
-`cost_analysis()`'s within a few per cent (tests/test_hlo_cost.py): the same model, loops aside.
+cache) is read at the slice's size; an in-place `dynamic-update-slice` writes only its update, and
+a buffer a fusion passes through to its output moves nothing. FLOPs are the matmuls' (a
+convolution's taps that land on padding or a dilation's holes not counted) and one per element
+of elementwise ops and reductions. With every trip count taken as 1, FLOPs match
+`cost_analysis()`'s (tests/test_hlo_cost.py); bytes match it on CPU, while XLA:TPU's cost model
+counts more than the logical bytes (1.6x at Qwen2.5-0.5B's decode, 3-5x on small loop-free
+programs; bench.decode_bytes prints the ratio), so a floor to compare with is logical bytes too.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import dataclasses
 import math
 import re
 from typing import Iterable
+
+import numpy as np
 
 _DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
@@ -45,6 +51,8 @@ _ELEMENTWISE = {
 }  # fmt: skip
 # the inner ops that name a fusion in the per-op lists
 _HEAVY = ("dot", "convolution", "dynamic-update-slice", "reduce", "gather", "scatter", "sort", "copy", "fusion")
+# custom calls that move no bytes: a buffer's allocation, views, sharding annotations
+_NO_OP_CALLS = {"AllocateBuffer", "ConcatBitcast", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -105,8 +113,8 @@ class Instr:
         return _type_bytes(self.type)
 
     def attr(self, key: str) -> str | None:
-        m = re.search(rf"\b{re.escape(key)}=(%?[\w.\-]+|\{{[^}}]*\}})", self.attrs)
-        return m.group(1).lstrip("%") if m else None
+        m = re.search(rf"\b{re.escape(key)}=(%?[\w.\-]+|\{{[^}}]*\}}|\"[^\"]*\")", self.attrs)
+        return m.group(1).lstrip("%").strip('"') if m else None
 
 
 @dataclasses.dataclass
@@ -264,6 +272,8 @@ class _Analyser:
                 total += user.bytes
             elif user.op == "dynamic-update-slice" and k == 0:
                 total += 0.0
+            elif user.op == "tuple" and user.root and not outer:  # passed through to the output, aliased
+                total += 0.0
             elif user.op in ("bitcast", "get-tuple-element") or (user.op == "reshape" and k == 0):
                 total += self._read(comp, user.name, full, depth + 1, outer)
             elif user.op == "fusion":
@@ -286,7 +296,11 @@ class _Analyser:
         if instr.op == "dynamic-update-slice":
             return comp.instrs[instr.operands[1]].bytes if instr.operands[1] in comp.instrs else instr.bytes
         if instr.op == "tuple":
-            return sum(self._written(comp, comp.instrs[o], depth + 1) for o in instr.operands if o in comp.instrs)
+            return sum(
+                self._written(comp, comp.instrs[o], depth + 1)
+                for o in instr.operands
+                if o in comp.instrs and not self._passed(comp, comp.instrs[o])
+            )
         if instr.op == "bitcast" and instr.operands[0] in comp.instrs:
             return self._written(comp, comp.instrs[instr.operands[0]], depth + 1)
         if instr.op == "fusion":
@@ -294,6 +308,13 @@ class _Analyser:
             if inner is not None:
                 return self._written(inner, inner.root, depth + 1)
         return instr.bytes
+
+    def _passed(self, comp: Computation, instr: Instr) -> bool:
+        """A fusion's output that is one of its parameters (through views): the buffer passes
+        through, aliased (TPU fusions that overlap an asynchronous collective with a matmul)."""
+        while instr.op in ("bitcast", "get-tuple-element") and instr.operands[0] in comp.instrs:
+            instr = comp.instrs[instr.operands[0]]
+        return instr.op == "parameter"
 
     # -- FLOPs inside a fusion (or of a top-level op) ---------------------------------------------
 
@@ -310,27 +331,52 @@ class _Analyser:
             dims = _dims(lhs.type) if lhs else []
             return 2.0 * out * math.prod(dims[i] for i in idx if i < len(dims))
         if op == "convolution":
-            rhs = comp.instrs.get(instr.operands[1])
-            m = re.search(r"dim_labels=([\w>\-]+)", instr.attrs)
-            labels = m.group(1) if m else ""
-            rhs_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
-            rdims = _dims(rhs.type) if rhs else []
-            if not rdims or len(rhs_labels) != len(rdims):
-                return 0.0
-            kernel = rdims[rhs_labels.index("i")] if "i" in rhs_labels else 1
-            win = re.search(r"size=([\dx]+)", instr.attrs)
-            dil = re.search(r"lhs_dilate=([\dx]+)", instr.attrs)
-            if win:
-                sizes = [int(x) for x in win.group(1).split("x")]
-                dils = [int(x) for x in dil.group(1).split("x")] if dil else [1] * len(sizes)
-                kernel *= math.prod(math.ceil(s / d) for s, d in zip(sizes, dils))
-            return 2.0 * out * kernel
+            return self._conv_flops(comp, instr, out)
         if op in _ELEMENTWISE:
             return float(out)
         if op in ("reduce", "reduce-window"):
             src = comp.instrs.get(instr.operands[0])
             return float(math.prod(_dims(src.type))) if src else 0.0
         return 0.0
+
+    def _conv_flops(self, comp: Computation, instr: Instr, out: int) -> float:
+        """2 x the multiply-adds of a convolution (XLA:TPU writes dots as convolutions): per
+        spatial dimension, the (output, window tap) pairs that land on a real input element, not
+        on padding or a dilation's hole; times the batch, the output features and the kernel's
+        input features."""
+        lhs, rhs = (comp.instrs.get(o) for o in instr.operands[:2])
+        m = re.search(r"dim_labels=([\w>\-]+)", instr.attrs)
+        if lhs is None or rhs is None or not m or "->" not in m.group(1):
+            return 0.0
+        ins, out_labels = m.group(1).split("->")
+        lhs_labels, rhs_labels = ins.split("_")
+        ldims, rdims, odims = _dims(lhs.type), _dims(rhs.type), _dims(instr.type)
+        if len(lhs_labels) != len(ldims) or len(rhs_labels) != len(rdims) or len(out_labels) != len(odims):
+            return 0.0
+        spatial = [c for c in out_labels if c.isdigit()]
+        window = {}
+        w = re.search(r"window=\{([^}]*)\}", instr.attrs)
+        for part in w.group(1).split() if w else []:
+            key, _, val = part.partition("=")
+            window[key] = val.split("x")
+
+        def per_dim(key: str, i: int, default: str) -> str:
+            vals = window.get(key)
+            return vals[i] if vals and i < len(vals) else default
+
+        macs = out * (rdims[rhs_labels.index("i")] if "i" in rhs_labels else 1)
+        for i, c in enumerate(spatial):
+            o_size, l_size = odims[out_labels.index(c)], ldims[lhs_labels.index(c)]
+            k_size = int(per_dim("size", i, str(rdims[rhs_labels.index(c)])))
+            stride, ld, rd = (int(per_dim(k, i, "1")) for k in ("stride", "lhs_dilate", "rhs_dilate"))
+            pad_lo = int(per_dim("pad", i, "0_0").split("_")[0])
+            if o_size * k_size > 20_000_000:  # too many pairs to count: every tap, holes aside
+                pairs = o_size * math.ceil(k_size / ld)
+            else:
+                pos = np.arange(o_size)[:, None] * stride + np.arange(k_size)[None, :] * rd - pad_lo
+                pairs = int(np.count_nonzero((pos >= 0) & (pos % ld == 0) & (pos // ld < l_size)))
+            macs = macs / o_size * pairs
+        return 2.0 * macs
 
     def _source(self, instr: Instr) -> str:
         m = re.search(r'op_name="([^"]*)"', instr.attrs)
@@ -352,8 +398,11 @@ class _Analyser:
         op = instr.op
         if op in _FREE or op.endswith("-start") or op.endswith("-update"):
             return Cost()
-        if op.endswith("-done"):  # an asynchronous slice or copy: what it reads, what it writes
-            return Cost(0.0, 2 * instr.bytes)
+        if op.endswith("-done"):  # an asynchronous op: what it reads, what it writes
+            collective = instr.bytes if op.startswith(_COLLECTIVES) else 0.0
+            return Cost(0.0, 2 * instr.bytes, collective)
+        if op == "custom-call" and (instr.attr("custom_call_target") or "").strip('"') in _NO_OP_CALLS:
+            return Cost()
         if op == "fusion":
             inner = self.comps.get(instr.attr("calls") or "")
             read = 0.0
