@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+from grpo_core.config.target import DEVICE_KIND, PEAK_BF16_FLOPS  # JAX-free
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the device's real peak, not a pool
 
 WORKLOADS = {
@@ -79,17 +81,14 @@ WORKLOADS = {
     ),
 }
 REMATS = ("auto", "none", "dots", "full")
-# bf16 dense peak FLOP/s per chip, by device_kind prefix
+# bf16 dense peak FLOP/s per chip, by device_kind prefix; the TPUs' from grpo_core.config.target
+# (Cloud TPU pages), "TPU v5 lite" (v5e) before "TPU v5" (v5p)
 BF16_PEAK = {
     "NVIDIA H100": 989e12,
     "NVIDIA H200": 989e12,
     "NVIDIA A100": 312e12,
     "NVIDIA L4": 121e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6": 918e12,
+    **{DEVICE_KIND[gen]: peak for gen, peak in PEAK_BF16_FLOPS.items()},
 }
 PROMPT_TOKENS = 10  # RandomPrompts draws 8-10 characters
 

@@ -316,25 +316,66 @@ def check_command(args) -> int:
                 print(f"       fix: {c['fix']}")
         if report.get("target", {}).get("programs"):
             _print_programs(report["target"])
+        if report.get("estimate"):
+            _print_estimate(report["estimate"])
     return 0 if report["ready"] else ExitCode.NOT_READY
 
 
 def _print_programs(aot: dict) -> None:
-    """XLA's figures per program and chip (grpo_core.rl.aot), one line each."""
+    """XLA's figures per program and chip (grpo_core.rl.aot), one line each: memory in GiB, and a
+    call's GFLOP and bound in ms with its loops counted (the estimate's; decode's full length)."""
     gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
     t = aot["target"]
+    timed = {r["program"]: r for r in (aot.get("estimate") or {}).get("programs", [])}
     print(f"\nper chip on {t['topology']} ({t['device_kind']}, HBM {gib(t['hbm_bytes'])} GiB), GiB:")
     print(
         f"  {'program':<13} {'args':>6} {'out':>6} {'temp':>6} {'XLA peak':>8} {'+resident':>9} {'peak':>6}  "
-        f"{'GFLOP':>9} {'compile s':>9}"
+        f"{'GFLOP':>9} {'bound ms':>9} {'':<7} {'compile s':>9}"
     )
     for p in aot["programs"]:
+        r = timed.get(p["program"])
+        speed = f"{r['flops'] / 1e9:>9.1f} {r['s'] * 1e3:>9.2f} {r['bound']:<7}" if r else f"{'-':>9} {'-':>9} {'':<7}"
         print(
             f"  {p['program']:<13} {gib(p.get('argument_bytes')):>6} {gib(p.get('output_bytes')):>6} "
             f"{gib(p.get('temp_bytes')):>6} {gib(p.get('xla_peak_bytes')):>8} {gib(p['resident_bytes']):>9} "
-            f"{gib(p.get('peak_bytes')):>6}{'' if p['fits'] else ' !'} {p.get('flops', 0) / 1e9:>9.1f} "
+            f"{gib(p.get('peak_bytes')):>6}{'' if p['fits'] else ' !'} {speed} "
             + (f"{'cached':>9}" if p.get("cached") else f"{p['compile_s']:>9.1f}")
         )
+
+
+def _print_estimate(e: dict) -> None:
+    """The roofline bound of a step and of the run (grpo_core.config.roofline), in a few lines."""
+    pk = e["peaks"]
+    print(
+        f"\nspeed, a roofline bound (a lower bound on time: max(FLOPs / {pk['bf16_flops_per_s'] / 1e12:g} TFLOP/s, "
+        f"bytes / {pk['hbm_bytes_per_s'] / 1e9:g} GB/s) per program and chip; {pk['generation']}'s published peaks):"
+    )
+    if e["step_s"] is None:
+        print(f"  no step bound: {', '.join(e['missing'])} not compiled")
+        return
+    split = e["split_s"]
+    parts = [f"{k} {_duration(split[k])}" for k in ("rollout", "reference", "old_logprobs") if k in split]
+    parts.append(f"update {e['updates_per_step']} x {_duration(split['update'] / e['updates_per_step'])}")
+    print(f"  step    >= {_duration(e['step_s'])} = {' + '.join(parts)}")
+    print(
+        f"  rollout >= {_duration(e['rollout_tokens'] / e['rollout_tokens_per_s'])} for {e['rollout_tokens']} tokens: "
+        f"<= {e['rollout_tokens_per_s']:,.0f} tokens/s (every completion full length)"
+    )
+    if e.get("run_s") is not None:
+        ev = e["eval"]
+        evals = (
+            " (evaluation not counted)"
+            if ev["s"] is None
+            else f" + {e['evaluations']} evaluations x {_duration(ev['s'])}"
+        )
+        print(f"  run     >= {_duration(e['run_s'])} = {e['num_steps']} steps x {_duration(e['step_s'])}{evals}")
+    print(f"  ignores: {'; '.join(e['ignores'])}")
+
+
+def _duration(s: float) -> str:
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s" if s < 120 else f"{s / 60:.3g} min" if s < 7200 else f"{s / 3600:.3g} h"
 
 
 def _recipe(args, cfg) -> dict:

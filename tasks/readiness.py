@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import Any
 
+from grpo_core.config import roofline
 from grpo_core.config.launch import LauncherKind
 from grpo_core.config.run import RunConfig
 from grpo_core.config.train import RolloutEngineKind
@@ -87,6 +88,9 @@ def readiness_report(
     if cfg.pipeline.readiness.target:  # XLA's figures for the target replace the formula's for this host
         aot = aot_report(cfg, tokenizer.vocab_size, timeout_s or cfg.pipeline.check_timeout_s)
         live = _with_target(report, live, aot)
+        if aot.get("estimate") is not None:  # the compiler's step bound, for the run's steps and evaluations
+            data_check = next((c for c in checks if c["name"] == "data"), None)
+            report["estimate"] = _run_estimate(cfg, aot["estimate"], data_check)
     report["checks"] = checks + live
     report["ready"] = all(c["ok"] for c in report["checks"])
     if handover and not report["ready"]:
@@ -119,6 +123,25 @@ def aot_report(cfg: RunConfig, vocab_size: int, timeout_s: float) -> dict[str, A
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
         return {"error": f"the AOT check exited with code {proc.returncode} without a report: {proc.stderr[-2000:]}"}
+
+
+def _run_estimate(cfg: RunConfig, step: dict[str, Any], data: dict[str, Any] | None) -> dict[str, Any]:
+    """The compiler's step bound for the whole run (grpo_core.config.roofline): train.num_steps
+    steps (auto: as the data read here makes it) and an evaluation of the eval rows at the start
+    and after each of pipeline.epochs."""
+    read = data is not None and data["ok"]
+    steps = cfg.train.num_steps
+    if steps == "auto":
+        steps = cfg.train.steps_for(data["train_rows"]) if read else None
+    return roofline.run(
+        step,
+        num_steps=steps,
+        evaluations=cfg.pipeline.epochs + 1,
+        eval_rows=data["eval_rows"] if read else None,
+        batch_size=cfg.eval.batch_size,
+        num_samples=cfg.eval.num_samples,
+        new_tokens=cfg.train.sampling.max_new_tokens,
+    )
 
 
 def _gib(n: int | None) -> str:
@@ -224,7 +247,14 @@ def _data_check(cfg: RunConfig, tokenizer) -> dict[str, Any]:
         + (f", {got['dropped_too_long']} over data.max_prompt_tokens dropped" if got["dropped_too_long"] else "")
         + _steps_said(cfg, got["train_rows"])
     )
-    return {"name": "data", "ok": True, "detail": detail, "fix": None, "train_rows": got["train_rows"]}
+    return {
+        "name": "data",
+        "ok": True,
+        "detail": detail,
+        "fix": None,
+        "train_rows": got["train_rows"],
+        "eval_rows": got["eval_rows"],
+    }
 
 
 def worker_python(cfg: RunConfig) -> str:

@@ -167,6 +167,7 @@ def test_grpo_check_target_json_then_cached(tmp_path):
     names = {c["name"]: c for c in report["checks"]}
     assert names["memory"]["ok"] and "XLA on v5e:2x2" in names["memory"]["detail"]
     assert names["target"]["ok"] and "no TPU here" in names["target"]["detail"]
+    _assert_the_estimate_counts_the_loops(report, tmp_path)
     again, _ = check()
     # read back, nothing compiled again (how fast a cached check answers is bench.aot's to say)
     assert again["target"]["cached"] and again["target"]["programs"] == target["programs"]
@@ -179,6 +180,41 @@ def test_grpo_check_target_json_then_cached(tmp_path):
     for p in smaller["target"]["programs"]:
         if p["cached"]:
             assert p["compile_s"] == 0.0 and p["xla_peak_bytes"] == same[p["program"]]["xla_peak_bytes"]
+    # the text says the same, in a few lines (read back from the cache)
+    text = subprocess.run(
+        [c for c in cmd if c != "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    ).stdout
+    assert "a roofline bound (a lower bound on time" in text and "197 TFLOP/s" in text and "819 GB/s" in text
+    assert "run     >= " in text and f"{report['estimate']['num_steps']} steps x" in text
+
+
+def _assert_the_estimate_counts_the_loops(report: dict, tmp_path) -> None:
+    """The speed estimate: a roofline bound on v5e's peaks from XLA's figures with every loop counted
+    as it runs (the decode loop max_new_tokens - 1 times, the layers' scan once a layer), which
+    cost_analysis() counts once: each bound below fails with the loops counted once."""
+    from grpo_core.config.memory import Shapes
+    from grpo_core.config.run import load_config
+    from grpo_core.data.tokenizer import make_tokenizer
+    from grpo_core.store.sources import model_config
+
+    est = report["estimate"]
+    assert est["peaks"] == Target.parse("v5e:2x2").peaks() and "lower bound" in est["basis"]
+    assert est["step_s"] > 0 and est["rollout_tokens_per_s"] > 0 and est["run_s"] > 0
+    assert est["run_s"] >= est["step_s"] * est["num_steps"] and est["run_includes_eval"]
+    cfg = load_config(None, [f"storage.root={tmp_path / 'runs'}", "eval.batch_size=8"])
+    params, chips = model_config(cfg, make_tokenizer(cfg).vocab_size).num_params(), 4
+    s = Shapes.of(cfg.train, cfg.data.max_prompt_tokens)
+    progs = {p["program"]: p for p in report["target"]["programs"]}
+    timed = {r["program"]: r for r in est["programs"]}
+    # every token step (of each phase of the decode loop) reads the rollout's weights and runs every layer for every row
+    assert timed["decode"]["iterations"] == s.new_tokens - 1
+    assert min(it["bytes"] for it in progs["decode"]["iterations"]) >= est["weight_bytes"]["rollout"] > 0
+    assert timed["decode"]["flops"] >= 2 * params * s.rows * (s.new_tokens - 1) / chips
+    # the update's forward and backward over each prompt once and each completion (6 x params x
+    # tokens), where cost_analysis() counts one of the layers
+    tokens = s.prompts * s.prompt_len + s.rows * s.new_tokens
+    assert timed["update"]["flops"] >= 0.75 * 6 * params * tokens / chips > progs["update"]["flops"]
+    assert est["split_s"]["update"] == timed["update"]["s"] * est["updates_per_step"]
 
 
 def test_a_report_is_read_back_only_by_the_code_that_wrote_it(tmp_path, monkeypatch):

@@ -5,4 +5,5 @@
 - `train`: the `train` section (GRPO objective, sampling, optimizer, rollout engine, mesh)
 - `run`: the whole run config (RunConfig: data, rewards, eval, pipeline; stage hashes)
 - `presets`: named architectures; `memory`: the memory plan that resolves `auto` settings
+- `target`: the TPU a run is checked for and its chips' peaks; `roofline`: the speed bound from them
 """

@@ -22,6 +22,14 @@ GiB = 2**30
 # each chip's own figure). XLA's TPU compiler reports v5e's usable capacity as 15.75 GiB: the
 # runtime keeps the rest, which the readiness margin (aot.HEADROOM) also leaves free.
 HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+# Dense bf16 peak FLOP/s and HBM bandwidth per chip, from each generation's Cloud TPU page
+# (PEAKS_SOURCE, its system-architecture table: "Peak compute per chip (bf16)" and the HBM
+# bandwidth): v4 275 TFLOP/s and 1,200 GBps; v5e 197 and 819 GBps (one revision of the page
+# says "800 GiBps", 859 GB/s; 819 is the key-chip-specifications figure); v5p 459 and 2,765 GBps;
+# v6e 918 and 1,638 GBps. A chip's both TensorCores (v4, v5p: megacore) are one JAX device and counted here.
+PEAK_BF16_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+HBM_BYTES_PER_S = {"v4": 1200e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1638e9}
+PEAKS_SOURCE = "https://cloud.google.com/tpu/docs/{generation}"
 # device_kind as JAX reports it, per generation
 DEVICE_KIND = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
 # generations whose chips hold two TensorCores, which JAX drives as one device ("megacore")
@@ -86,6 +94,15 @@ class Target:
     @property
     def device_kind(self) -> str:
         return DEVICE_KIND[self.generation]
+
+    def peaks(self) -> dict:
+        """The chip's published peaks, per chip, with where they come from."""
+        return {
+            "generation": self.generation,
+            "bf16_flops_per_s": PEAK_BF16_FLOPS[self.generation],
+            "hbm_bytes_per_s": HBM_BYTES_PER_S[self.generation],
+            "source": PEAKS_SOURCE.format(generation=self.generation),
+        }
 
     def to_dict(self) -> dict:
         return {

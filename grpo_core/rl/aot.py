@@ -22,6 +22,10 @@ same code with the same meshes (grpo_core.runtime.mesh.Placement) and shardings:
 XLA's figures are per chip (one SPMD program). A chip also holds, during each program, the run's
 arrays that are not its arguments (the optimizer state while the sampler runs, the reference's
 weights while the update runs): `resident_bytes` adds them, and `peak_bytes` is the sum.
+
+The same figures bound the time: each program's FLOPs and bytes with its loops counted
+(grpo_core.rl.hlo_cost) against the chip's peaks give a step's and a run's roofline bound
+(grpo_core.config.roofline), the report's `estimate`.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from grpo_core.config import memory
+from grpo_core.config import memory, roofline
 from grpo_core.config.model import DType, ModelConfig
 from grpo_core.config.target import MEGACORE, Target
 from grpo_core.config.train import ISCorrection, RematPolicy, TrainConfig
@@ -55,6 +59,7 @@ from grpo_core.errors import ConfigError
 from grpo_core.generate import sampler
 from grpo_core.nn import lora as lora_mod
 from grpo_core.nn.model import create_model
+from grpo_core.rl import hlo_cost
 from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.types import Batch, TrainState
 from grpo_core.runtime.mesh import Placement
@@ -71,6 +76,11 @@ HEADROOM = 0.95
 # costs little to compile, XLA:TPU refuses it at its first memory check (3-8 s)
 FORMULA_SKIP = 2.0
 _HOST_BOUNDS = (2, 2, 1)  # the compiler's default chips per host
+# What _figures computes, in every ProgramCache key: its version (bumped when it adds or changes a
+# figure) and the loop counter's source, so that figures cached before either changed are not read back
+FIGURES_VERSION = 2  # 2: the FLOPs and bytes with the loops counted (hlo_cost)
+with open(hlo_cost.__file__, "rb") as _f:
+    _FIGURES = f"figures {FIGURES_VERSION} {hashlib.sha256(_f.read()).hexdigest()[:16]}"
 INSTALL = "pip install -c constraints.txt '.[tpu-aot]'  (libtpu==0.0.42.*, the libtpu jax 0.10.2 pairs with)"
 
 
@@ -130,7 +140,8 @@ def _oom_bytes(text: str) -> tuple[int, int] | None:
 
 class ProgramCache:
     """XLA's figures per program, keyed by the program itself: its lowered module's text (shapes,
-    shardings, donations, the computation), the target and the compiler's versions (`salt`).
+    shardings, donations, the computation), the target and the compiler's versions (`salt`) and
+    what _figures computes (FIGURES_VERSION, hlo_cost's source).
     A check whose config changes only evaluation finds the update's figures here and compiles only
     evaluation; two programs that lower to the same module in one check (evaluation's generate and
     the rollout's at equal shapes) compile once. `folder`: where the figures are kept across
@@ -143,7 +154,7 @@ class ProgramCache:
         self._guard = threading.Lock()
 
     def key(self, text: str) -> str:
-        return hashlib.sha256(f"{self.salt}\n{text}".encode()).hexdigest()[:32]
+        return hashlib.sha256(f"{_FIGURES}\n{self.salt}\n{text}".encode()).hexdigest()[:32]
 
     def lock(self, key: str) -> threading.Lock:
         """Held while `key` compiles: a second thread with the same program waits for its figures."""
@@ -171,10 +182,16 @@ class ProgramCache:
 
 
 def _figures(compiled) -> dict[str, Any]:
-    """XLA's memory figures and FLOPs per chip of a compiled program."""
+    """XLA's memory figures and FLOPs per chip of a compiled program. `flops` and `bytes_accessed`
+    are cost_analysis()'s, which counts a loop's body once (the decode loop's token step, the
+    layers' scan); `loop_*` count each loop as often as it runs (grpo_core.rl.hlo_cost), but for
+    the loops whose trip count the data decides (decode's phases): `iterations` holds one
+    iteration of each, in program order, `iteration_*` the dearest (None: the program has none)."""
     ma = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    loops = hlo_cost.analyse(compiled.as_text())
+    it = loops.per_iteration
     args, outs, alias, temp = (
         ma.argument_size_in_bytes,
         ma.output_size_in_bytes,
@@ -195,6 +212,13 @@ def _figures(compiled) -> dict[str, Any]:
         xla_peak_bytes=peak,
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        loop_flops=loops.once.flops,
+        loop_bytes=loops.once.bytes,
+        collective_bytes=loops.once.collective_bytes,
+        iteration_flops=None if it is None else it.flops,
+        iteration_bytes=None if it is None else it.bytes,
+        iteration_collective_bytes=None if it is None else it.collective_bytes,
+        iterations=[dict(flops=c.flops, bytes=c.bytes, collective_bytes=c.collective_bytes) for c in loops.iterations],
     )
 
 
@@ -539,9 +563,10 @@ def check(
     hopeless = lambda c: formula(*c) > FORMULA_SKIP * HEADROOM * hbm
     tried, fix = [], None
     pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="aot")
+    programs = run.programs()
     others = {
         name: pool.submit(analyse, name, compile_, sum(resident[k] for k in extra), hbm, cache)
-        for name, (compile_, extra) in run.programs().items()
+        for name, (compile_, extra) in programs.items()
         if only is None or name in only
     }
     try:
@@ -550,14 +575,7 @@ def check(
     finally:
         pool.shutdown(cancel_futures=True)
     worst = max(results, key=lambda r: r["peak_bytes"] or math.inf)
-    g = train.grpo
-    updates = g.num_iterations * g.minibatches_per_rollout
-    flops = {r["program"]: r.get("flops", 0.0) for r in results}
-    per_step = (
-        flops["update"] * updates
-        + sum(flops.get(k, 0.0) for k in ("reference", "old_logprobs", "prefill"))
-        + flops.get("decode", 0.0)
-    )  # decode: one while loop, counted once by XLA (a lower bound)
+    estimate = _estimate(run, results, target, ("update", *programs))
     fits = all(r["fits"] for r in results)
     return {
         "target": target.to_dict(),
@@ -593,7 +611,8 @@ def check(
             "fits": fits,
             "formula_bytes": update["formula_bytes"],
         },
-        "flops_per_step": per_step,
+        "flops_per_step": estimate["flops_per_step"],  # loops counted, full-length completions
+        "estimate": estimate,
         "fix": None if fits else _fix(results, fix, train, evaluation or EvalShape()),
         "topology_s": round(t_topo, 2),
         "threads": threads,
@@ -601,6 +620,36 @@ def check(
         "compile_s": round(sum(r["compile_s"] for r in tried) + sum(r["compile_s"] for r in results[1:]), 2),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _estimate(run: RunPrograms, results: list[dict[str, Any]], target: Target, names) -> dict[str, Any]:
+    """A step's roofline bound (grpo_core.config.roofline) from its programs' figures: `names` the
+    programs the run has."""
+    g, s = run.train.grpo, run.shapes
+    opts = sampler.SamplerOptions.from_config(
+        run.train.sampling, (0,), 0, **sampler.backend_defaults(run.devices[0].platform)
+    )  # as RunPrograms.programs compiles the sampler: evaluation's differ in temperature only
+    chunk = max(1, opts.decode_chunk)
+    # the decode loops' runs for N-token completions (prefill draws the first): each phase's token
+    # steps, or with a chunk of several tokens one loop of ceil((N - 1) / chunk) runs
+    runs = sampler.phase_steps(opts) if chunk == 1 else [math.ceil((s.new_tokens - 1) / chunk)]
+    whole = run.params if run.frozen is None else nnx.merge_state(run.frozen, run.params)
+    rollout = chip_bytes(run._rollout_params())
+    return roofline.step(
+        results,
+        target.peaks(),
+        runs=tuple(n for n in roofline.STEP_PROGRAMS if n in names),
+        updates=g.num_iterations * g.minibatches_per_rollout,
+        rollout_tokens=g.prompts_per_step * g.num_generations * s.new_tokens,
+        decode_runs=runs,
+        # evaluation generates over the rollout's mesh, or on one chip holding all the weights
+        weight_bytes={
+            "rollout": rollout,
+            "eval": rollout
+            if run.placement.rollout.size > 1
+            else sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(whole)),
+        },
+    )
 
 
 def _choose_update(train: TrainConfig, cands, hopeless, try_update, tried: list, max_extra: int):

@@ -82,7 +82,8 @@ def programs_key(req: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-REPORT_FORMAT = 3  # bumped when what a report holds or how it counts changes: older reports are not read
+# bumped when what a report holds or how it counts changes: older reports are not read (4: the estimate)
+REPORT_FORMAT = 4
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # grpo_core/
 
