@@ -71,7 +71,7 @@ def measure(shape: str, target: str = "local", dtype: str | None = None, top: in
     from grpo_core.config.presets import get_preset
     from grpo_core.config.train import SamplingConfig
     from grpo_core.generate import sampler
-    from grpo_core.nn.model import create_model
+    from grpo_core.nn.model import create_model, init_kv_cache
     from grpo_core.rl import hlo_cost
 
     s = SHAPES[shape]
@@ -98,13 +98,8 @@ def measure(shape: str, target: str = "local", dtype: str | None = None, top: in
     lay = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=one)
     ptok, pval = lay((p, tp), jnp.int32), lay((p, tp), jnp.bool_)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=one)
-    kw = dict(opts=opts, num_samples=g, mesh=None)
-    cache, state = jax.eval_shape(lambda *a: sampler.prefill(graph, *a, **kw), params, ptok, pval, key)
-    out = sampler.prefill.lower(graph, params, ptok, pval, key, **kw).compile().output_shardings
-    laid = lambda tree, sh: jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x), tree, sh)
-    compiled = sampler.decode.lower(
-        graph, params, laid(cache, out[0]), laid(state, out[1]), key, opts=opts, prompt_len=tp
-    ).compile()
+    compiled = sampler.compile_jobs(graph, params, ptok, pval, key, opts, g)[-1]()  # as a run compiles it
+    cache = jax.eval_shape(lambda: init_kv_cache(mc, p * g, tp + n))
     a = hlo_cost.analyse(compiled.as_text())
     chunk = max(1, opts.decode_chunk)
     steps = sampler.phase_steps(opts)

@@ -317,9 +317,13 @@ def _phase_ends(opts: SamplerOptions) -> list[int]:
 
 
 def phase_steps(opts: SamplerOptions) -> list[int]:
-    """Token steps in each of the decode program's loops, for completions of full length (the
-    program draws token 0 in prefill, then N - 1 in its loops): what the loops' costs are
-    weighted by (grpo_core.rl.hlo_cost.Analysis.weighted)."""
+    """Iterations of each of the decode program's loops for completions of full length (prefill
+    draws token 0, the loops the N - 1 others): token steps, or with `decode_chunk` > 1 one loop
+    of ceil((N - 1) / chunk) chunks. What the loops' costs are weighted by
+    (grpo_core.rl.hlo_cost.Analysis.weighted, grpo_core.config.roofline)."""
+    chunk = max(1, opts.decode_chunk)
+    if chunk > 1:
+        return [-(-(opts.max_new_tokens - 1) // chunk)]
     ends = _phase_ends(opts)
     return [e - s for s, e in zip([1, *ends[:-1]], ends)]
 
@@ -392,7 +396,8 @@ def spec_of(tree):
 
 
 def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: SamplerOptions, num_samples: int, mesh=None):
-    """Callables that compile prefill and decode for this prompt shape (run them in threads):
+    """Callables that compile prefill and decode for this prompt shape (run them in threads),
+    the last returning the compiled decode:
     XLA compiles with the GIL released, so on a cold start they overlap each other and the
     learner's compilation instead of running one after another."""
     p_spec, t_spec, v_spec, k_spec = spec_of((params, prompt_tokens, prompt_valid, key))
@@ -414,6 +419,6 @@ def compile_jobs(graphdef, params, prompt_tokens, prompt_valid, key, opts: Sampl
     def both():
         out = prefill.lower(graphdef, p_spec, t_spec, v_spec, k_spec, **kw).compile().output_shardings
         laid = lambda spec, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), spec, sh)
-        compile_decode(laid(cache, out[0]), laid(state, out[1]))
+        return compile_decode(laid(cache, out[0]), laid(state, out[1]))
 
     return [both]

@@ -283,10 +283,9 @@ class CausalLM(nnx.Module):
         self.model = Decoder(cfg, rngs)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, cfg, rngs)
 
-    def hidden_states(self, tokens, positions, mask, cache: KVCache | None = None, cache_index=None, unroll=False):
-        """tokens, positions: (B, T); mask: (B, T, S). Returns ((B, T, E), new cache). `unroll`:
-        the layers as one straight program instead of a loop over them (a GPU decode step: no
-        per-layer loop iteration to launch; more to compile)."""
+    def hidden_states(self, tokens, positions, mask, cache: KVCache | None = None, cache_index=None):
+        """tokens, positions: (B, T); mask: (B, T, S). Returns ((B, T, E), new cache). A decode
+        step's one token per row goes through `decode_hidden_states`."""
         inv_freq = rope_inv_freq(self.config)
         x = self.model.embed_tokens(tokens)
         fused = fuse_projections(self.model.layers)
@@ -298,9 +297,8 @@ class CausalLM(nnx.Module):
             x, cache = nnx.merge(graphdef, state)(x, positions, inv_freq, mask, cache, cache_index, i, f)
             return (x, cache), None
 
-        layers = self.config.num_hidden_layers
-        xs = (stacked, jnp.arange(layers), fused)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), xs, unroll=layers if unroll else 1)
+        xs = (stacked, jnp.arange(self.config.num_hidden_layers), fused)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
         return self.model.norm(x), cache
 
     def layers_apart(self):

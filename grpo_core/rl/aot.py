@@ -444,8 +444,7 @@ class RunPrograms:
                 lambda: lr.score_policy.lower(policy, rows),
                 ("optimizer", "reference", "rollout_copy"),
             )
-        target = sampler.backend_defaults(self.devices[0].platform)  # the target chip's, not this host's
-        opts = sampler.SamplerOptions.from_config(self.train.sampling, (0,), 0, **target)
+        opts = self.sampler_options()
         prefill, decode = self._generate(
             self._rollout_params(), g.prompts_per_step, g.num_generations, opts, pl.rollout, batch_mesh=pl.rollout
         )
@@ -465,6 +464,12 @@ class RunPrograms:
             eprefill, edecode = self._generate(eparams, e.batch_size, samples, eopts, None, single=one)
         out["eval_prefill"], out["eval_decode"] = (eprefill, ()), (edecode, ())
         return out
+
+    def sampler_options(self) -> sampler.SamplerOptions:
+        """The rollout's sampler options, with the target chip's backend defaults, not this host's
+        (evaluation's differ in temperature only)."""
+        target = sampler.backend_defaults(self.devices[0].platform)
+        return sampler.SamplerOptions.from_config(self.train.sampling, (0,), 0, **target)
 
     def _generate(self, params, prompts: int, samples: int, opts, mesh, batch_mesh=None, single=None):
         """Lowerings of prefill and decode, decode taking prefill's outputs in the layouts its
@@ -626,13 +631,6 @@ def _estimate(run: RunPrograms, results: list[dict[str, Any]], target: Target, n
     """A step's roofline bound (grpo_core.config.roofline) from its programs' figures: `names` the
     programs the run has."""
     g, s = run.train.grpo, run.shapes
-    opts = sampler.SamplerOptions.from_config(
-        run.train.sampling, (0,), 0, **sampler.backend_defaults(run.devices[0].platform)
-    )  # as RunPrograms.programs compiles the sampler: evaluation's differ in temperature only
-    chunk = max(1, opts.decode_chunk)
-    # the decode loops' runs for N-token completions (prefill draws the first): each phase's token
-    # steps, or with a chunk of several tokens one loop of ceil((N - 1) / chunk) runs
-    runs = sampler.phase_steps(opts) if chunk == 1 else [math.ceil((s.new_tokens - 1) / chunk)]
     whole = run.params if run.frozen is None else nnx.merge_state(run.frozen, run.params)
     rollout = chip_bytes(run._rollout_params())
     return roofline.step(
@@ -641,7 +639,7 @@ def _estimate(run: RunPrograms, results: list[dict[str, Any]], target: Target, n
         runs=tuple(n for n in roofline.STEP_PROGRAMS if n in names),
         updates=g.num_iterations * g.minibatches_per_rollout,
         rollout_tokens=g.prompts_per_step * g.num_generations * s.new_tokens,
-        decode_runs=runs,
+        decode_runs=sampler.phase_steps(run.sampler_options()),  # N-token completions
         # evaluation generates over the rollout's mesh, or on one chip holding all the weights
         weight_bytes={
             "rollout": rollout,
