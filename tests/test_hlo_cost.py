@@ -77,11 +77,11 @@ def test_decode_step_bytes_near_the_floor_on_a_tpu_chip(decode_bytes):
 
 
 def test_decode_step_bytes_on_the_local_backend(decode_bytes):
-    """The same shape on this CPU in float32 (the dtype a CPU computes in): XLA:CPU copies each
-    layer's slice of the stacked weights and cache before its matmuls (3.5x the floor; the copy of
-    the whole cache per layer this change removed made it 10.9x in bf16, 29x at Qwen2.5-0.5B's
-    shape). A bound that catches a copy of the cache per layer coming back."""
+    """The same shape on this CPU in float32 (the dtype a CPU computes in), its layers as straight
+    code over weights and a cache laid out per layer: at most 1.6x the floor (1.38x at this
+    change, 1.48x at Qwen2.5-0.5B's shape; a loop over the stacked layers, whose slices XLA:CPU
+    copies before each matmul, made it 3.5x, and a copy of the whole cache per layer 10.9x)."""
     r = decode_bytes.measure("small", "local", "float32")
-    assert r["decode_loops"] == 1 and 1.0 <= r["x_floor"] <= 4.0, r
+    assert r["layers_unrolled"] and r["decode_loops"] == 1 and 1.0 <= r["x_floor"] <= 1.6, r
     table = decode_bytes.table([r])
     assert "x floor" in table and "the ops that move the most per token step" in table

@@ -131,8 +131,10 @@ def child(mesh: dict | None, out: str, lora: bool = False) -> None:
         "mu_down_proj": spec(mu["down_proj"]["lora_b" if lora else "kernel"][...]),
         **({"lora_a_up": spec(up["lora_a"][...]), "lora_b_up": spec(up["lora_b"][...])} if lora else {}),
         "ref_q_proj": spec(tr.ref_params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]),
-        "kv_cache": spec(cache[0]),
-        "kv_cache_rows": int(cache[0].shape[1]),
+        # decode's straight-code layers (CPU's default) take a (B, K, S, D) buffer per layer
+        "kv_cache_layers": len(cache[0]) if isinstance(cache[0], tuple) else 0,
+        "kv_cache": spec(cache[0][0] if isinstance(cache[0], tuple) else cache[0]),
+        "kv_cache_rows": int(cache[0][0].shape[0] if isinstance(cache[0], tuple) else cache[0].shape[1]),
         "q_proj_shard": list(
             tr.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...].addressable_shards[0].data.shape
         ),
@@ -179,7 +181,7 @@ def test_sharded_run_matches_one_device(tmp_path):
     assert lay["mu_down_proj"] == [None, "tensor", "fsdp"]  # AdamW moments like their params
     assert lay["ref_q_proj"] == lay["q_proj"]
     # KV cache of 4 prompts x 4 samples on the rollout mesh: rows over data, kv heads over tensor.
-    assert lay["kv_cache"] == [None, "data", "tensor"] and lay["kv_cache_rows"] == 16
+    assert lay["kv_cache_layers"] == 2 and lay["kv_cache"] == ["data", "tensor"] and lay["kv_cache_rows"] == 16
     assert one["layout"]["q_proj"] == []
     assert lay["resumed_q_proj"] == [None, "fsdp"] and lay["resumed_equal"]  # restored onto fsdp=8 (64 heads-dims / 8)
 

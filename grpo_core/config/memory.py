@@ -202,22 +202,24 @@ def estimate(
             * cb
         ),
         "sampler_logits": rows(4 * sh.rows * m.vocab_size * 4),  # logits, log-softmax, exp, cumsum of one decode step
-        # the sampler's stacked k/v and gate/up weights (grpo_core.nn.model.fuse_projections: on a
-        # GPU, not under LoRA, whose adapted projections stay apart)
-        "fused_projections": 0
-        if lora or backend != "gpu"
-        else per(
-            m.num_hidden_layers * m.hidden_size * 2 * (m.num_key_value_heads * m.head_dim + m.intermediate_size) * pb
-        ),
+        # decode's copy of the layers' weights laid out per layer (grpo_core.nn.model.layers_apart,
+        # the k/v and gate/up projections stacked on a GPU), where its layers run as straight code;
+        # on CPU the f32 copies of bfloat16 weights (cpu_upcast) are made per layer instead
+        "decode_layers": per(_layer_params(m) * pb) if switches.decode_unrolled(backend) and not upcast else 0,
     }
     t = terms
     phases = {
-        "rollout": t["kv_cache"] + t["sampler_logits"] + t["fused_projections"] + t["cpu_upcast"],
+        "rollout": t["kv_cache"] + t["sampler_logits"] + t["decode_layers"] + t["cpu_upcast"],
         "backward": t["gradients"] + t["grad_accumulator"] + t["activations"] + t["logprob_chunks"] + t["cpu_upcast"],
         "optimizer": t["gradients"] + t["optimizer_update"],
     }
     resident = t["params"] + t["optimizer"] + t["reference"] + t["runtime"] + t["programs"]
     return Estimate(remat, grad_accum_steps, train.logits_chunk_mib, terms, phases, resident)
+
+
+def _layer_params(m: ModelConfig) -> int:
+    """The decoder layers' parameters: all but the embedding, the untied head and the final norm."""
+    return m.num_params() - m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) - m.hidden_size
 
 
 def flash(backend: str, m: ModelConfig) -> bool:

@@ -27,6 +27,14 @@ def on_off(name: str) -> bool | None:
     return None if value == "" else value == "1"
 
 
+def decode_unrolled(platform: str) -> bool:
+    """GRPO_DECODE_UNROLL=0|1: a decode step's layers as straight code over weights and a KV cache
+    laid out per layer (grpo_core.nn.model.CausalLM.layers_apart); default everywhere but a TPU,
+    whose compiler reads a layer's slice of the stacked arrays inside its matmuls."""
+    want = on_off("GRPO_DECODE_UNROLL")
+    return platform != "tpu" if want is None else want
+
+
 def decode_phases(default: int) -> int:
     """GRPO_DECODE_PHASES: decode loops one after another, each attending to the cache slots it
     can have filled (default: the backend's, grpo_core.generate.sampler.backend_defaults)."""

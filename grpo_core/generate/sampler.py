@@ -8,10 +8,12 @@ parameters as an `nnx.State` and rebuild the module inside the trace, so a new s
 Each of the `num_prompts` prompts is prefilled once and its cache repeated for its G samples,
 so prompt compute does not grow with the group size. The decode loop is a `lax.while_loop`
 that stops as soon as every row has hit EOS (tested once per chunk of `decode_chunk` tokens, 1 by
-default); on a GPU each step's layers run as straight code, not a loop. The KV cache is donated
-to it and each step writes its new keys and values once, after the layer loop, which only reads
-the cache (CausalLM.decode_hidden_states), so XLA updates the cache in place instead of copying
-it; `python -m bench.decode_bytes` measures the bytes a token step moves against the floor.
+default). The KV cache is donated to it and updated in place, never copied: on a GPU and on
+CPU each step's layers run as straight code over weights and a cache laid out one buffer per
+layer, each layer writing its own; on a TPU a loop over the stacked layers only reads the cache
+and the step writes every layer's new keys and values once after it
+(CausalLM.decode_hidden_states). `python -m bench.decode_bytes` measures the bytes a token step
+moves against the floor.
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ def backend_defaults(platform: str) -> dict:
     another chip passes that chip's): the decode chunk, and the draw. On a GPU or TPU a draw is one
     pass, Gumbel-max (`jax.random.categorical`) over the tempered log-probs; on CPU, where B x V
     random numbers per token cost 3x a cumulative sum at a real vocabulary, one uniform per row
-    against the cumulative probabilities. On a GPU, a decode step's layers run as straight code
-    (GRPO_DECODE_UNROLL=0|1 overrides): a loop over them launches each layer's kernels apart."""
-    unroll = switches.on_off("GRPO_DECODE_UNROLL")
+    against the cumulative probabilities. On a GPU and on CPU, a decode step's layers run as
+    straight code over weights and a cache laid out per layer (switches.decode_unrolled): on a GPU
+    a loop over them launches each layer's kernels apart, and a loop's slice of a stacked array
+    is copied before its matmuls on both (at Qwen2.5-0.5B's shape in float32 on CPU: 3.5x the
+    bytes floor of a token step with the loop, 1.5x without; 764 against 640 ms a token step at
+    384 tokens, for 4-8 s more compilation)."""
     return {
         # tokens per "every row done?" test (GRPO_DECODE_CHUNK; 1 on every platform): a chunk is a
         # fixed-count inner loop with no exit test inside, wasting at most chunk - 1 steps once
@@ -78,7 +83,7 @@ def backend_defaults(platform: str) -> dict:
         # running the loop from command buffers; a TPU runs its loops on the chip.
         "decode_chunk": switches.decode_chunk(),
         "one_pass": platform != "cpu",
-        "unroll_layers": platform == "gpu" if unroll is None else unroll,
+        "unroll_layers": switches.decode_unrolled(platform),
         # the decode loop in phases, each attending to the cache slots it can have filled (phase j
         # of k: the prompt and (j+1)/k of the completion), not all of them: a GPU's or TPU's token
         # step reads about N/2k slots more than it must instead of N/2 (bench.decode_bytes); each
@@ -144,6 +149,8 @@ def sample_logits(logits: jax.Array, key: jax.Array, opts: SamplerOptions) -> tu
             ids = jax.random.categorical(key, scaled, axis=-1)
         chosen = jnp.take_along_axis(scaled - top, ids[:, None], axis=-1)[:, 0]
         return ids.astype(jnp.int32), chosen - log_norm
+    if opts.top_k == 0 and opts.top_p >= 1.0:  # the whole vocabulary by the inverse CDF, in blocks
+        return _inverse_cdf_blocked(scaled, key)
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
     ids = _sample_filtered(logp_all, key, opts.top_k, opts.top_p, opts.one_pass)
     logp = jnp.take_along_axis(logp_all, ids[:, None], axis=-1)[:, 0]
@@ -158,6 +165,32 @@ def _inverse_cdf(probs: jax.Array, key: jax.Array) -> jax.Array:
     cdf = jnp.cumsum(probs, axis=-1)
     u = jax.random.uniform(key, (probs.shape[0], 1), probs.dtype) * cdf[:, -1:]
     return jnp.minimum(jnp.sum(cdf <= u, axis=-1), probs.shape[-1] - 1)
+
+
+CDF_BLOCK = 128  # words per block of _inverse_cdf_blocked
+
+
+def _inverse_cdf_blocked(scaled: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """_inverse_cdf over softmax(scaled) without writing (B, V) probabilities or their running
+    sum: the block sums of exp(scaled - max) (one pass over the logits, after the one for the
+    max), their running sum picks each row's block, and the running sum within that block its
+    word. -> (ids (B,), their log-probs under softmax(scaled))."""
+    b, v = scaled.shape
+    blk = min(CDF_BLOCK, v)
+    nb = -(-v // blk)
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    blocks = jnp.pad(scaled, ((0, 0), (0, nb * blk - v)), constant_values=-jnp.inf).reshape(b, nb, blk)
+    # (B, nb): the mass up to each block's end; exp inside the sum, so no (B, V) probabilities are written
+    before = jnp.cumsum(jnp.sum(jnp.exp(blocks - top[:, :, None]), axis=-1), axis=-1)
+    total = before[:, -1:]
+    u = jax.random.uniform(key, (b, 1), scaled.dtype) * total
+    j = jnp.minimum(jnp.sum(before <= u, axis=-1), nb - 1)  # the block where the running sum passes u
+    start = jnp.where(j > 0, jnp.take_along_axis(before, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inner = jnp.exp(jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0] - top)  # (B, blk)
+    k = jnp.minimum(jnp.sum(start[:, None] + jnp.cumsum(inner, axis=-1) <= u, axis=-1), blk - 1)
+    ids = jnp.minimum(j * blk + k, v - 1)
+    chosen = jnp.take_along_axis(scaled, ids[:, None], axis=-1)[:, 0]
+    return ids.astype(jnp.int32), chosen - top[:, 0] - jnp.log(total[:, 0])
 
 
 def _sample_filtered(logp: jax.Array, key: jax.Array, top_k: int, top_p: float, one_pass: bool = False) -> jax.Array:
@@ -223,7 +256,10 @@ def prefill(graphdef, params, prompt_tokens, prompt_valid, key, *, opts: Sampler
 
     # Repeat each prompt's cache for its G samples: rows i*G .. i*G+G-1 belong to prompt i.
     rep = lambda x: jnp.repeat(x, num_samples, axis=0)
-    cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, K, S, D)
+    if opts.unroll_layers:  # decode's straight-code layers: a (B, K, S, D) buffer per layer (layers_apart)
+        cache = tuple(tuple(jnp.repeat(c[i], num_samples, axis=0) for i in range(c.shape[0])) for c in cache)
+    else:
+        cache = jax.tree.map(lambda c: jnp.repeat(c, num_samples, axis=1), cache)  # (L, B, K, S, D)
     if mesh is not None:
         cache = constrain_kv_cache(cache, mesh)
     logits, prompt_valid = rep(logits), rep(prompt_valid)

@@ -171,27 +171,29 @@ class Attention(nnx.Module):
         return self.o_proj(out.astype(x.dtype)).reshape(b, t, e), cache
 
     def decode(self, x, positions, inv_freq, key_valid, cache, layer, slot=None, fused=None, span=None):
-        """One new token per row against layer `layer` of the stacked cache (L, B, K, S, D):
-        x (B, 1, E), key_valid (B, S). With `slot` None the cache is only read: `key_valid` marks
-        the slots filled before this token, which attends to them and to its own key and value,
+        """One new token per row: x (B, 1, E), key_valid (B, S). With `slot` None, `cache` is the
+        stacked (L, B, K, S, D) cache, of which layer `layer` is only read: `key_valid` marks the
+        slots filled before this token, which attends to them and to its own key and value,
         returned (B, K, 1, D) for the caller to write once for every layer after a loop over them
         (a write inside the loop made XLA copy the whole stacked cache per layer). With `slot`,
-        the token's key and value are written there first and read back with the rest (straight
-        code, where a write before the read is what keeps it in place); `key_valid` includes the
-        slot, and the updated cache is returned. `span`: only the first `span` slots are read (the
-        ones a phase of the decode loop can have filled, see sampler.decode)."""
+        `cache` is this layer's own (B, K, S, D) buffers (straight code, sampler.prefill makes
+        them): the token's key and value are written there first, in place, and read back with
+        the rest; `key_valid` includes the slot, and the updated buffers are returned. `span`:
+        only the first `span` slots are read (the ones a phase of the decode loop can have filled,
+        see sampler.decode)."""
         b, _, e = x.shape
-        cut = lambda c: c[layer] if span is None else jax.lax.dynamic_slice_in_dim(c, layer, 1)[0, :, :, :span]
         if span is not None:
             key_valid = key_valid[:, :span]
         [(q, k, v)] = self._qkv(x.reshape(b, e), [(b, 1)], [positions], inv_freq, fused)
         ck, cv = cache
         k, v = jnp.swapaxes(k, 1, 2).astype(ck.dtype), jnp.swapaxes(v, 1, 2).astype(cv.dtype)  # (B, K, 1, D)
         if slot is None:
+            cut = lambda c: c[layer] if span is None else jax.lax.dynamic_slice_in_dim(c, layer, 1)[0, :, :, :span]
             out, new = attend_decode(q, cut(ck), cut(cv), key_valid, k, v), (k, v)
         else:
-            ck = jax.lax.dynamic_update_slice(ck, k[None], (layer, 0, 0, slot, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v[None], (layer, 0, 0, slot, 0))
+            ck = jax.lax.dynamic_update_slice(ck, k, (0, 0, slot, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v, (0, 0, slot, 0))
+            cut = lambda c: c if span is None else c[:, :, :span]
             out, new = attend_decode(q, cut(ck), cut(cv), key_valid), (ck, cv)
         return self.o_proj(out.reshape(b, -1).astype(x.dtype)).reshape(b, 1, e), new
 
@@ -318,16 +320,20 @@ class CausalLM(nnx.Module):
         before; the tokens' keys and values are written at `slot` of every layer at once, after
         the layers, which only read the cache: XLA updates the donated cache in place with no copy
         of it per layer. `layers`: `layers_apart()`, made outside the decode loop, for the layers
-        as straight code; else a loop over the stacked layers. `span`: the slots read (all: None);
-        `slot` must be below it. -> ((B, 1, E), cache)."""
+        as straight code, each writing its own buffers first: `cache` is then a (B, K, S, D)
+        buffer per layer, ((k_0, .., k_L-1), (v_0, .., v_L-1)), as sampler.prefill makes it for
+        them; else a loop over the stacked layers. `span`: the slots read (all: None); `slot` must
+        be below it. -> ((B, 1, E), cache)."""
         inv_freq = rope_inv_freq(self.config)
         x = self.model.embed_tokens(tokens)
-        if layers is not None:  # straight code over weights laid out per layer (see layers_apart)
+        if layers is not None:  # straight code over weights and cache laid out per layer (see layers_apart)
             graphdef, states, fused = layers
             valid = jax.lax.dynamic_update_slice_in_dim(key_valid, jnp.ones((x.shape[0], 1), bool), slot, 1)
-            for i, (state, f) in enumerate(zip(states, fused)):
-                x, cache = nnx.merge(graphdef, state).decode(x, positions, inv_freq, valid, cache, i, slot, f, span)
-            return self.model.norm(x), cache
+            out = []
+            for state, f, c in zip(states, fused, zip(*cache)):
+                x, c = nnx.merge(graphdef, state).decode(x, positions, inv_freq, valid, c, None, slot, f, span)
+                out.append(c)
+            return self.model.norm(x), tuple(zip(*out))
         fused = fuse_projections(self.model.layers)
         graphdef, stacked = nnx.split(self.model.layers)
 
@@ -570,7 +576,8 @@ def init_kv_cache(cfg: ModelConfig, batch: int, slots: int, mesh=None) -> KVCach
 
 
 def constrain_kv_cache(cache: KVCache, mesh) -> KVCache:
-    return tuple(constrain(c, KV_CACHE_AXES, mesh) for c in cache)
+    """The stacked cache, or one buffer per layer (B, K, S, D) as decode's straight code reads it."""
+    return jax.tree.map(lambda c: constrain(c, KV_CACHE_AXES[len(KV_CACHE_AXES) - c.ndim :], mesh), cache)
 
 
 def head_logits(h: jax.Array, w: jax.Array, vocab_major: bool, dtype) -> jax.Array:
