@@ -253,8 +253,9 @@ def _deployment_update(**fields: Any):
 
 
 def run_cases(client, cases: list[Case], p: Place) -> list[Outcome]:
-    """The pipeline deployment's cases in turn (it runs one flow run at a time), the others beside
-    them in turn: a case's seconds are from its submission to its refusal, nothing queued before it."""
+    """Each deployment's cases in turn (a deployment runs one flow run at a time), the deployments
+    beside each other: a case's seconds are from its submission to its refusal, nothing queued
+    before it."""
     out: dict[int, Outcome] = {}
 
     def stream(indices: list[int]) -> None:
@@ -264,13 +265,15 @@ def run_cases(client, cases: list[Case], p: Place) -> list[Outcome]:
             except Exception as exc:  # noqa: BLE001 - a case that breaks is a failed row
                 out[i] = Outcome(cases[i], "ERROR", 0.0, f"{type(exc).__name__}: {exc}", -1)
 
-    pipeline = [i for i, c in enumerate(cases) if c.deployment in (PIPE, TRAIN)]  # one flow: one slot
-    others = [i for i, c in enumerate(cases) if c.deployment not in (PIPE, TRAIN)]
-    # in a copy of this thread's context: the Prefect settings (API URL, auth) set here
-    beside = threading.Thread(target=contextvars.copy_context().run, args=(stream, others))
-    beside.start()
-    stream(pipeline)
-    beside.join()
+    streams: dict[str, list[int]] = {}
+    for i, c in enumerate(cases):
+        streams.setdefault(c.deployment, []).append(i)
+    # each in a copy of this thread's context: the Prefect settings (API URL, auth) set here
+    beside = [threading.Thread(target=contextvars.copy_context().run, args=(stream, s)) for s in streams.values()]
+    for t in beside:
+        t.start()
+    for t in beside:
+        t.join()
     return [out[i] for i in range(len(cases))]
 
 
