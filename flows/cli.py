@@ -370,6 +370,8 @@ def _print_estimate(e: dict) -> None:
         )
         print(f"  run     >= {_duration(e['run_s'])} = {e['num_steps']} steps x {_duration(e['step_s'])}{evals}")
     print(f"  ignores: {'; '.join(e['ignores'])}")
+    for line in e.get("advice") or []:
+        print(f"  advice:  {line}")
 
 
 def _duration(s: float) -> str:

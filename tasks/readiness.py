@@ -90,7 +90,7 @@ def readiness_report(
         live = _with_target(report, live, aot)
         if aot.get("estimate") is not None:  # the compiler's step bound, for the run's steps and evaluations
             data_check = next((c for c in checks if c["name"] == "data"), None)
-            report["estimate"] = _run_estimate(cfg, aot["estimate"], data_check)
+            report["estimate"] = _run_estimate(cfg, aot["estimate"], data_check, int(aot.get("devices") or 1))
     report["checks"] = checks + live
     report["ready"] = all(c["ok"] for c in report["checks"])
     if handover and not report["ready"]:
@@ -125,15 +125,16 @@ def aot_report(cfg: RunConfig, vocab_size: int, timeout_s: float) -> dict[str, A
         return {"error": f"the AOT check exited with code {proc.returncode} without a report: {proc.stderr[-2000:]}"}
 
 
-def _run_estimate(cfg: RunConfig, step: dict[str, Any], data: dict[str, Any] | None) -> dict[str, Any]:
+def _run_estimate(cfg: RunConfig, step: dict[str, Any], data: dict[str, Any] | None, devices: int) -> dict[str, Any]:
     """The compiler's step bound for the whole run (grpo_core.config.roofline): train.num_steps
     steps (auto: as the data read here makes it) and an evaluation of the eval rows at the start
-    and after each of pipeline.epochs."""
+    and after each of pipeline.epochs; `advice` what to try for a faster rollout on the target's
+    `devices` chips."""
     read = data is not None and data["ok"]
     steps = cfg.train.num_steps
     if steps == "auto":
         steps = cfg.train.steps_for(data["train_rows"]) if read else None
-    return roofline.run(
+    out = roofline.run(
         step,
         num_steps=steps,
         evaluations=cfg.pipeline.epochs + 1,
@@ -142,6 +143,9 @@ def _run_estimate(cfg: RunConfig, step: dict[str, Any], data: dict[str, Any] | N
         num_samples=cfg.eval.num_samples,
         new_tokens=cfg.train.sampling.max_new_tokens,
     )
+    advice = roofline.rollout_advice(out, rollout_mesh_set=cfg.train.mesh.rollout is not None, devices=devices)
+    out["advice"] = [advice] if advice else []
+    return out
 
 
 def _gib(n: int | None) -> str:

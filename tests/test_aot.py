@@ -186,6 +186,7 @@ def test_grpo_check_target_json_then_cached(tmp_path):
     ).stdout
     assert "a roofline bound (a lower bound on time" in text and "197 TFLOP/s" in text and "819 GB/s" in text
     assert "run     >= " in text and f"{report['estimate']['num_steps']} steps x" in text
+    assert "advice:  decode collects the learner's split weights" in text
 
 
 def _assert_the_estimate_counts_the_loops(report: dict, tmp_path) -> None:
@@ -215,6 +216,9 @@ def _assert_the_estimate_counts_the_loops(report: dict, tmp_path) -> None:
     tokens = s.prompts * s.prompt_len + s.rows * s.new_tokens
     assert timed["update"]["flops"] >= 0.75 * 6 * params * tokens / chips > progs["update"]["flops"]
     assert est["split_s"]["update"] == timed["update"]["s"] * est["updates_per_step"]
+    # the rollout shares the learner's fsdp=4 mesh: decode collects the split weights each token step
+    [advice] = est["advice"]
+    assert timed["decode"]["collective_bytes"] > 0 and 'train.mesh.rollout={"data": -1, "fsdp": 1}' in advice, advice
 
 
 def test_a_report_is_read_back_only_by_the_code_that_wrote_it(tmp_path, monkeypatch):

@@ -78,6 +78,20 @@ def test_a_step_sums_its_programs_the_update_once_per_update():
     assert refused["step_s"] is None and refused["missing"] == ["update"]
 
 
+def test_a_rollout_that_gathers_weights_each_token_step_is_told_what_to_try():
+    """Decode on the learner's mesh collects its split weights at every token step: the estimate
+    names train.mesh.rollout with the target's chips; not when the rollout has its own layout, on
+    one chip, or when decode's collectives are a trifle of its traffic."""
+    est = _step()  # decode: 0.5 of collectives against 5.0 bytes a token step, 5.5 over 9 steps
+    [advice] = [roofline.rollout_advice(est, rollout_mesh_set=False, devices=4)]
+    assert 'train.mesh.rollout={"data": -1, "fsdp": 1}' in advice, advice
+    assert f"{5.5 / 9 / 1e9:.3g} GB of collectives a token step" in advice
+    assert roofline.rollout_advice(est, rollout_mesh_set=True, devices=4) is None
+    assert roofline.rollout_advice(est, rollout_mesh_set=False, devices=1) is None
+    quiet = dict(PROGRAMS[2], collective_bytes=0.0, iterations=[{"flops": 10.0, "bytes": 5.0, "collective_bytes": 0.0}])
+    assert roofline.rollout_advice(_step([*PROGRAMS[:2], quiet]), rollout_mesh_set=False, devices=4) is None
+
+
 def test_a_run_counts_its_steps_and_both_evaluation_passes():
     kw = dict(num_steps=10, evaluations=3, batch_size=4, num_samples=4, new_tokens=10)
     out = roofline.run(_step(), eval_rows=8, **kw)
