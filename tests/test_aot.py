@@ -127,6 +127,7 @@ def test_a_config_that_cannot_fit_one_v5e_chip_is_refused_with_xlas_number(aot):
     assert "LoRA" in report["fix"]  # no remat or accumulation fits weights that large
 
 
+@pytest.mark.slow  # end to end: two `grpo check` processes and the text (~55 s; make test runs it)
 def test_grpo_check_target_json_then_cached(tmp_path):
     """`grpo check --target v5e:2x2 --json` compiles every program of the tiny run for 4 v5e chips in
     a process of its own; the same check again reads the report back."""
