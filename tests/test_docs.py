@@ -126,6 +126,12 @@ def test_the_config_reference_holds_every_declared_field(site):
     assert "<code>token_mean</code>" in rows["train.grpo.loss_aggregation"]
     assert "your data: <code>256</code>" in rows["train.sampling.max_new_tokens"]  # the 'hf' recipe's
     assert not (ROOT / "docs" / "reference" / "config.md").exists()
+    # the trust policy's totals on work (grpo_core.config.work), each with its limit and formula
+    from grpo_core.config.work import TOTALS
+
+    for total in TOTALS:
+        assert f"{total.api_max:,}" in rows[total.name] and "<code>data.max_prompt_tokens</code>" in rows[total.name]
+    assert "address" in rows["pipeline.report_to"]  # a tracker that sends is an address (trust.md)
 
 
 def test_the_generator_writes_the_same_page_alone(tmp_path):

@@ -125,10 +125,13 @@ def test_run_name_templates():
         "n-2026-11-24-020005"  # always UTC
     )
     with pytest.raises(
-        ConfigError, match=r"run_name 'n-\{day\}': unknown placeholder \{day\}; a template may hold \{date\}"
+        ConfigError,
+        match=r"run_name 'n-\{day\}': placeholders must be \{date\}, \{time\}, \{datetime\} .*got '\{day\}'",
     ):
         RunConfig.from_dict({"run_name": "n-{day}"})
-    with pytest.raises(ConfigError, match=r"run_name 'n-\{date': not a template: expected '\}' before end of string"):
+    with pytest.raises(
+        ConfigError, match=r"run_name 'n-\{date' is not a valid format string: expected '\}' before end of string"
+    ):
         RunConfig.from_dict({"run_name": "n-{date"})
     cfg = RunConfig.from_dict({"run_name": "nightly-{date}"})
     with pytest.raises(ConfigError, match=r"run_name 'nightly-\{date\}' is a template"):

@@ -114,3 +114,26 @@ def test_a_tracker_that_is_not_installed_names_the_extra(tmp_path, monkeypatch):
     warnings: list[str] = []
     _invocation(RunRoot(str(tmp_path / "run")), range(3), warnings, report_to=("wandb",))
     assert len(warnings) == 1 and "grpo-pipeline[tracking]" in warnings[0] and "wandb" in warnings[0]
+
+
+@pytest.mark.slow  # ~30 s: MLflow creates its SQLite store's tables, W&B starts its service
+def test_local_trackers_write_under_the_run_root_not_the_working_directory(tracker_env, monkeypatch):
+    """Without the operator's WANDB_DIR or MLFLOW_TRACKING_URI, W&B's files and MLflow's store go
+    into the run root ({run}/wandb/, {run}/mlflow.db), not into the folder the process runs in (a
+    deployment run's is the serving process's)."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("WANDB_DIR")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    cwd = tracker_env / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    root = RunRoot(str(tracker_env / "run"))
+    warnings: list[str] = []
+    _invocation(root, range(0, 3), warnings, report_to=("wandb", "mlflow"))
+    assert warnings == []
+    assert sorted(os.listdir(cwd)) == []  # nothing in the working directory
+    assert glob.glob(str(tracker_env / "run" / "wandb" / "offline-run-*"))
+    state = root.read_json("tracking.json")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tracker_env / 'run' / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(state["mlflow"]["run_id"], "reward")] == [0, 1, 2]

@@ -269,6 +269,89 @@ def test_templates_name_columns_only():
             cfg("data.source=x.jsonl", f"data.template='{bad}'")
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "data.template='{prompt:>1500000000}'",  # str.format would allocate 1.5 GB before anything refused it
+        "data.template='{prompt:{prompt.__class__.__mro__}}'",  # a nested spec: echoes object reprs
+        "data.template='{prompt!r}'",
+        "run_name='{date:>1000000000}'",
+        "run_name='{date.__class__.__init__.__globals__}'",  # was a raw AttributeError
+        "run_name='n-{date!s}'",
+    ],
+)
+def test_templates_and_run_names_are_data_refused_when_read(setting):
+    """A format spec, a conversion, an attribute or an index is refused when the config is read
+    (a ConfigError naming the field), before anything is formatted: nothing is allocated."""
+    import tracemalloc
+
+    field = setting.split("=", 1)[0]
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(field)} .*no format spec, conversion, attribute or index"):
+            cfg("data.source=x.jsonl", setting)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50_000_000, peak  # the spec's gigabyte was never asked for
+
+
+def test_work_as_a_whole_has_a_total_the_operator_can_raise():
+    """Each factor within its own limit, the product over the total: refused naming the product
+    and its factors; --raise-limit names the total like a field."""
+    big = cfg(
+        "train.grpo.prompts_per_step=4096", "train.grpo.num_generations=256", "train.sampling.max_new_tokens=32768"
+    )
+    with pytest.raises(ConfigError) as err:
+        TrustPolicy().check(big)
+    msg = str(err.value)
+    assert msg.startswith(
+        "train.tokens_per_step = train.grpo.prompts_per_step 4,096 × train.grpo.num_generations 256 × "
+        "(data.max_prompt_tokens 16 + train.sampling.max_new_tokens 32,768) = 34,376,515,584 tokens is more than "
+        "a deployment run may ask for (8,388,608)"
+    ), msg
+    assert "--raise-limit train.tokens_per_step=N" in msg
+    TrustPolicy.from_env({ENV_LIMITS: "train.tokens_per_step=4e10,eval.tokens_per_batch=1e7"}).check(big)
+    evals = cfg("eval.batch_size=4096", "eval.num_samples=64", "train.sampling.max_new_tokens=1024")
+    with pytest.raises(ConfigError, match=r"^eval\.tokens_per_batch = eval\.batch_size 4,096 × eval\.num_samples 64"):
+        TrustPolicy().check(evals)
+    TrustPolicy().check(cfg())  # the demo: 16 × 8 × (16 + 6) tokens a step
+    for recipe in ("gsm8k-qwen2.5-0.5b-instruct", "dapo-qwen2.5-math-7b"):  # real recipes fit the totals
+        operator = {ENV_FIELDS: "pipeline.report_to", ENV_ROOTS: os.getcwd()}  # the recipes' own files, trackers
+        TrustPolicy.from_env(operator).check(load_config(f"recipes/{recipe}.yaml"))
+
+
+def test_trackers_that_send_are_addresses_and_local_ones_write_under_the_run_root(tmp_path):
+    """pipeline.report_to from a deployment: W&B and a remote MLflow send the run's metrics (with
+    the operator's key) to an address, refused unless the operator allows the host or the field;
+    TensorBoard, W&B offline and MLflow without a tracking URI write under the run root, which
+    MLflow then needs to be a local folder."""
+    wandb = cfg("pipeline.report_to=[wandb]")
+    with pytest.raises(ConfigError) as err:
+        TrustPolicy().check(wandb)
+    assert str(err.value).startswith(
+        "pipeline.report_to=('wandb',) may not be set in a deployment run: the tracker wandb sends the run's "
+        "metrics to https://api.wandb.ai: the host api.wandb.ai is not allowed"
+    ), err.value
+    assert "--allow-field pipeline.report_to" in str(err.value)
+    TrustPolicy.from_env({ENV_HOSTS: "api.wandb.ai"}).check(wandb)
+    TrustPolicy.from_env({ENV_FIELDS: "pipeline.report_to"}).check(wandb)
+    TrustPolicy.from_env({"WANDB_MODE": "offline"}).check(wandb)
+    with pytest.raises(ConfigError, match="sends the run's metrics to http://wandb.internal:8080"):
+        TrustPolicy.from_env({"WANDB_BASE_URL": "http://wandb.internal:8080"}).check(wandb)
+    TrustPolicy().check(cfg("pipeline.report_to=[tensorboard]"))
+    mlflow = cfg("pipeline.report_to=[mlflow]", f"storage.root={tmp_path}")
+    TrustPolicy.from_env({ENV_ROOTS: str(tmp_path)}).check(mlflow)  # its store: {run}/mlflow.db
+    remote = {"MLFLOW_TRACKING_URI": "https://mlflow.example:5000", ENV_ROOTS: str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"tracker mlflow sends .* the host mlflow\.example:5000 is not allowed"):
+        TrustPolicy.from_env(remote).check(mlflow)
+    TrustPolicy.from_env({**remote, ENV_HOSTS: "mlflow.example:5000"}).check(mlflow)
+    on_gcs = cfg("pipeline.report_to=[mlflow]", "storage.root=gs://bucket/runs")
+    with pytest.raises(ConfigError, match=r"keeps its store in the run root, and gs://bucket/runs.* is not a local"):
+        TrustPolicy.from_env({ENV_ROOTS: "gs://bucket/runs", ENV_FIELDS: "pipeline.report_to"}).check(on_gcs)
+    assert "MLFLOW_TRACKING_URI" in refused_job_variables({"env": {"MLFLOW_TRACKING_URI": "http://x"}})
+
+
 def test_reserved_run_names():
     with pytest.raises(ConfigError, match=r"run_name may not start with '_'.*_flow-runs"):
         cfg("run_name=_flow-runs")

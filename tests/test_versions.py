@@ -114,3 +114,41 @@ def test_an_unreachable_gs_source_fails_at_once_naming_the_field(tmp_path, monke
     cfg = load_config(None, [f"storage.root={tmp_path}", "data.source=gs://bucket/prompts.jsonl"])
     with pytest.raises(StorageError, match=r"data\.source gs://bucket/prompts\.jsonl: cannot reach"):
         with_versions(cfg)
+
+
+def test_an_edited_reward_file_is_a_new_run_or_a_refusal_naming_it(tmp_path):
+    """The run's identity holds what its reward file says (a digest of its content), not only its
+    path: the same config after an edit of the file is a new run under run_name: null, and under
+    a fixed run_name a refusal naming the file; the same content again is the same run. A
+    built-in reward has no file: the demo's hashes do not move. A run started before code was
+    versioned by content resumes."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(_rows(8))
+    reward = tmp_path / "rewards" / "mine.py"
+    reward.parent.mkdir()
+    reward.write_text("def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    spec = f"rewards=[{{function: '{reward}:score'}}]"
+    first = _config(str(tmp_path / "runs"), str(data), spec)
+    assert dict(first.versions)["rewards[0].function"].startswith("sha256:")
+    assert "rewards[0].function" in json.dumps(first.to_dict()["versions"])  # recorded in config.json
+    named = _config(str(tmp_path / "runs"), str(data), spec, "run_name=mine")
+    init_run_root(named)
+    reward.write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    edited = _config(str(tmp_path / "runs"), str(data), spec)
+    assert edited.train_hash != first.train_hash and edited.name != first.name
+    assert edited.eval_hash != first.eval_hash  # the evaluation scores with it too
+    assert edited.data_hash == first.data_hash  # the prepared data does not depend on it
+    with pytest.raises(ConfigError) as err:
+        init_run_root(_config(str(tmp_path / "runs"), str(data), spec, "run_name=mine"))
+    assert "was started on other inputs: rewards[0].function: " in str(err.value)
+    assert f"edited code: {reward}" in str(err.value)
+    reward.write_text("def score(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    init_run_root(_config(str(tmp_path / "runs"), str(data), spec, "run_name=mine"))  # the same content again
+    # a run whose config.json was written before code versions existed resumes with its own config
+    old = dict(named.to_dict(), versions={k: v for k, v in named.versions if not k.startswith("rewards[")})
+    RunRoot(named.run_url).write_json("config.json", old)
+    init_run_root(named)
+    assert "rewards[0].function" not in RunRoot(named.run_url).read_json("config.json")["versions"]
+    demo = with_versions(load_config(None, []))
+    assert not demo.code_versions("rewards[", "eval.rewards[")
+    assert demo.train_hash == load_config(None, []).train_hash

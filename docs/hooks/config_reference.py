@@ -36,6 +36,7 @@ from grpo_core.config.model import ModelConfig, ModelSection
 from grpo_core.config.presets import PRESETS
 from grpo_core.config.run import RUN_DOCS, EvalConfig, PipelineConfig, RewardSpec, RunConfig
 from grpo_core.config.train import TrainConfig
+from grpo_core.config.work import TOTALS
 
 PAGE = "reference/config.md"
 # The run config's sections, in the order of a config file (RunConfig.SECTIONS).
@@ -244,6 +245,18 @@ def render() -> str:
         Row("rewards", "list of rewards[]", _default(UNDECLARED, "rewards", given), "length ≥ 1", RUN_DOCS["rewards"]),
     ]
     lines += ["## The run {#top}", "", *_table(top), ""]
+    lines += [
+        "## Work totals {#work-totals}",
+        "",
+        "Products of the fields above that a run started from a deployment may not exceed as a whole (each "
+        "factor has its own limit too); an operator raises one with `grpo serve --raise-limit NAME=N` "
+        "([the trust model](../trust.md)). A config you run yourself is not bounded by them.",
+        "",
+        "| total | computed as | from the API | description |",
+        "| --- | --- | --- | --- |",
+        *(f'| <a id="{t.name}"></a>`{t.name}` | {t.formula()} | ≤ {t.api_max:,} | {_text(t.doc)} |' for t in TOTALS),
+        "",
+    ]
     for name, cls in SECTIONS:
         # a reward's fields have no recipe default of their own (the recipes' reward lists are `rewards`')
         for path, rows in walk(cls, name, {} if cls is RewardSpec else given):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import string
 import typing
 
-from grpo_core.config.fields import Section, Trust, check, config_hash, field, section
+from grpo_core.config.fields import Section, Trust, check, config_hash, field, placeholders, section
 from grpo_core.errors import ConfigError
 
 
@@ -165,17 +164,9 @@ class DataConfig(Section):
 
 
 def _check_template(template: str) -> None:
-    """Only plain {column} placeholders: positional '{}' and '{a.b}' / '{a[0]}' are not columns."""
-    try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as exc:
-        raise ConfigError(f"data.template {template!r} is not a valid format string: {exc}") from None
-    bad = [n for n in names if not n or not n.isidentifier()]
-    check(
-        not bad,
-        f"data.template {template!r}: placeholders must be column names like {{question}}, got "
-        f"{', '.join(repr('{' + n + '}') for n in bad)}",
-    )
+    """Only plain {column} placeholders (fields.placeholders): no positional '{}', no '{a.b}' or
+    '{a[0]}', no format spec or conversion."""
+    placeholders(template, "data.template", like="column names like {question}")
 
 
 # Fields added after runs existed, left out of the hash at their default so that those runs

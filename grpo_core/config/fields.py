@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import string
 import types
 import typing
 from typing import Any, ClassVar
@@ -98,6 +99,38 @@ def as_enum(cls: type[enum.Enum], value: Any, path: str) -> enum.Enum:
     except ValueError:
         choices = ", ".join(m.value for m in cls)
         raise ConfigError(f"{path} must be one of {choices}; got {value!r}") from None
+
+
+def placeholders(text: str, what: str, allowed: tuple[str, ...] | None = None, like: str = "") -> list[str]:
+    """The names of `text`'s placeholders, where each is a plain `{name}` and nothing more; else
+    ConfigError naming `what`, before anything is formatted. A format spec (`{x:>1500000000}`)
+    makes str.format allocate that much first (gigabytes from one field), and a nested one
+    (`{x:{x.__class__.__mro__}}`) or an attribute, index or conversion (`{x.a}`, `{x[0]}`,
+    `{x!r}`) reaches the objects behind a value: a template names values, it computes nothing.
+    `allowed`: the only names it may hold (None: any identifier); `like`: what they are, said."""
+    try:
+        parts = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        raise ConfigError(f"{what} {_short(text)} is not a valid format string: {exc}") from None
+    names, bad = [], []
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name.isidentifier() and not spec and not conversion and (allowed is None or name in allowed):
+            names.append(name)
+        else:
+            bad.append("{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}")
+    if bad:
+        raise ConfigError(
+            f"{what} {_short(text)}: placeholders must be {like or 'names'}, with no format spec, conversion, "
+            f"attribute or index; got {', '.join(_short(b, 40) for b in bad[:4])}"
+        )
+    return names
+
+
+def _short(text: str, most: int = 80) -> str:
+    """`text` quoted, cut to `most` characters (a config value in a message, whatever its size)."""
+    return repr(text if len(text) <= most else text[:most] + "...")
 
 
 def _parts(hint: Any) -> tuple[Any, bool, tuple[str, ...]]:

@@ -29,7 +29,16 @@ import yaml
 
 from grpo_core.config import recipes
 from grpo_core.config.data import DataConfig, data_hash
-from grpo_core.config.fields import Section, Trust, apply_overrides, check, config_hash, field, section
+from grpo_core.config.fields import (
+    Section,
+    Trust,
+    apply_overrides,
+    check,
+    config_hash,
+    field,
+    placeholders,
+    section,
+)
 from grpo_core.config.launch import LauncherConfig
 from grpo_core.config.model import (
     PATH_OVERRIDES,
@@ -250,8 +259,9 @@ class PipelineConfig(Section):
     report_to: tuple[str, ...] = field(
         (),
         doc="Experiment trackers the metrics also go to: tensorboard (event files in {run}/tensorboard/), "
-        "wandb, mlflow (MLFLOW_TRACKING_URI); 'all' or 'none' as in TRL",
-        trust=Trust.SAFE,
+        "wandb (WANDB_BASE_URL, else api.wandb.ai; files in {run}/wandb/), mlflow (MLFLOW_TRACKING_URI, else "
+        "{run}/mlflow.db); 'all' or 'none' as in TRL. From a deployment run a tracker that sends is an address",
+        trust=Trust.ADDRESS,
     )
     tracking_project: str = field(
         "grpo", doc="The W&B project and MLflow experiment of the run", min_length=1, trust=Trust.SAFE
@@ -538,23 +548,42 @@ class RunConfig:
                 **({"model_version": versions["model.path"]} if "model.path" in versions else {}),
                 # the run and step a continual run starts from (model.init_from)
                 **({"init": versions["model.init_from"]} if "model.init_from" in versions else {}),
+                # what the reward files say, not only where they are (absent for built-ins: older hashes hold)
+                **({"code": code} if (code := self.code_versions("rewards[")) else {}),
             }
         )
 
     @property
     def eval_hash(self) -> str:
+        # the evaluation rewards' code versions (the training rewards' where eval.rewards is empty)
+        code = self.code_versions("eval.rewards[" if self.eval.rewards else "rewards[")
         return config_hash(
             {
                 "eval": dict(self.eval.to_dict(), rewards=[r.hash_dict() for r in self.eval.rewards]),
                 "data": self.data_hash,
                 "model": self.model.to_dict(),
                 "max_new_tokens": self.train.sampling.max_new_tokens,
+                **({"code": code} if code else {}),
             }
         )
 
     @property
     def eval_rewards(self) -> tuple[RewardSpec, ...]:
         return self.eval.rewards or self.rewards
+
+    @property
+    def code(self) -> tuple[tuple[str, str], ...]:
+        """(field, spec) of each piece of code the config names (`file.py:fn`, `module:fn`, a
+        built-in's name): what the trust policy checks and whose files' content versions a run."""
+        return tuple(
+            (f"{where}[{i}].function", spec.function)
+            for where, specs in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards))
+            for i, spec in enumerate(specs)
+        )
+
+    def code_versions(self, *prefixes: str) -> dict[str, str]:
+        """The recorded content versions of the code under fields starting with `prefixes`."""
+        return {k: v for k, v in self.versions if k.startswith(prefixes)}
 
     @property
     def name(self) -> str:
@@ -604,16 +633,15 @@ def is_template(name: str) -> bool:
 
 def format_run_name(template: str, when: datetime.datetime) -> str:
     """`template` with {date}, {time} and {datetime} of `when` (in UTC), or ConfigError naming run_name."""
+    placeholders(  # before anything is formatted
+        template,
+        "run_name",
+        tuple(RUN_NAME_FIELDS),
+        f"{', '.join('{' + k + '}' for k in RUN_NAME_FIELDS)} (the flow run's scheduled time, UTC)",
+    )
     when = when.astimezone(datetime.timezone.utc) if when.tzinfo else when
     values = {k: when.strftime(f) for k, f in RUN_NAME_FIELDS.items()}
-    try:
-        name = template.format(**values)
-    except (KeyError, IndexError, ValueError) as exc:
-        what = f"unknown placeholder {{{exc.args[0]}}}" if isinstance(exc, KeyError) else f"not a template: {exc}"
-        raise ConfigError(
-            f"run_name {template!r}: {what}; a template may hold "
-            f"{', '.join('{' + k + '}' for k in RUN_NAME_FIELDS)} (the flow run's scheduled time, UTC)"
-        ) from None
+    name = template.format(**values)
     check(not is_template(name), f"run_name {template!r} does not name a single folder: {name!r}")
     check_run_name(name, f"run_name {template!r} filled in")
     return name.strip("/")

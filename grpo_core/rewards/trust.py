@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 
 from grpo_core.config.fields import Trust, api_max_of, section_type, trust_of
 from grpo_core.config.run import DEFAULT_STORAGE_ROOT, RUN_TRUST, RewardSpec, RunConfig
+from grpo_core.config.work import TOTALS
 from grpo_core.errors import ConfigError
 from grpo_core.rewards.by_value import is_pickled
 from grpo_core.rewards.registry import builtin_rewards
@@ -61,6 +62,10 @@ ENV_ROOTS = "GRPO_ALLOW_ROOTS"
 ENV_HOSTS = "GRPO_ALLOW_HOSTS"
 ENV_LIMITS = "GRPO_LIMITS"
 TRUST_ENV = (ENV_PATHS, ENV_MODULES, ENV_FIELDS, ENV_ROOTS, ENV_HOSTS, ENV_LIMITS)
+# Where the trackers of pipeline.report_to send or write (grpo_core.store.tracking): the operator's
+# environment says it, never a run's job variables (refused_job_variables)
+TRACKER_ENV = ("WANDB_BASE_URL", "WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI")
+WANDB_DEFAULT_URL = "https://api.wandb.ai"
 DEFAULT_REWARD_DIR = "rewards"  # the project's reward folder, in the flow's working directory
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -115,6 +120,7 @@ class TrustPolicy:
     roots: tuple[str, ...] = ()  # folders (real absolute paths) and URLs a deployment's places may lie under
     hosts: tuple[str, ...] = ()  # hosts (or host:port) a deployment's addresses may name
     limits: tuple[tuple[str, float], ...] = ()  # the operator's limits on work, over the declared ones
+    trackers: tuple[tuple[str, str], ...] = ()  # TRACKER_ENV as the process that runs the flow has it
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, cwd: str | None = None) -> "TrustPolicy":
@@ -133,6 +139,7 @@ class TrustPolicy:
             roots=tuple(_place(r, cwd) for r in split(ENV_ROOTS)),
             hosts=tuple(h.lower() for h in split(ENV_HOSTS)),
             limits=parse_limits(split(ENV_LIMITS), ENV_LIMITS),
+            trackers=tuple((k, env[k]) for k in TRACKER_ENV if env.get(k)),
         )
 
     def reward_refusal(self, spec: str, cwd: str | None = None) -> str | None:
@@ -172,10 +179,17 @@ class TrustPolicy:
             f"({_listed(self.roots)})" if self.roots else "(no other root is allowed)"
         )
 
-    def address_refusal(self, field: str, value: Any) -> str | None:
-        """Why `field`'s `value` (an ADDRESS) may not be used by a deployment's config, or None."""
+    def address_refusal(self, field: str, value: Any, storage_url: str | None = None) -> str | None:
+        """Why `field`'s `value` (an ADDRESS) may not be used by a deployment's config, or None.
+        `storage_url`: the run's, where a tracker of pipeline.report_to would keep a local store."""
+        if field == "pipeline.report_to":
+            allowed = field in self.fields  # the addresses are allowed; a store still needs a place
+            return next((w for n in value or () if (w := self.tracker_refusal(n, storage_url, allowed))), None)
         if value in (None, "") or value == value_of(_default(), field) or field in self.fields:
             return None
+        return self._host_refusal(value)
+
+    def _host_refusal(self, value: str) -> str | None:
         host = _host(value)
         if host and any(h in (host[0], f"{host[0]}:{host[1]}") for h in self.hosts):
             return None
@@ -183,21 +197,47 @@ class TrustPolicy:
             return f"the host {host[0]}{f':{host[1]}' if host[1] else ''} is not allowed ({_listed(self.hosts)})"
         return "it names a machine this run would act on"
 
+    def tracker_refusal(self, name: str, storage_url: str | None = None, sends: bool = False) -> str | None:
+        """Why tracker `name` of pipeline.report_to may not be used by a deployment's config, or
+        None. TensorBoard writes its event files under the run root. W&B sends to its server
+        (WANDB_BASE_URL, else api.wandb.ai) with the operator's key: an address, unless the
+        operator's environment says WANDB_MODE offline or disabled (it then writes under the run
+        root). MLflow sends to MLFLOW_TRACKING_URI where that names a server (an address); with
+        none it keeps its store in the run root, so a run root that is not a local folder has
+        nowhere for it. `sends`: the operator allowed the field (its trackers may send)."""
+        env = dict(self.trackers)
+        if name == "wandb" and not sends and env.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+            url = env.get("WANDB_BASE_URL", WANDB_DEFAULT_URL)
+            why = self._host_refusal(url)
+            return f"the tracker wandb sends the run's metrics to {url}: {why}" if why else None
+        if name == "mlflow":
+            uri = env.get("MLFLOW_TRACKING_URI", "")
+            if "://" in uri and not uri.startswith(("file:", "sqlite:")):
+                if sends:
+                    return None
+                why = self._host_refusal(uri)
+                return f"the tracker mlflow sends the run's metrics to {uri}: {why}" if why else None
+            if not uri and storage_url is not None and "://" in storage_url:
+                return (
+                    f"the tracker mlflow keeps its store in the run root, and {storage_url} is not a local folder "
+                    "(the operator sets MLFLOW_TRACKING_URI where the flow runs)"
+                )
+        return None
+
     def limit(self, field: str, declared_max: float) -> float:
         return dict(self.limits).get(field, declared_max)
 
     def check(self, cfg: Any, cwd: str | None = None) -> None:
         """ConfigError naming the first field of `cfg` (a RunConfig) that a deployment's config may
         not set, and the setting that would allow it."""
-        for field, specs in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards)):
-            for i, spec in enumerate(specs):
-                why = self.reward_refusal(spec.function, cwd)
-                if why:
-                    raise ConfigError(
-                        f"{field}[{i}].function {spec.function!r} may not run in a deployment run: {why}. "
-                        "A config from the API or the UI may name the built-in rewards and the reward files "
-                        "and modules the operator allowed; " + HOW_TO_ALLOW.format(paths=ENV_PATHS, modules=ENV_MODULES)
-                    )
+        for field, spec in cfg.code:
+            why = self.reward_refusal(spec, cwd)
+            if why:
+                raise ConfigError(
+                    f"{field} {spec!r} may not run in a deployment run: {why}. "
+                    "A config from the API or the UI may name the built-in rewards and the reward files "
+                    "and modules the operator allowed; " + HOW_TO_ALLOW.format(paths=ENV_PATHS, modules=ENV_MODULES)
+                )
         for d in declared():
             if d.path.startswith("rewards[]") or d.path == "eval.rewards":
                 continue  # above
@@ -217,7 +257,7 @@ class TrustPolicy:
                         "the environment of the process that runs the flow, e.g. a work-pool worker)"
                     )
             if d.trust is Trust.ADDRESS:
-                why = self.address_refusal(d.path, value)
+                why = self.address_refusal(d.path, value, cfg.storage_url)
                 if why:
                     raise ConfigError(
                         f"{d.path}={value!r} may not be set in a deployment run: {why}. An operator allows a host "
@@ -233,6 +273,14 @@ class TrustPolicy:
                         f"raises the limit with `grpo serve --raise-limit {d.path}=N` (or {ENV_LIMITS}="
                         f"{d.path}=N,... in the environment of the process that runs the flow)"
                     )
+        for total in TOTALS:  # each factor within its limit, the product within its own
+            most = self.limit(total.name, total.api_max)
+            if total.of(cfg) > most:
+                raise ConfigError(
+                    f"{total.name} = {total.spelled(cfg)} is more than a deployment run may ask for ({most:,.0f}). "
+                    f"An operator raises the limit with `grpo serve --raise-limit {total.name}=N` (or {ENV_LIMITS}="
+                    f"{total.name}=N,... in the environment of the process that runs the flow)"
+                )
 
     def check_run_url(self, run_url: str, cwd: str | None = None) -> None:
         """The evaluate deployment's run folder: a place it reads and writes, under an allowed root."""
@@ -258,7 +306,7 @@ def check_allowed_fields(fields: tuple[str, ...], where: str) -> tuple[str, ...]
 
 def parse_limits(items: tuple[str, ...] | list[str], where: str) -> tuple[tuple[str, float], ...]:
     """FIELD=N items (the operator's limits on work) checked against the fields that have one."""
-    bounded = {d.path for d in declared() if d.api_max is not None}
+    bounded = {d.path for d in declared() if d.api_max is not None} | {t.name for t in TOTALS}
     out = []
     for item in items:
         name, sep, raw = item.partition("=")
@@ -276,10 +324,11 @@ def refused_job_variables(job_variables: Mapping[str, Any] | None) -> str | None
     """Why a flow run's job variables may not be used: they set the policy's own variables in the
     environment of the process that runs the flow (Prefect's process work pools pass `env` on)."""
     env = (job_variables or {}).get("env") if isinstance(job_variables, Mapping) else None
-    named = sorted(k for k in (env or {}) if k in TRUST_ENV) if isinstance(env, Mapping) else []
+    named = sorted(k for k in (env or {}) if k in (*TRUST_ENV, *TRACKER_ENV)) if isinstance(env, Mapping) else []
     if named:
         return (
-            f"job_variables.env sets {', '.join(named)}: what a deployment run may reach is the operator's to "
+            f"job_variables.env sets {', '.join(named)}: what a deployment run may reach (and where its trackers "
+            "send) is the operator's to "
             "say, in the environment of the process that runs the flow (grpo serve --allow-*, or a work-pool "
             "worker's environment), not in a run's job variables"
         )

@@ -21,6 +21,11 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
         unversioned = dataclasses.replace(cfg, versions=())
         if not old.versions and cfg.versions and old.train_hash == unversioned.train_hash:
             return root  # started before its inputs were versioned: it keeps its config.json and hashes
+        code = cfg.code_versions("rewards[", "eval.rewards[")
+        if code and not old.code_versions("rewards[", "eval.rewards["):
+            before = dataclasses.replace(cfg, versions=tuple(kv for kv in cfg.versions if kv[0] not in code))
+            if old.train_hash == before.train_hash:
+                return root  # started before code was versioned by its content: it keeps its config.json
         if old.train_hash != cfg.train_hash:
             diff = _diff(old.to_dict(), cfg.to_dict())
             changed = [d.removeprefix("versions.") for d in diff if d.startswith("versions.")]
@@ -28,10 +33,14 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
             counted = any(c.startswith("train.num_steps:") for c in changed)
             follows = [d for d in diff if counted and d.startswith("train.num_steps:")]
             if changed and len(changed) + len(follows) == len(diff):  # same config, new content
+                edited = [c for c in changed if c.startswith(("rewards[", "eval.rewards["))]
+                files = [dict(cfg.code).get(c.split(":", 1)[0], "") for c in edited]
                 raise ConfigError(
                     f"run {cfg.name!r} at {cfg.run_url} was started on other inputs: "
-                    f"{'; '.join(changed)} (the source changed since); set run_name to a new name "
-                    "(e.g. with the date), or run_name: null to name runs by their config and inputs"
+                    f"{'; '.join(changed)} (the source changed since"
+                    + (f"; edited code: {', '.join(f.rsplit(':', 1)[0] for f in files)}" if files else "")
+                    + "); set run_name to a new name (e.g. with the date), or run_name: null to name runs by their "
+                    "config and inputs"
                 )
             raise ConfigError(
                 f"run {cfg.name!r} at {cfg.run_url} was started with another config "

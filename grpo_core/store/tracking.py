@@ -1,6 +1,8 @@
 """Experiment trackers the training metrics also go to (pipeline.report_to, as TRL's report_to):
 TensorBoard event files in the run root ({run}/tensorboard/, so `tensorboard --logdir` on the run
-folder, local or gs://, shows them), Weights & Biases and MLflow.
+folder, local or gs://, shows them), Weights & Biases and MLflow. A tracker that keeps local files
+keeps them in the run root ({run}/wandb/, {run}/mlflow.db) unless the operator's environment says
+otherwise (WANDB_DIR, MLFLOW_TRACKING_URI); where it sends is the trust policy's (an address).
 
 The metric names are the run's own (reward, kl, entropy, time/step, ...; evaluation as eval/*).
 A resumed run continues the same tracker run: {run}/tracking.json holds each tracker's run id and
@@ -16,7 +18,9 @@ import io
 import math
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -82,6 +86,12 @@ class _WandB:
         import wandb  # optional, as tensorboard
 
         state.setdefault("id", uuid.uuid4().hex[:12])  # a W&B run id: the same run on every resume
+        # W&B keeps its files (and, offline, the whole run) in a folder: WANDB_DIR where the
+        # operator set it, else the run root when that is a local folder, else a temporary one,
+        # never the working directory of the process (the serving process's, for a deployment)
+        local = not os.environ.get("WANDB_DIR") and not root.is_local
+        self.tmp = tempfile.mkdtemp(prefix="grpo-wandb-") if local else None
+        where = None if os.environ.get("WANDB_DIR") else (root.path if root.is_local else self.tmp)
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", project),
             name=name,
@@ -89,6 +99,7 @@ class _WandB:
             resume="allow",
             config={"run_uri": root.url},
             reinit="create_new",
+            dir=where,
         )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -99,13 +110,21 @@ class _WandB:
 
     def close(self) -> None:
         self.run.finish()
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class _MLflow:
     def __init__(self, root: RunRoot, state: dict[str, Any], name: str, project: str):
         from mlflow.tracking import MlflowClient  # optional, as tensorboard
 
-        self.client = MlflowClient()  # MLFLOW_TRACKING_URI, else ./mlruns
+        # MLFLOW_TRACKING_URI where the operator set it; else a store in the run root when that is
+        # a local folder (the trust policy refuses a deployment run whose root is not); else
+        # MLflow's own default, in the working directory, for the local user's run
+        store = None
+        if not os.environ.get("MLFLOW_TRACKING_URI") and root.is_local:
+            store = f"sqlite:///{os.path.join(root.path, 'mlflow.db')}"
+        self.client = MlflowClient(tracking_uri=store)
         if "run_id" not in state:
             experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", project)
             found = self.client.get_experiment_by_name(experiment)

@@ -11,6 +11,10 @@ Hub repository that moved on is a new input, not yesterday's.
   an upload to that repository will not be noticed until a revision is pinned
 
 - model.init_from: the run and step it resolves to (grpo_core.store.startpoint)
+- code a config names (a reward's `file.py:fn`, a module's file): a digest of the file's content,
+  so an edited reward is a new run (or, under a fixed run_name, a refusal naming the file), never
+  yesterday's run reported again; a built-in is the project's own code, a pickled callable
+  (grpo_core.rewards.by_value) is already named by the digest of its source
 
 The flow computes them once per invocation (grpo_core.data.resolve.with_versions), before it names the run:
 they are part of the data and training hashes, recorded in config.json and the data manifest.
@@ -19,10 +23,12 @@ they are part of the data and training hashes, recorded in config.json and the d
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 from typing import Any, Callable
 
+from grpo_core.rewards.by_value import PICKLED
 from grpo_core.store.root import check_reachable, filesystem
 from grpo_core.store.sources import is_url, looks_local
 from grpo_core.store.startpoint import NO_MATCH, StartSourceMissingError, pinned_copy, resolve
@@ -96,6 +102,45 @@ def version_of(source: str, revision: str | None = None, kind: str = "model") ->
     return _hub(source, revision, kind)
 
 
+def code_file(spec: str) -> str | None:
+    """The file of the code `spec` names (`path/file.py:fn`, or `module:fn` through the module's
+    spec; finding a submodule's imports its packages, as loading it will), or None: a built-in,
+    a pickled callable, or code that cannot be found (the stage that loads it names that)."""
+    where = spec.rsplit(":", 1)[0] if ":" in spec else ""
+    if not where or where.endswith(PICKLED):
+        return None
+    if where.endswith(".py"):
+        return os.path.expanduser(where)
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        return None
+    return found.origin if found is not None and found.has_location else None
+
+
+def content_version(path: str) -> str | None:
+    """A digest of a file's content (None where it cannot be read: loading it reports that)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def code_versions(cfg) -> dict[str, str]:
+    """The content version of each file of code `cfg` (a RunConfig) names, by the field naming it."""
+    out = {}
+    for field, spec in cfg.code:
+        path = code_file(spec)
+        version = content_version(path) if path else None
+        if version is not None:
+            out[field] = version
+    return out
+
+
 def source_versions(cfg, warn: Callable[[str], None] | None = None) -> dict[str, str]:
     """The versions of the sources `cfg` (a RunConfig) names, by the field that names them."""
     named: dict[str, tuple[str, str | None, str]] = {}
@@ -107,7 +152,7 @@ def source_versions(cfg, warn: Callable[[str], None] | None = None) -> dict[str,
         named["model.path"] = (cfg.model.path, cfg.model.revision, "model")
     if cfg.model.tokenizer not in ("char", "auto"):
         named["model.tokenizer"] = (cfg.model.tokenizer, None, "model")
-    out = {}
+    out = code_versions(cfg)
     for field, (source, revision, kind) in named.items():
         check_reachable(source, field=field)  # seconds, not minutes of gcsfs retries, without network
         v = version_of(source, revision, kind)
