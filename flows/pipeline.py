@@ -37,6 +37,7 @@ from grpo_core.rewards.trust import TrustPolicy, refused_job_variables
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, checkpoint_steps, plot_curve
 from grpo_core.store.root import RunRoot, check_reachable, remove_stale_temp
+from grpo_core.store.runs import check_run_root
 from tasks.artifacts import flow_run_artifact
 from tasks.process import ahead_scope
 from tasks.readiness import readiness_report
@@ -359,6 +360,9 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
     t0 = time.perf_counter()
     lease.raise_if_held()  # reads only: a refused run writes nothing (no config.json) into the other's root
     try:
+        # reads only: a run folder that holds another config's run (an edited reward file, new data
+        # under a fixed run_name) is refused before any task, naming what differs
+        check_run_root(cfg)
         run_url = init_run.with_options(**opts)(cfg.to_dict())
     except BaseException as exc:  # a reward that cannot load, another config's root, a damaged config.json
         if not can_retry(exc):

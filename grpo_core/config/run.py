@@ -115,6 +115,9 @@ RUN_DOCS = {
 }
 
 
+# A reward spec whose file part ends so names a callable pickled by value (grpo_core.rewards.by_value)
+PICKLED = ".pkl"
+
 # What the fields outside the sections name, for the trust policy (grpo_core.rewards.trust); the
 # sections' fields say it in their declarations.
 RUN_TRUST = {"run_name": Trust.SAFE, "storage.root": Trust.WRITES}

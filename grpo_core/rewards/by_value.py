@@ -28,10 +28,9 @@ import textwrap
 import types
 from typing import Any, Callable
 
+from grpo_core.config.run import PICKLED  # a reward spec whose file part ends so names a pickled callable
 from grpo_core.data.in_memory import INPUTS
 from grpo_core.store.root import RunRoot
-
-PICKLED = ".pkl"  # a reward spec whose file part ends so names a pickled callable
 
 
 def is_pickled(spec: str) -> bool:

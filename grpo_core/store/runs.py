@@ -16,16 +16,29 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
     already holds a config with another training hash is refused: its checkpoints are not ours."""
     check_reachable(cfg.run_url)  # seconds, not minutes of gcsfs retries, when there is no network
     root = RunRoot(cfg.run_url)
+    if check_run_root(cfg, root):
+        return root
+    hashes = {"data": cfg.data_hash, "train": cfg.train_hash, "eval": cfg.eval_hash}
+    root.write_json("config.json", dict(cfg.to_dict(), hashes=hashes))
+    return root
+
+
+def check_run_root(cfg: RunConfig, root: RunRoot | None = None) -> bool:
+    """ConfigError where the run folder holds a config that trains something else (naming what
+    differs: a field, or an input whose content changed, an edited reward file among them);
+    reads only, so the flow refuses such a run before any task. True where the folder's
+    config.json is to be kept as it is (a run started before its inputs were versioned)."""
+    root = root or RunRoot(cfg.run_url)
     if root.exists("config.json"):
         old = RunConfig.from_dict(root.read_json("config.json"))
         unversioned = dataclasses.replace(cfg, versions=())
         if not old.versions and cfg.versions and old.train_hash == unversioned.train_hash:
-            return root  # started before its inputs were versioned: it keeps its config.json and hashes
+            return True  # started before its inputs were versioned: it keeps its config.json and hashes
         code = cfg.code_versions("rewards[", "eval.rewards[")
         if code and not old.code_versions("rewards[", "eval.rewards["):
             before = dataclasses.replace(cfg, versions=tuple(kv for kv in cfg.versions if kv[0] not in code))
             if old.train_hash == before.train_hash:
-                return root  # started before code was versioned by its content: it keeps its config.json
+                return True  # started before code was versioned by its content: it keeps its config.json
         if old.train_hash != cfg.train_hash:
             diff = _diff(old.to_dict(), cfg.to_dict())
             changed = [d.removeprefix("versions.") for d in diff if d.startswith("versions.")]
@@ -47,9 +60,7 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
                 f"(different: {', '.join(diff[:8])}); set run_name to a new name, or run_name: null "
                 "to name runs by their config"
             )
-    hashes = {"data": cfg.data_hash, "train": cfg.train_hash, "eval": cfg.eval_hash}
-    root.write_json("config.json", dict(cfg.to_dict(), hashes=hashes))
-    return root
+    return False
 
 
 # What `--set` may name for a command on an existing run: where the run is, nothing of it.

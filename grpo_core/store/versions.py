@@ -28,7 +28,7 @@ import os
 import re
 from typing import Any, Callable
 
-from grpo_core.rewards.by_value import PICKLED
+from grpo_core.config.run import PICKLED
 from grpo_core.store.root import check_reachable, filesystem
 from grpo_core.store.sources import is_url, looks_local
 from grpo_core.store.startpoint import NO_MATCH, StartSourceMissingError, pinned_copy, resolve
