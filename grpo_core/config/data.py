@@ -18,17 +18,25 @@ class DataFormat(enum.Enum):
     VERL = "verl"
 
 
+SYNTHETIC_TASKS = ("reverse", "codebook")
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticTask:
     """The synthetic task's settings (data.synthetic): words of `min_len..max_len` letters from
-    `alphabet`; grpo_core.data.synthetic.ReverseTask draws the prompts."""
+    `alphabet`; grpo_core.data.synthetic draws the prompts: `reverse` (the word reversed) or
+    `codebook` (a code of random digits that only the codebook environment's tool tells:
+    grpo demo --task tools)."""
 
     alphabet: str = "abcde"
     min_len: int = 3
     max_len: int = 3
     seed: int = 0
+    task: str = "reverse"
 
     def __post_init__(self):
+        if self.task not in SYNTHETIC_TASKS:
+            raise ConfigError(f"task.task must be one of {', '.join(SYNTHETIC_TASKS)}, got {self.task!r}")
         if not (1 <= self.min_len <= self.max_len):
             raise ConfigError(
                 f"task.min_len/max_len must satisfy 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}"

@@ -122,7 +122,9 @@ class Shapes:
     def of(cls, train: TrainConfig, max_prompt_tokens: int) -> "Shapes":
         g, s = train.grpo, train.sampling
         tp = next((b for b in s.prompt_buckets if b >= max_prompt_tokens), max_prompt_tokens)
-        return cls(g.prompts_per_step, g.batch_size, tp, s.max_new_tokens, g.minibatches_per_rollout)
+        # N: a completion's tokens, or an episode's (train.agent: its turns, tool results and glue,
+        # which later turns' prompts hold too, so the rollout's cache holds Tp + N as well)
+        return cls(g.prompts_per_step, g.batch_size, tp, train.completion_tokens, g.minibatches_per_rollout)
 
 
 def update_bytes(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, **choices):

@@ -536,7 +536,8 @@ class RunConfig:
         keep = {"data.source", "data.eval_source", "model.tokenizer"}
         if self.model.tokenizer == "auto":
             keep.add("model.path")
-        return {k: v for k, v in self.versions if k in keep}
+        # a chat template renders the tools' schemas (their docstrings and hints) into the prompts
+        return {k: v for k, v in self.versions if k in keep or k.startswith("train.agent.")}
 
     @property
     def train_hash(self) -> str:
@@ -552,14 +553,14 @@ class RunConfig:
                 # the run and step a continual run starts from (model.init_from)
                 **({"init": versions["model.init_from"]} if "model.init_from" in versions else {}),
                 # what the reward files say, not only where they are (absent for built-ins: older hashes hold)
-                **({"code": code} if (code := self.code_versions("rewards[")) else {}),
+                **({"code": code} if (code := self.code_versions("rewards[", "train.agent.")) else {}),
             }
         )
 
     @property
     def eval_hash(self) -> str:
         # the evaluation rewards' code versions (the training rewards' where eval.rewards is empty)
-        code = self.code_versions("eval.rewards[" if self.eval.rewards else "rewards[")
+        code = self.code_versions("eval.rewards[" if self.eval.rewards else "rewards[", "train.agent.")
         return config_hash(
             {
                 "eval": dict(self.eval.to_dict(), rewards=[r.hash_dict() for r in self.eval.rewards]),
@@ -567,6 +568,8 @@ class RunConfig:
                 "model": self.model.to_dict(),
                 "max_new_tokens": self.train.sampling.max_new_tokens,
                 **({"code": code} if code else {}),
+                # evaluation runs the same episodes (absent for single-turn runs: older hashes hold)
+                **({"agent": agent} if (agent := self.train.agent.hash_fields()) is not None else {}),
             }
         )
 
@@ -578,10 +581,15 @@ class RunConfig:
     def code(self) -> tuple[tuple[str, str], ...]:
         """(field, spec) of each piece of code the config names (`file.py:fn`, `module:fn`, a
         built-in's name): what the trust policy checks and whose files' content versions a run."""
-        return tuple(
-            (f"{where}[{i}].function", spec.function)
-            for where, specs in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards))
-            for i, spec in enumerate(specs)
+        agent = self.train.agent
+        return (
+            *(
+                (f"{where}[{i}].function", spec.function)
+                for where, specs in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards))
+                for i, spec in enumerate(specs)
+            ),
+            *((f"train.agent.tools[{i}]", spec) for i, spec in enumerate(agent.tools)),
+            *((("train.agent.environment", agent.environment),) if agent.environment else ()),
         )
 
     def code_versions(self, *prefixes: str) -> dict[str, str]:

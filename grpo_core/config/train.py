@@ -10,6 +10,7 @@ import math
 import typing
 from typing import Any
 
+from grpo_core.config.agent import AgentConfig
 from grpo_core.config.fields import Section, Trust, check, field, section
 from grpo_core.config.model import DType
 
@@ -546,6 +547,10 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     rollout: RolloutConfig = field(factory=RolloutConfig)
     mesh: MeshConfig = field(factory=MeshConfig)
+    agent: AgentConfig = field(
+        factory=AgentConfig,
+        doc="Episodes with tools or an environment (agentic GRPO); empty: single-turn completions",
+    )
     num_steps: int | typing.Literal["auto"] = field(
         100,
         doc="GRPO steps in the whole run; auto: train.num_epochs passes over the prepared training rows "
@@ -611,6 +616,11 @@ class TrainConfig(Section):
             del out["rollout"]
         else:
             out["rollout"] = rollout
+        agent = self.agent.hash_fields()
+        if agent is None:  # single-turn: its hashes stay as they were before episodes existed
+            del out["agent"]
+        else:
+            out["agent"] = agent
         del out["mesh"]  # where arrays live changes results only within float tolerance
         del out["remat"], out["logits_chunk_mib"]  # how memory is spent: the same numbers
         del out["reward_timeout_s"]  # a time limit: a run that finishes computes the same numbers
@@ -628,6 +638,13 @@ class TrainConfig(Section):
             if out["grpo"].get(k) == default:
                 del out["grpo"][k]
         return out
+
+    @property
+    def completion_tokens(self) -> int:
+        """N, the tokens after each prompt the learner trains on: a completion's, or with
+        train.agent an episode's (its turns, tool results and glue)."""
+        n = self.sampling.max_new_tokens
+        return self.agent.episode_tokens(n) if self.agent.enabled else n
 
     def rescores_in_update(self, compute_dtype: DType = DType.FLOAT32) -> bool:
         """Whether the learner's rescoring of old_logp (RolloutConfig.learner_logprobs) happens in the

@@ -103,7 +103,8 @@ class ReverseTask(SyntheticTask):
 
     @classmethod
     def of(cls, settings: SyntheticTask) -> "ReverseTask":
-        return cls(**dataclasses.asdict(settings))
+        kind = CodebookTask if settings.task == "codebook" else cls
+        return kind(**dataclasses.asdict(settings))
 
     def _row(self, rng: np.random.Generator) -> dict[str, Any]:
         n = int(rng.integers(self.min_len, self.max_len + 1))
@@ -118,6 +119,18 @@ class ReverseTask(SyntheticTask):
         """A fixed evaluation set (its own seed stream, apart from every training step's)."""
         rng = np.random.default_rng([self.seed, 2**31 - 1])
         return [self._row(rng) for _ in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodebookTask(ReverseTask):
+    """Prompts `w?`; answer: a code of three random digits drawn for the row, which nothing in the
+    prompt determines (train and eval rows draw their own): only the `codebook` environment's tool,
+    whose vault holds the row's code (grpo_core.agent.builtin.Codebook), can tell it."""
+
+    def _row(self, rng: np.random.Generator) -> dict[str, Any]:
+        n = int(rng.integers(self.min_len, self.max_len + 1))
+        word = "".join(rng.choice(list(self.alphabet), size=n))
+        return {"prompt": f"{word}?", "answer": "".join(str(d) for d in rng.integers(0, 10, size=3))}
 
 
 def char_match(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:

@@ -16,3 +16,6 @@ class Completions(NamedTuple):
     logprobs: Any  # (B, N) float32 log-prob of each token under softmax(logits / T), 0 after the end
     lengths: Any  # (B,) int32 tokens up to and including the stop token
     truncated: Any  # (B,) bool: no stop token within N
+    # (B, N) bool: the tokens the policy generated, where an episode (grpo_core.agent) holds others
+    # too (tool results, the template's glue), which are never trained; None: every token up to length
+    trained: Any = None

@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import pathlib
-import sys
 import threading
-import traceback
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from grpo_core.code import load_code
 from grpo_core.data.formats import completion_text  # noqa: F401 - a reward helper; rewards import it from here
 from grpo_core.errors import RewardFunctionError, RewardTimeout
-from grpo_core.rewards.by_value import is_pickled, load_pickled
+from grpo_core.rewards.by_value import is_pickled
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -48,6 +43,9 @@ class Reward:
     # must lead a user to the line of config to change (a time limit passed) show both.
     field: str = ""
     spec: str = ""
+    # A built-in scores an episode's final answer (grpo_core.agent): the text, or for chat data the
+    # last assistant message; a user's function reads the whole episode, as TRL passes it
+    builtin: bool = False
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -262,8 +260,9 @@ def _takes(fn: Any, keyword: str) -> bool:
 
 
 # Passed only to functions that take them (a function written before them may have no **kwargs);
-# trainer_state is one object for the batch, not a value per row.
-PASSED_TO_REWARDS = ("completion_ids", "trainer_state")
+# trainer_state is one object for the batch, not a value per row. Episodes (train.agent) add each
+# episode's tool calls and, with an environment, its instance, as TRL's `environments`.
+PASSED_TO_REWARDS = ("completion_ids", "trainer_state", "tool_calls", "environments")
 
 
 @dataclasses.dataclass
@@ -285,10 +284,13 @@ def score(
     *,
     timeout_s: float | None = None,
     batch: str = "",
+    episodes: Sequence[Any] | None = None,
 ) -> RewardResult:
     """Each function on the whole batch, and their weighted sum. `timeout_s` bounds each
     function's call (RewardTimeout past it); `batch` says which batch this is in messages
-    ("the batch of step 12")."""
+    ("the batch of step 12"). `episodes`: what a user's function reads as each completion where
+    the rows are episodes (their messages, for chat data); built-ins read `completions`, the final
+    answers."""
     columns = {k: v if k == "trainer_state" else list(v) for k, v in (columns or {}).items()}
     for k, v in columns.items():
         if k != "trainer_state" and len(v) != len(completions):
@@ -298,7 +300,8 @@ def score(
     applies = np.zeros(len(completions), bool)
     for r in rewards:
         cols = {k: v for k, v in columns.items() if k not in PASSED_TO_REWARDS or r.takes(k)}
-        vals = _call_one(r, list(prompts), list(completions), cols, timeout_s, batch)
+        seen = completions if episodes is None or r.builtin else episodes
+        vals = _call_one(r, list(prompts), list(seen), cols, timeout_s, batch)
         per[r.name] = vals
         ok = ~np.isnan(vals)
         weighted += np.where(ok, vals * r.weight, 0.0)
@@ -312,25 +315,9 @@ def load_reward(spec: str) -> RewardFn:
     Errors say which part is wrong: ValueError (the spec), FileNotFoundError, ImportError (the
     module, or code in it that fails on import, with the line), AttributeError (no such function),
     TypeError (not callable, or a signature that cannot take (prompts, completions, **columns))."""
-    if ":" not in spec:
-        raise ValueError(f"reward spec {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
+    fn = load_code(spec, "reward")
     where, name = spec.rsplit(":", 1)
-    if not where or not name.isidentifier():
-        raise ValueError(f"reward spec {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
-    if is_pickled(spec):
-        return _checked_signature(load_pickled(where, spec), spec, name)
-    module = _load_file(where, spec) if where.endswith(".py") else _import(where, spec)
-    if not hasattr(module, name):
-        defined = sorted(
-            k
-            for k, v in vars(module).items()
-            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
-        )
-        raise AttributeError(
-            f"reward {spec!r}: {where} has no function {name!r}"
-            + (f"; it defines {', '.join(defined)}" if defined else "")
-        )
-    return _checked_signature(getattr(module, name), spec, name, where)
+    return _checked_signature(fn, spec, name, "" if is_pickled(spec) else where)
 
 
 def _checked_signature(fn: Any, spec: str, name: str, where: str = "") -> RewardFn:
@@ -352,54 +339,3 @@ def _checked_signature(fn: Any, spec: str, name: str, where: str = "") -> Reward
             "columns arrive as keywords"
         )
     return fn
-
-
-def _load_file(where: str, spec: str):
-    path = pathlib.Path(where)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"reward file {where!r} (from {spec!r}) does not exist"
-            + (f" (relative to {pathlib.Path.cwd()})" if not path.is_absolute() else "")
-        )
-    # One module per file (two rewards.py in different folders stay apart), registered while it
-    # runs because dataclasses and pickle look a module up by name.
-    mod_name = f"_grpo_reward_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
-    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_name] = module
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - a user's file: whatever its top level raises
-        sys.modules.pop(mod_name, None)
-        raise ImportError(f"reward file {where!r} (from {spec!r}) fails to import: {_why(exc, str(path))}") from exc
-    return module
-
-
-def _import(where: str, spec: str):
-    try:
-        return importlib.import_module(where)
-    except ModuleNotFoundError as exc:
-        if exc.name == where or where.startswith(f"{exc.name}."):
-            raise ImportError(
-                f"reward module {where!r} (from {spec!r}) is not installed or not on sys.path "
-                "(for a file give its path ending in .py)"
-            ) from exc
-        raise ImportError(f"reward module {where!r} (from {spec!r}) fails to import: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - a user's module: whatever its top level raises
-        try:
-            origin = importlib.util.find_spec(where).origin
-        except Exception:  # noqa: BLE001
-            origin = None
-        raise ImportError(f"reward module {where!r} (from {spec!r}) fails to import: {_why(exc, origin)}") from exc
-
-
-def _why(exc: Exception, filename: str | None) -> str:
-    """'SyntaxError: invalid syntax (rewards.py line 3)', 'NameError: ... (line 7)': the user's line."""
-    if isinstance(exc, SyntaxError):
-        return f"SyntaxError: {exc.msg} ({pathlib.Path(exc.filename or '?').name} line {exc.lineno})"
-    lines = [
-        f.lineno
-        for f in traceback.extract_tb(exc.__traceback__)
-        if filename and pathlib.Path(f.filename).resolve() == pathlib.Path(filename).resolve()
-    ]
-    return f"{type(exc).__name__}: {exc}" + (f" (line {lines[-1]})" if lines else "")

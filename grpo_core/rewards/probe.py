@@ -110,16 +110,22 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return reward_inputs(rows, [""] * len(rows))[2]
 
 
-def check_signature(reward: Reward, columns: Sequence[str], where: str) -> None:
+# What only episodes (train.agent) pass to the reward functions that take them
+EPISODE_KEYWORDS = ("tool_calls", "environments")
+
+
+def check_signature(reward: Reward, columns: Sequence[str], where: str, episodes: bool = False) -> None:
     """ConfigError naming the reward's field when it cannot be called as f(prompts, completions,
     **columns) with these columns: it requires a column the data lacks, or takes no **kwargs
-    and the data has a column it does not name."""
+    and the data has a column it does not name. `episodes`: the run's rows are episodes, which
+    pass tool_calls and environments too."""
     try:
         sig = inspect.signature(reward.fn)
     except (TypeError, ValueError):  # some callables have none: the first call tells
         return
+    arrive = [k for k in PASSED_TO_REWARDS if (episodes or k not in EPISODE_KEYWORDS) and reward.takes(k)]
     try:
-        sig.bind([], [], **dict.fromkeys(columns, []))
+        sig.bind([], [], **dict.fromkeys([*columns, *arrive], []))
         return
     except TypeError as exc:
         why = str(exc)
@@ -133,6 +139,12 @@ def check_signature(reward: Reward, columns: Sequence[str], where: str) -> None:
     ]
     extra = [c for c in columns if c not in named] if not any(p.kind is p.VAR_KEYWORD for p in params) else []
     label = reward.field or repr(reward.name)
+    needs = [k for k in EPISODE_KEYWORDS if k in named and not episodes]
+    if needs:
+        raise ConfigError(
+            f"{label} {reward.spec or reward.name!r}: {reward.name}{sig} reads {', '.join(map(repr, needs))}, which "
+            "only episodes give: set train.agent.tools or train.agent.environment (docs: Agents and tools)"
+        )
     if missing:
         detail = (
             f"reads column(s) {', '.join(map(repr, missing))}, which the prepared {where} does not have "
@@ -148,8 +160,11 @@ def check_signature(reward: Reward, columns: Sequence[str], where: str) -> None:
     raise ConfigError(f"{label} {reward.spec or reward.name!r}: {reward.name}{sig} {detail}")
 
 
-def probe(reward: Reward, rows: list[dict[str, Any]], split: str, timeout_s: float | None = None) -> Coverage:
-    """Call `reward` on `rows` with each probe's completions until one scores a row."""
+def probe(
+    reward: Reward, rows: list[dict[str, Any]], split: str, timeout_s: float | None = None, episodes: bool = False
+) -> Coverage:
+    """Call `reward` on `rows` with each probe's completions until one scores a row (`episodes`:
+    as episodes that made no call)."""
     found = [_reference(r) for r in rows]
     refs = [a for _, a in found]
     held = dict(references=sum(c is not None for c, _ in found), columns=tuple(dict.fromkeys(c for c, _ in found if c)))
@@ -160,6 +175,8 @@ def probe(reward: Reward, rows: list[dict[str, Any]], split: str, timeout_s: flo
         prompts, completions, columns = reward_inputs(
             rows, texts, completion_ids=[[0] * len(t) for t in texts], state=TrainerState(0, 0)
         )
+        if episodes:
+            columns["tool_calls"] = [[] for _ in texts]
         try:
             result = score(
                 [reward],
@@ -233,10 +250,11 @@ def check_coverage(
         if not rows:
             continue
         columns = list(_columns(rows))
+        agentic = cfg.train.agent.enabled
         for r in rws:
-            check_signature(r, columns, f"{split} rows of {source}")
+            check_signature(r, columns, f"{split} rows of {source}", agentic)
         for r in judged:
-            c = probe(r, rows, split, cfg.train.reward_timeout_s)
+            c = probe(r, rows, split, cfg.train.reward_timeout_s, agentic)
             found.append(c)
             if c.scored or c.failed:
                 continue  # scored, or raised on a probe: not evidence that it can score nothing

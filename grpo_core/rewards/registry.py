@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+from grpo_core.agent.builtin import tool_called
 from grpo_core.config.run import RewardSpec, RunConfig
 from grpo_core.data.synthetic import char_match, exact_match
 from grpo_core.errors import ConfigError
@@ -14,13 +15,15 @@ from grpo_core.rewards.functions import Reward, RewardFn, load_reward, soft_over
 
 
 def builtin_rewards() -> dict[str, RewardFn]:
-    """Reward functions usable by name in a config: the synthetic task's, and the math ones
-    (math_answer, think_format, integer_answer) that read data.format's ground_truth column."""
+    """Reward functions usable by name in a config: the synthetic task's, the math ones
+    (math_answer, think_format, integer_answer) that read data.format's ground_truth column, and
+    tool_called for episodes (train.agent)."""
     return {
         "char_match": char_match,
         "exact_match": exact_match,
         "soft_overlong": soft_overlong,
         **math_rewards.BUILTIN,
+        "tool_called": tool_called,
     }
 
 
@@ -32,7 +35,8 @@ def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_mis
     builtins, out = builtin_rewards(), []
     for i, spec in enumerate(specs):
         where = f"{field}[{i}].function"
-        if spec.function in builtins:
+        builtin = spec.function in builtins
+        if builtin:
             fn = builtins[spec.function]
         elif ":" not in spec.function:
             raise ConfigError(
@@ -51,7 +55,7 @@ def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_mis
         name = spec.function.rsplit(":", 1)[-1]
         if spec.params:  # a built-in's settings (soft_overlong's lengths) or a user function's keywords
             fn = _with_params(fn, dict(spec.params), f"{field}[{i}].params", name)
-        out.append(Reward(fn, weight=spec.weight, name=name, field=where, spec=spec.function))
+        out.append(Reward(fn, weight=spec.weight, name=name, field=where, spec=spec.function, builtin=builtin))
     names = [r.name for r in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"{field}: reward names must be unique, got {names}")
@@ -87,4 +91,26 @@ def config_rewards(cfg: RunConfig, skip_missing: bool = False) -> tuple[list[Rew
     function, or one whose signature cannot take (prompts, completions, **columns)."""
     train = make_rewards(cfg.rewards, skip_missing=skip_missing)
     evals = make_rewards(cfg.eval_rewards, "eval.rewards" if cfg.eval.rewards else "rewards", skip_missing)
+    owned = environment_reward(cfg)
+    if owned is not None:  # the environment scores its episodes itself (TRL's get_reward), weight 1
+        train, evals = [*train, owned], [*evals, owned]
     return train, evals
+
+
+def environment_reward(cfg: RunConfig) -> Reward | None:
+    """The reward of an environment with get_reward() (train.agent.environment), named after its
+    class as TRL logs it: each episode's own instance scores it, after the episode ends."""
+    agent = cfg.train.agent
+    if agent.environment is None:
+        return None
+    from grpo_core.agent.tools import load_toolbox  # the environment's class, loaded as the workers load it
+
+    box = load_toolbox(agent)
+    if not box.owns_reward:
+        return None
+
+    def get_reward(prompts, completions, environments, **_):
+        return [env.get_reward() for env in environments]
+
+    name = box.env_class.__name__
+    return Reward(get_reward, weight=1.0, name=name, field="train.agent.environment", spec=agent.environment)

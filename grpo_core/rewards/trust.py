@@ -48,6 +48,7 @@ import typing
 from typing import Any, Iterator, Mapping
 from urllib.parse import urlsplit
 
+from grpo_core.agent.builtin import BUILTIN_ENVIRONMENTS, BUILTIN_TOOLS
 from grpo_core.config.fields import Trust, api_max_of, section_type, trust_of
 from grpo_core.config.run import DEFAULT_STORAGE_ROOT, RUN_TRUST, RewardSpec, RunConfig
 from grpo_core.config.work import TOTALS
@@ -68,6 +69,9 @@ TRACKER_ENV = ("WANDB_BASE_URL", "WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI
 WANDB_DEFAULT_URL = "https://api.wandb.ai"
 DEFAULT_REWARD_DIR = "rewards"  # the project's reward folder, in the flow's working directory
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+# CODE fields checked through RunConfig.code with the rewards (built-ins by name, files, modules)
+CODE_LISTED = ("train.agent.tools", "train.agent.environment")
 
 HOW_TO_ALLOW = (
     "an operator allows reward files with `grpo serve --allow-reward-path DIR` (or {paths} in the "
@@ -144,7 +148,7 @@ class TrustPolicy:
 
     def reward_refusal(self, spec: str, cwd: str | None = None) -> str | None:
         """Why `spec` (a reward's `function`) may not run for a deployment, or None if it may."""
-        if spec in builtin_rewards():
+        if spec in builtin_rewards() or spec in BUILTIN_TOOLS or spec in BUILTIN_ENVIRONMENTS:
             return None
         if ":" not in spec:
             return None  # not code: make_rewards refuses it, naming the built-ins
@@ -239,8 +243,12 @@ class TrustPolicy:
                     "and modules the operator allowed; " + HOW_TO_ALLOW.format(paths=ENV_PATHS, modules=ENV_MODULES)
                 )
         for d in declared():
-            if d.path.startswith("rewards[]") or d.path == "eval.rewards":
-                continue  # above
+            if d.path.startswith("rewards[]") or d.path in (
+                "eval.rewards",
+                "train.agent.tools",
+                "train.agent.environment",
+            ):
+                continue  # above: the code the config names (RunConfig.code)
             value = value_of(cfg, d.path)
             if d.trust is Trust.PROGRAM and d.path not in self.fields and value != value_of(_default(), d.path):
                 raise ConfigError(

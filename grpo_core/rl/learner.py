@@ -112,7 +112,7 @@ class LossParams:
         r = t.rollout
         rescore = (r.is_mode(compute_dtype), r.is_cap) if t.rescores_in_update(compute_dtype) else None
         return cls.from_config(
-            t.grpo, t.sampling.max_new_tokens, t.sampling.temperature, t.remat, t.logits_chunk_mib, rescore
+            t.grpo, t.completion_tokens, t.sampling.temperature, t.remat, t.logits_chunk_mib, rescore
         )
 
 

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_core.agent import episodes
+from grpo_core.agent.episodes import Turns
+from grpo_core.agent.tools import Toolbox, load_toolbox
 from grpo_core.config import memory as mem
 from grpo_core.config.model import DType
 from grpo_core.config.train import ISCorrection, RewardAggregation, TrainConfig
@@ -74,6 +77,22 @@ class Rollout:
     texts: list[str]  # the completions decoded, what the reward functions read
     rewards: np.ndarray  # (B,) NaN = excluded
     per_function: dict[str, np.ndarray]
+    # episodes (train.agent): per row, the turns taken and the calls made, failed and made of each
+    # tool ("turns", "calls", "errors", "tools/<name>/calls"); and the tool calls' wall time
+    episode: dict[str, np.ndarray] | None = None
+    tool_seconds: float = 0.0
+
+
+def _episode_rows(eps: "episodes.Episodes", tool_names) -> dict[str, np.ndarray]:
+    """Per row: turns, calls, errors and each tool's calls (Rollout.episode)."""
+    out = {
+        "turns": np.asarray(eps.turns, np.float64),
+        "calls": np.asarray([len(c) for c in eps.calls], np.float64),
+        "errors": np.asarray([sum(x.error for x in c) for c in eps.calls], np.float64),
+    }
+    for name in tool_names:
+        out[f"tools/{name}/calls"] = np.asarray([sum(x.name == name for x in c) for c in eps.calls], np.float64)
+    return out
 
 
 def _repad(x: np.ndarray, width: int, fill) -> np.ndarray:
@@ -102,6 +121,10 @@ def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad
             k: np.concatenate([parts[p].per_function[k][j * g : (j + 1) * g] for p, j in idx])
             for k in parts[0].per_function
         },
+        episode=None
+        if parts[0].episode is None
+        else {k: np.concatenate([parts[p].episode[k][j * g : (j + 1) * g] for p, j in idx]) for k in parts[0].episode},
+        tool_seconds=sum(pt.tool_seconds for pt in parts),
     )
 
 
@@ -132,12 +155,14 @@ class GRPOTrainer:
         placement: Placement | None = None,
         memory_plan: "mem.Plan | None" = None,
         reference: CausalLM | None = None,
+        toolbox: "Toolbox | None" = None,
     ):
         """`memory_plan` (grpo_core.config.memory.plan) chooses train.remat and grad_accum_steps where the
         config says auto; without one they are chosen here from this process's devices (the worker
         passes the plan it made for data.max_prompt_tokens). `reference`: the KL reference when it
         is not `model` as given (a continual run's original base, model.reference: base), a model
-        of the same architecture without adapters.
+        of the same architecture without adapters. `toolbox`: the tools and environment of
+        train.agent, loaded (grpo_core.agent.tools.load_toolbox; loaded here when not given).
 
         `model` may be shapes only (nnx.eval_shape, no LoRA, no reference kept): a trainer that
         resumes, whose state a checkpoint fills (`restore`), so the starting policy is never
@@ -202,6 +227,19 @@ class GRPOTrainer:
         )  # this step's split
         # The rollout engine (train.rollout): the built-in sampler reads self.params at each call;
         # sglang / http engines hold their own copy, sent by _sync_engine after every update.
+        # train.agent: each row an episode of turns and tool calls (grpo_core.agent.episodes)
+        self.turns = None
+        if cfg.agent.enabled:
+            self.turns = Turns.of(
+                cfg.agent,
+                tokenizer,
+                toolbox if toolbox is not None else load_toolbox(cfg.agent),
+                self.opts.eos_ids,
+                self.opts.pad_id,
+                cfg.sampling.prompt_buckets,
+                cfg.sampling.max_new_tokens,
+            )
+            self.opts = dataclasses.replace(self.opts, eos_ids=self.turns.eos_ids)  # a call ends a turn too
         self.engine = make_engine(
             cfg.rollout,
             graphdef=self.graphdef,
@@ -290,25 +328,21 @@ class GRPOTrainer:
         self._precompile(ptok, pval, step_key(self.cfg.seed, step, round_))
         if self.engine.synced_step != self.step:  # a new trainer or a restored checkpoint
             self._sync_engine(self.step)
-        out = self.engine.generate(ptok, pval, step_key(self.cfg.seed, step, round_), g)  # host arrays
-        texts = completion_texts(self.tokenizer, out.tokens, out.lengths, self.opts.eos_ids)
-        prompts, completions, columns = rw.reward_inputs(
-            rows,
-            texts,
-            repeat=g,
-            completion_ids=completion_ids(out.tokens, out.lengths),
-            state=rw.TrainerState(global_step=step, max_steps=self.cfg.num_steps),
-        )
-        t_rew = time.perf_counter()
-        scored = rw.score(
-            self.rewards,
-            prompts,
-            completions,
-            columns,
-            timeout_s=self.cfg.reward_timeout_s,  # each function's call; RewardTimeout past it
-            batch=f"the batch of step {step}" + (f" (sampling round {round_})" if round_ else ""),
-        )
-        self._t["rewards"] += time.perf_counter() - t_rew
+        key = step_key(self.cfg.seed, step, round_)
+        eps = None
+        if self.turns is None:
+            out = self.engine.generate(ptok, pval, key, g)  # host arrays
+            texts = completion_texts(self.tokenizer, out.tokens, out.lengths, self.opts.eos_ids)
+        else:  # episodes: turns of the engine's generate, tool calls between them
+            eps, ptok, pval = episodes.run(
+                self.engine.generate, self.turns, rows, ptok, pval, key, g, self._prompt_with
+            )
+            out, texts = eps.completions, eps.finals
+        try:
+            scored = self._score(step, round_, rows, out, texts, eps)
+        finally:
+            if eps is not None:
+                eps.close()  # after the rewards: an environment's get_reward reads its instance
         return Rollout(
             rows=rows,
             prompt_tokens=ptok,
@@ -317,7 +351,40 @@ class GRPOTrainer:
             texts=texts,
             rewards=scored.total,
             per_function=scored.per_function,
+            episode=None if eps is None else _episode_rows(eps, self.turns.toolbox.names),
+            tool_seconds=0.0 if eps is None else eps.tool_seconds,
         )
+
+    def _score(self, step: int, round_: int, rows, out: Completions, texts, eps) -> rw.RewardResult:
+        """The rewards of one round's completions (or episodes: the built-ins score each final
+        answer, a user's function the whole episode, with its tool calls and environment)."""
+        prompts, completions, columns = rw.reward_inputs(
+            rows,
+            texts,
+            repeat=self.cfg.grpo.num_generations,
+            completion_ids=completion_ids(out.tokens, out.lengths),
+            state=rw.TrainerState(global_step=step, max_steps=self.cfg.num_steps),
+        )
+        whole = None
+        if eps is not None:
+            columns.update(episodes.reward_columns(eps))
+            whole = eps.messages if completions and isinstance(completions[0], list) else texts
+        t_rew = time.perf_counter()
+        scored = rw.score(
+            self.rewards,
+            prompts,
+            completions,
+            columns,
+            timeout_s=self.cfg.reward_timeout_s,  # each function's call; RewardTimeout past it
+            batch=f"the batch of step {step}" + (f" (sampling round {round_})" if round_ else ""),
+            episodes=whole,
+        )
+        self._t["rewards"] += time.perf_counter() - t_rew
+        return scored
+
+    def _prompt_with(self, row: dict[str, Any], observation: str) -> list[int]:
+        """A row's prompt tokens with an environment's first observation added (episodes.run)."""
+        return episodes.prompt_with(self.tokenizer, row, observation)
 
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """Sample P groups; with dynamic sampling keep only groups whose rewards differ, drawing
@@ -346,8 +413,8 @@ class GRPOTrainer:
     # -- learning --------------------------------------------------------------------------
 
     def _batch(self, ro: Rollout) -> Batch:
-        g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
         c = ro.completions
+        g_cfg, n = self.cfg.grpo, c.tokens.shape[1]  # a completion's tokens, or an episode's (train.agent)
         if g_cfg.multi_objective_aggregation is RewardAggregation.NORMALIZE_THEN_SUM:
             per = np.stack([ro.per_function[r.name] for r in self.rewards], axis=1).astype(np.float32)
             weights = np.asarray([r.weight for r in self.rewards], np.float32)
@@ -361,6 +428,8 @@ class GRPOTrainer:
                 g_cfg.advantage_eps,
             )
         mask = np.arange(n)[None, :] < c.lengths[:, None]
+        if c.trained is not None:  # an episode's tool results and template glue: context, never trained
+            mask &= c.trained
         if g_cfg.mask_truncated_completions:
             mask &= ~c.truncated[:, None]
         mask &= ~np.isnan(ro.rewards)[:, None]  # no reward function applies: no loss
@@ -469,6 +538,16 @@ class GRPOTrainer:
         out["frac_reward_zero_std"] = info["frac_reward_zero_std"]
         out["sampling_rounds"] = info["sampling_rounds"]
         lengths = ro.completions.lengths
+        if ro.completions.trained is not None:  # the model's own tokens of each episode, as TRL counts them
+            lengths = ro.completions.trained.sum(axis=1)
+        if ro.episode is not None:
+            b = len(ro.episode["turns"])
+            out["turns_per_episode"] = float(ro.episode["turns"].mean())
+            out["tool_calls_per_episode"] = float(ro.episode["calls"].sum()) / b
+            out["tool_errors_per_episode"] = float(ro.episode["errors"].sum()) / b
+            out["episodes/truncated_ratio"] = float(ro.completions.truncated.mean())
+            out.update({k: float(v.sum()) / b for k, v in ro.episode.items() if k.startswith("tools/")})
+            out["time/tools"] = ro.tool_seconds
         out["completions/mean_length"] = float(lengths.mean())
         out["completions/min_length"] = float(lengths.min())
         out["completions/max_length"] = float(lengths.max())

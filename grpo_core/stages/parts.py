@@ -22,7 +22,7 @@ from grpo_core.nn import lora
 from grpo_core.nn.hf import load_hf_model, save_hf_model
 from grpo_core.nn.model import create_model
 from grpo_core.rewards.functions import Reward
-from grpo_core.rewards.registry import make_rewards
+from grpo_core.rewards.registry import config_rewards
 from grpo_core.rl.checkpoint import HOST, Checkpointer
 from grpo_core.store.root import RunRoot
 from grpo_core.store.sources import model_config, resolve
@@ -41,6 +41,27 @@ class RunParts:
 
     def model_config(self):
         return model_config(self.cfg, vocab_size=self.tokenizer.vocab_size)
+
+    def turns(self, sampling=None):
+        """With train.agent, what an evaluation's episodes need (grpo_core.agent.episodes.Turns) for
+        `sampling` (the evaluation's); None for a single-turn run."""
+        agent = self.cfg.train.agent
+        if not agent.enabled:
+            return None
+        from grpo_core.agent.episodes import Turns
+        from grpo_core.agent.tools import load_toolbox
+        from grpo_core.generate.sampler import stop_ids
+
+        sampling = sampling or self.cfg.train.sampling
+        return Turns.of(
+            agent,
+            self.tokenizer,
+            load_toolbox(agent),
+            stop_ids(self.tokenizer),
+            self.tokenizer.pad_token_id,
+            sampling.prompt_buckets,
+            sampling.max_new_tokens,
+        )
 
     def create_policy(self, placement=None):
         """The starting policy: the policy model.init_from resolved to, else the checkpoint at
@@ -200,8 +221,7 @@ def _unwrap(tree):
 def open_run(cfg: RunConfig, root: RunRoot) -> RunParts:
     """Everything a stage needs, with the prepared data read from `data/{hash}` of the run root."""
     tokenizer = make_tokenizer(cfg)
-    rewards = make_rewards(cfg.rewards)
-    eval_rewards = make_rewards(cfg.eval_rewards, "eval.rewards" if cfg.eval.rewards else "rewards")
+    rewards, eval_rewards = config_rewards(cfg)  # with an environment that scores its episodes, its reward
     if cfg.eval.accuracy_reward not in [r.name for r in eval_rewards]:
         raise ConfigError(
             f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards "

@@ -377,6 +377,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
 
     cfg, root, h = parts.cfg, parts.root, parts.cfg.eval_hash
     sampling = _eval_sampling(cfg)
+    turns = parts.turns(sampling)  # train.agent: the same episodes as training's
     placement = None  # made at the first step evaluated here: the rollout's mesh, which generates as it does
     _wait_eval_ahead()
     with Checkpointer(root.uri("checkpoints"), max_to_keep=None) as ckpt:
@@ -395,6 +396,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             graphdef, params = parts.policy_at(ckpt, step, placement)  # laid out over its rollout mesh
             kw = dict(
                 placement=placement,
+                turns=turns,
                 batch_size=cfg.eval.batch_size,
                 seed=cfg.train.seed,
                 reward_timeout_s=cfg.train.reward_timeout_s,
@@ -419,7 +421,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 )
                 result["sampled"] = sampled
                 result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
-            result["examples"] = _examples(parts, graphdef, params, sampling, placement)
+            result["examples"] = _examples(parts, graphdef, params, sampling, placement, turns)
             result["devices"] = placement.rollout.size  # generated over them (the rollout's mesh)
             result["seconds"] = round(time.perf_counter() - t, 3)
             # the programs it compiled or read from the compilation cache (no sampler's where compiled ahead)
@@ -621,15 +623,23 @@ def _eval_placement(mesh):
 _EXAMPLES = 4  # greedy completions an evaluation keeps
 
 
-def _examples(parts, graphdef, params, sampling, placement, n: int = _EXAMPLES) -> list[dict[str, Any]]:
-    """A few greedy completions to read next to the numbers (the demo prints them)."""
+def _examples(parts, graphdef, params, sampling, placement, turns=None, n: int = _EXAMPLES) -> list[dict[str, Any]]:
+    """A few greedy completions to read next to the numbers (the demo prints them); episodes
+    (train.agent) with their messages: each turn, call and tool result."""
     from grpo_core.rl.evaluation import complete  # worker start: JAX
 
     rows = parts.eval_rows[:n]
-    batches = complete(graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows), placement=placement)
-    [(_, texts, _)] = list(batches)
+    batches = complete(
+        graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows), placement=placement, turns=turns
+    )
+    [(_, texts, _, eps)] = list(batches)
     keep = lambda r: {k: v for k, v in r.items() if k != "prompt_ids" and isinstance(v, (str, int, float))}
-    return [dict(keep(r), completion=c) for r, c in zip(rows, texts)]
+    out = [dict(keep(r), completion=c) for r, c in zip(rows, texts)]
+    if eps is not None:
+        for example, messages in zip(out, eps.messages):
+            example["episode"] = messages
+        eps.close()
+    return out
 
 
 def _load(args):

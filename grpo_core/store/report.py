@@ -22,6 +22,9 @@ SUMMARY_KEYS = (
 )
 
 
+EPISODE_KEYS = ("turns_per_episode", "tool_calls_per_episode", "tool_errors_per_episode")
+
+
 def _nan_for_null(scores: Any) -> Any:
     return {k: math.nan if v is None else v for k, v in scores.items()} if isinstance(scores, dict) else scores
 
@@ -52,7 +55,9 @@ def _headline(result: dict[str, Any] | None) -> dict[str, Any] | None:
     if result is None:
         return None
     keep = {k: v for k, v in result.items() if k == "accuracy" or k.startswith("pass@")}
-    return {"step": result["step"], **keep, "reward_mean": result["greedy"]["reward_mean"]}
+    # episodes (train.agent): the greedy episodes' turns, tool calls and tool errors, per episode
+    agent = {k: result["greedy"][k] for k in EPISODE_KEYS if k in result["greedy"]}
+    return {"step": result["step"], **keep, "reward_mean": result["greedy"]["reward_mean"], **agent}
 
 
 def window_means(rewards: list[float]) -> tuple[float | None, float | None]:
