@@ -207,3 +207,16 @@ def test_an_excerpt_is_short_and_printable():
     assert excerpt("0123456789" * 10, 10, at=50) == "...'5678901234'..."  # position 50 ('0') in the middle
     assert excerpt("ab\x1b[2J\u202ecd" + "z" * 50, 12) == "'ab\\x1b[2J\\u202ecdzzz'..."
     assert excerpt(b"\x00raw") == "b'\\x00raw'"
+
+
+def test_a_sharded_index_names_files_of_its_folder_only(tmp_path):
+    """model.safetensors.index.json's shards are files beside it: a path in a shard's place would
+    be read outside the folder the policy walked, as a link would."""
+    from grpo_core.nn.hf import _files
+
+    for shard in ("../outside/x.safetensors", "/etc/x.safetensors", ".."):
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+        with pytest.raises(ConfigError, match=r"index\.json: weight_map names the shard .* not a file name in"):
+            _files(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "m-1.safetensors"}}))
+    assert _files(str(tmp_path)) == [str(tmp_path / "m-1.safetensors")]
