@@ -33,7 +33,7 @@ from grpo_core.config.run import RunConfig, check_run_name, is_template
 from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError, RunRootInUse
 from grpo_core.launch.launchers import drop_ahead
-from grpo_core.rewards.trust import TrustPolicy, refused_job_variables
+from grpo_core.rewards.trust import TrustPolicy, check_folder, check_reads, refused_job_variables
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, checkpoint_steps, plot_curve
 from grpo_core.store.root import RunRoot, check_reachable, remove_stale_temp
@@ -212,8 +212,10 @@ def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
             policy = TrustPolicy.from_env()
             if run_url is not None:
                 policy.check_run_url(run_url)
+                check_folder(policy, "run_url", run_url, run_url)  # its files: what they resolve to
             cfg = make_config()
             policy.check(cfg)
+            check_reads(policy, cfg)  # a link in a data or model folder is read as its target
             return cfg
         return make_config()
     except ConfigError:
@@ -298,16 +300,24 @@ def _run_named(prefix: str = "", config_of: Any = None):
     """A flow_run_name: the run's folder name (run_name, or preset and config hash), so the UI's
     list says which run each flow run is; Prefect's random pair of words where it cannot tell. A
     name the user typed (the UI's Run Name, run_deployment's flow_run_name) is kept. `config_of`:
-    the flow's parameters -> its RunConfig (default: the full form's `config`)."""
+    the flow's parameters -> its RunConfig (default: the full form's `config`). The name reads the
+    sources (their versions, a model's config.json, the data's first row): in a deployment run it
+    does so only for a config the trust policy allows, which `_allowed` checks again in the flow."""
 
     def name() -> str:
         if typed_name(flow_run.name):
             return flow_run.name
         params = flow_run.parameters or {}
         try:
-            if "run_url" in params:  # grpo-evaluate: the run folder it reads
+            if "run_url" in params:  # grpo-evaluate: the run folder it reads (its name only: nothing is read)
                 return prefix + str(params["run_url"]).rstrip("/").rsplit("/", 1)[-1]
             cfg = config_of(params) if config_of else _config(params.get("config"))
+            if deployment.id is not None:  # as _allowed, before anything is read: refused, the flow says why
+                if refused_job_variables(_job_variables(None)):
+                    return prefix + "invalid-config"
+                policy = TrustPolicy.from_env()
+                policy.check(cfg)
+                check_reads(policy, cfg)
             return prefix + with_versions(_fill_run_name(cfg)).name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"

@@ -201,3 +201,15 @@ def is_retryable(code: int) -> bool:
     """Whether a worker that exited with `code` (negative: killed by that signal) may succeed
     when run again."""
     return code not in NOT_RETRYABLE
+
+
+def excerpt(text: object, limit: int = 40, at: int | None = None) -> str:
+    """At most `limit` characters of `text` (around position `at`, where given; another value: of
+    its repr), quoted as repr quotes them (control characters, a terminal's escape sequences
+    included, escaped) with '...' where it goes on: all an error may show of a data file's row or
+    of a server's answer."""
+    s = text if isinstance(text, str) else repr(text)
+    start = 0 if at is None else max(0, min(at - limit // 2, len(s) - limit))
+    piece = s[start : start + limit]
+    shown = repr(piece) if isinstance(text, str) else "".join(c if c.isprintable() else repr(c)[1:-1] for c in piece)
+    return ("..." if start > 0 else "") + shown + ("..." if start + limit < len(s) else "")

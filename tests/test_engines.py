@@ -301,3 +301,108 @@ def test_an_export_dir_is_never_cleared_of_what_the_run_did_not_write(tmp_path):
     (tmp_path / "step-3").mkdir()
     _clear_own_export(str(tmp_path / "step-3"))  # empty: written into
     _clear_own_export(str(tmp_path / "step-4"))  # nothing there
+
+
+class _Target(http.server.BaseHTTPRequestHandler):
+    """A server no config named: counts what reaches it."""
+
+    calls: list = []
+
+    def _answer(self):
+        _Target.calls.append(self.path)
+        data = b'{"data": [{"id": "TARGET-SECRET-BODY"}]}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def _redirector(to: str):
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(n)
+            code = 307 if self.command == "POST" else 302
+            body = b"moved \x1b[31m" + b"x" * 5000  # a body it would echo: never quoted whole, never raw
+            self.send_response(code)
+            self.send_header("Location", f"{to}{self.path}")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    return Redirect
+
+
+@pytest.fixture
+def redirect_to_target():
+    """(the allowed address, which answers every call with a redirect to the target; the target's calls)."""
+    servers = []
+    for handler in (_Target, None):
+        httpd = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), handler or _redirector(f"http://127.0.0.1:{servers[0].server_address[1]}")
+        )
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+    _Target.calls = []
+    yield f"http://127.0.0.1:{servers[1].server_address[1]}", f"127.0.0.1:{servers[0].server_address[1]}"
+    for httpd in servers:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_the_http_engine_follows_no_redirect(redirect_to_target, tmp_path):
+    """issue 61: train.rollout.url at an allowed 127.0.0.1:P that answers 302 to another port was
+    followed (7 requests) and that server's body echoed in the error. Now a 3xx is a ConfigError
+    naming train.rollout.url and where it pointed, the target is never asked, and nothing of
+    the body is quoted; the readiness probe does not follow it either."""
+    from flax import nnx
+
+    from grpo_core.nn.model import create_model
+
+    allowed, target = redirect_to_target
+    tiny = get_preset("tiny", vocab_size=40)
+    graphdef, params = nnx.split(create_model(tiny, 0))
+    rollout = RolloutConfig(engine="http", url=allowed, reload_route="/reload", export_dir=str(tmp_path / "export"))
+    engine = make_engine(
+        rollout,
+        graphdef=graphdef,
+        params_fn=lambda: params,
+        model_config=tiny,
+        opts=SamplerOptions(6, 1.0, 0, 1.0, (0,), 0),
+        batch_size=2,
+    )
+    with pytest.raises(ConfigError) as err:
+        engine.sync(params, 0)  # the export, then POST /reload: a 307
+    msg = str(err.value)
+    assert msg.startswith(f"train.rollout.url: POST {allowed}/reload (reloading the weights of step 0")
+    assert f"HTTP 307, a redirect to 'http://{target}/reload', which is not followed" in msg
+    with pytest.raises(ConfigError, match=rf"^train\.rollout\.url: GET {allowed}/v1/models .* HTTP 302, a redirect "):
+        engine.model_name()
+    assert "moved" not in msg and msg.isprintable() and "TARGET-SECRET" not in msg
+    report = _engine_check(
+        rollout.engine, {"backend": "cpu", "tpu_generation": None, "process_count": 1}, tiny, rollout
+    )
+    assert not report["ok"] and f"a redirect to 'http://{target}/v1/models' (not followed)" in report["detail"]
+    assert "train.rollout.url" in report["fix"]
+    assert _Target.calls == []  # the address no config named was never asked
+    engine.close()
+
+
+def test_an_error_answer_is_quoted_short_and_printable(server):
+    """A 4xx's body: at most 200 printable characters of the named server's own answer."""
+    _Handler.calls = []
+    with pytest.raises(RolloutError) as err:
+        request_json("POST", f"{server}/bad", {"pad": "\x1b[2J" + "y" * 3000}, 5, 0, "x")
+    msg = str(err.value)
+    assert 'refused: HTTP 400: \'{"ok": "/bad"' in msg and msg.isprintable()
+    assert len(msg) < 350 and msg.endswith("'...")  # 200 characters of a 3 kB answer

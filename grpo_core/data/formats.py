@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from grpo_core.config.data import DataFormat  # the data section's choice; re-exported
+from grpo_core.errors import excerpt
 
 
 def is_messages(value: Any) -> bool:
@@ -91,15 +92,16 @@ def apply_format(fmt: DataFormat, row: dict[str, Any], prompt_column: str) -> tu
     if fmt is DataFormat.GSM8K:
         column = prompt_column if prompt_column in row else "question"
         if column not in row:
-            raise ValueError(f"has no column 'question' (data.format=gsm8k); columns: {sorted(row)}")
+            raise ValueError(f"has no column 'question' (data.format=gsm8k); columns: {column_names(row)}")
         if "answer" not in row:
-            raise ValueError(f"has no column 'answer' (data.format=gsm8k); columns: {sorted(row)}")
+            raise ValueError(f"has no column 'answer' (data.format=gsm8k); columns: {column_names(row)}")
         return dict(row, ground_truth=gsm8k_truth(row["answer"])), column
     if fmt is DataFormat.VERL:
         found, truth = _verl_truth(row)
         if not found:
             raise ValueError(
-                f"has no 'ground_truth' column nor reward_model.ground_truth (data.format=verl); columns: {sorted(row)}"
+                "has no 'ground_truth' column nor reward_model.ground_truth (data.format=verl); "
+                f"columns: {column_names(row)}"
             )
         if isinstance(truth, (int, float)) and not isinstance(truth, bool):
             truth = str(truth)  # one type per column; the math rewards read text
@@ -147,6 +149,14 @@ def _storable(v: Any) -> bool:
         return False
 
 
-def _short(v: Any, n: int = 80) -> str:
-    s = repr(v)
-    return s if len(s) <= n else s[: n - 3] + "..."
+def _short(v: Any, n: int = 40) -> str:
+    """A value of a row in an error: a bounded excerpt (grpo_core.errors.excerpt), never the row."""
+    return excerpt(v, n)
+
+
+def column_names(row: dict[str, Any], most: int = 20) -> str:
+    """A row's column names in an error, as a list: at most `most` of them, each cut at 40
+    characters (names are the file's text too)."""
+    names = sorted(str(k) for k in row)
+    shown = repr([k if len(k) <= 40 else k[:37] + "..." for k in names[:most]])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -27,13 +27,14 @@ from grpo_core.data.formats import (
     DataFormat,
     apply_format,
     chat_messages,
+    column_names,
     detect,
     is_empty,
     is_messages,
     same_columns,
 )
-from grpo_core.data.synthetic import ReverseTask
-from grpo_core.errors import DataError
+from grpo_core.data.synthetic import CharTokenizer, ReverseTask
+from grpo_core.errors import DataError, excerpt
 from grpo_core.store.root import RunRoot, filesystem
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def _prompt_text(
         except KeyError as exc:
             raise DataError(
                 f"{where} row {i}: data.template uses column {exc.args[0]!r}, which the row lacks; "
-                f"columns: {sorted(row)}"
+                f"columns: {column_names(row)}"
             ) from None
         except (IndexError, AttributeError, ValueError, TypeError) as exc:
             raise DataError(f"{where} row {i}: data.template cannot be filled: {exc}") from None
@@ -193,7 +194,7 @@ def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, wh
             f"{where} row {i} {exc}{hint}" if str(exc).startswith("has ") else f"{where} row {i}: {exc}{hint}"
         ) from None
     if cfg.template is None and column not in row:
-        raise DataError(f"{where} row {i} has no column {column!r} (data.prompt_column); columns: {sorted(row)}")
+        raise DataError(f"{where} row {i} has no column {column!r} (data.prompt_column); columns: {column_names(row)}")
     empty = [c for c in ([] if cfg.template else [column]) if is_empty(row[c])]
     empty += [c for c in REFERENCE_COLUMNS if c in raw_names and is_empty(row.get(c))]
     if empty:
@@ -202,7 +203,9 @@ def _shape_row(cfg: DataConfig, fmt: DataFormat, raw: dict[str, Any], i: int, wh
     try:
         ids = [int(t) for t in tokenizer.encode(prompt)]
     except ValueError as exc:
-        raise EncodeError(f"{where} row {i}: the tokenizer cannot encode the prompt (model.tokenizer): {exc}") from None
+        # the built-in tokenizer's reason quotes 40 characters around the character; another's is cut short
+        why = str(exc) if isinstance(tokenizer, CharTokenizer) else excerpt(str(exc), 120)
+        raise EncodeError(f"{where} row {i}: the tokenizer cannot encode the prompt (model.tokenizer): {why}") from None
     columns = {k: v for k, v in row.items() if k != column}
     # chat prompts keep their messages: reward functions get them as TRL passes conversational data
     return {**columns, "prompt": prompt, "prompt_ids": ids, **({"prompt_messages": messages} if messages else {})}
@@ -353,7 +356,7 @@ def first_row_format(cfg: DataConfig) -> tuple[str, list[str]]:
     except ValueError as exc:
         raise DataError(f"{where} row 0 {exc}") from None
     if cfg.template is None and column not in row:  # data the run cannot read: its data stage says so first
-        raise DataError(f"{where} row 0 has no column {column!r} (data.prompt_column); columns: {sorted(row)}")
+        raise DataError(f"{where} row 0 has no column {column!r} (data.prompt_column); columns: {column_names(row)}")
     return fmt.value, sorted(row)
 
 

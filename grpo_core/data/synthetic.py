@@ -18,6 +18,7 @@ import numpy as np
 
 from grpo_core.config.data import SyntheticTask
 from grpo_core.data.formats import completion_text
+from grpo_core.errors import excerpt
 
 
 class CharTokenizer:
@@ -46,10 +47,12 @@ class CharTokenizer:
 
     def outside(self, char: str, text: str) -> str:
         """Why `text` cannot be encoded, and what to set instead: the built-in tokenizer is for the
-        synthetic task (no byte fallback: its ids, and so the demo's hashes, stay as they are)."""
-        shown = text if len(text) <= 80 else text[:77] + "..."
+        synthetic task (no byte fallback: its ids, and so the demo's hashes, stay as they are). The
+        text is a data file's: the character, its position and 40 characters around it, no more."""
+        at = text.find(char)
         return (
-            f"character {char!r} in {shown!r} is not in the alphabet of the built-in character tokenizer "
+            f"character {char!r} at position {at} ({excerpt(text, 40, at)}) is not in the alphabet of the built-in "
+            "character tokenizer "
             f"(model.tokenizer: char, {self.chars!r}), which is made for the synthetic task: set model.tokenizer to "
             "a Hugging Face tokenizer, e.g. --set model.tokenizer=Qwen/Qwen2.5-0.5B-Instruct (a Hub id) or "
             "model.tokenizer=path/to/folder (what save_pretrained writes: tokenizer.json, tokenizer_config.json), "

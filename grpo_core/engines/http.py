@@ -4,7 +4,10 @@ Each rollout is one request: the B = P * G prompts as token-id lists, max_tokens
 top-p/top-k, the stop token ids (or ignore_eos), special tokens kept, and per-token log-probs
 (`api: openai`: POST /v1/completions with logprobs=1; `api: sglang`: POST /generate with
 input_ids and return_logprob, which SGLang and sglang-jax answer with exact token ids). Every
-request has a time limit and is retried; the error names the URL and what was waited for.
+request has a time limit and is retried; the error names the URL and what was waited for. No
+redirect is followed (grpo_core.addresses): a 3xx is a ConfigError naming train.rollout.url and
+where it pointed, so a call reaches only the host and port the trust policy allowed, and an error
+quotes at most a short printable excerpt of that server's own answer.
 
 Token ids from /v1/completions: vLLM returns them when asked (`return_tokens_as_token_ids`,
 "token_id:123"); sglang-jax and SGLang return each token's text, which is mapped back through the
@@ -39,6 +42,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from grpo_core.addresses import answer_excerpt, open_url, redirect_of
 from grpo_core.engines import (
     Completions,
     RolloutError,
@@ -49,7 +53,7 @@ from grpo_core.engines import (
     wait_for,
 )
 from grpo_core.engines.sglang import sampling_params, sglang_jax_args
-from grpo_core.errors import ConfigError
+from grpo_core.errors import ConfigError, excerpt
 from grpo_core.launch.processes import free_port, sglang_python, stop_process_groups
 from grpo_core.nn.hf import save_hf_model
 from grpo_core.nn.model import CausalLM
@@ -57,9 +61,19 @@ from grpo_core.nn.model import CausalLM
 log = logging.getLogger(__name__)
 
 
-def request_json(method: str, url: str, body: dict | None, timeout_s: float, retries: int, what: str) -> Any:
+def request_json(
+    method: str,
+    url: str,
+    body: dict | None,
+    timeout_s: float,
+    retries: int,
+    what: str,
+    field: str = "train.rollout.url",
+) -> Any:
     """One JSON call with a time limit per attempt and `retries` more attempts after a timeout,
-    a refused connection or a 5xx; a 4xx fails at once with the server's message."""
+    a refused connection or a 5xx; a 4xx fails at once with (a short excerpt of) the server's
+    message. A redirect is not followed: ConfigError naming `field` (the setting that named the
+    server) and where it pointed."""
     data = None if body is None else json.dumps(body).encode()
     last = ""
     for attempt in range(retries + 1):
@@ -67,10 +81,16 @@ def request_json(method: str, url: str, body: dict | None, timeout_s: float, ret
             time.sleep(min(2.0 ** (attempt - 1), 10.0))
         req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            with open_url(req, timeout=timeout_s) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")[:500]
+            where = redirect_of(exc)
+            if where is not None:
+                raise ConfigError(
+                    f"{field}: {method} {url} ({what}) answered HTTP {exc.code}, a redirect to {where}, which is not "
+                    f"followed: set {field} to the address of the server itself"
+                ) from None
+            text = answer_excerpt(exc)
             if exc.code < 500:
                 raise RolloutError(f"{method} {url} ({what}) was refused: HTTP {exc.code}: {text}") from None
             last = f"HTTP {exc.code}: {text}"
@@ -124,7 +144,7 @@ class OwnedServer:
                     f"{' '.join(cmd)}\n{self.tail()}"
                 )
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                with open_url(f"{self.url}/health", timeout=5) as resp:
                     if resp.status == 200:
                         return time.perf_counter() - t
             except (urllib.error.URLError, ConnectionError, OSError):
@@ -201,6 +221,8 @@ class HttpEngine:
         self.sync_times: list[float] = []
         self.server: OwnedServer | None = None
         self.base_url = cfg.url.rstrip("/") if cfg.url else None
+        # the setting that named the server an error is about: its address, or the server this engine starts
+        self.field = "train.rollout." + ("server_command" if cfg.server_command else "server" if cfg.server else "url")
         device = "cpu" if jax.default_backend() == "cpu" else "tpu"
         dtype = cfg.dtype or model_config.dtype.value
         if cfg.server or cfg.server_command:
@@ -247,6 +269,7 @@ class HttpEngine:
                 self.cfg.sync_timeout_s,
                 self.cfg.request_retries,
                 f"reloading the weights of step {step} (train.rollout.sync_timeout_s)",
+                self.field,
             )
         if self.folder and self.folder != folder and self._own_export:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -268,6 +291,7 @@ class HttpEngine:
             self.cfg.generate_timeout_s,
             self.cfg.request_retries,
             f"{what} (train.rollout.generate_timeout_s)",
+            self.field,
         )
 
     def model_name(self) -> str:
@@ -279,12 +303,14 @@ class HttpEngine:
                 self.cfg.generate_timeout_s,
                 self.cfg.request_retries,
                 "the served model's name",
+                self.field,
             )
             try:
                 self._model_name = listed["data"][0]["id"]
             except (KeyError, IndexError, TypeError):
                 raise RolloutError(
-                    f"{self.base_url}/v1/models lists no model ({listed!r}): set train.rollout.model_name"
+                    f"{self.base_url}/v1/models lists no model ({excerpt(json.dumps(listed), 200)}): "
+                    "set train.rollout.model_name"
                 )
         return self._model_name
 
@@ -345,7 +371,7 @@ class HttpEngine:
             ids = texts.get(t, [])
             if len(ids) != 1:
                 raise RolloutError(
-                    f"the rollout server returned token text {t!r}, which the tokenizer decodes from "
+                    f"the rollout server returned token text {excerpt(t)}, which the tokenizer decodes from "
                     f"{'no id' if not ids else f'{len(ids)} ids'}: token ids cannot be recovered from "
                     "/v1/completions here; use train.rollout.api=sglang (/generate returns ids) or a "
                     "server that returns ids (vLLM: return_tokens_as_token_ids)"

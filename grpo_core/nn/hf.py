@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.flax import save_file
 
 from grpo_core.config.model import hf_config, model_config_from_hf
-from grpo_core.errors import ConfigError
+from grpo_core.errors import ConfigError, excerpt
 from grpo_core.nn.model import CausalLM
 from grpo_core.runtime.mesh import put
 
@@ -33,7 +33,14 @@ def _files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+            shards = sorted(set(json.load(f)["weight_map"].values()), key=str)
+        # a shard is a file beside the index: a path in its place ('../x', '/x') would read outside the
+        # folder the trust policy checked (grpo_core.rewards.trust.check_reads), as a link would
+        bad = [s for s in shards if not isinstance(s, str) or os.path.basename(s) != s or s in ("", ".", "..")]
+        if bad:
+            raise ConfigError(
+                f"{index}: weight_map names the shard {excerpt(bad[0])}, which is not a file name in the model folder"
+            )
         return [os.path.join(folder, s) for s in shards]
     single = os.path.join(folder, "model.safetensors")
     if os.path.exists(single):

@@ -411,3 +411,96 @@ def _inside(path: str, allowed: str) -> bool:
 
 def _listed(items: tuple[str, ...]) -> str:
     return "allowed: " + ", ".join(items) if items else "none is allowed"
+
+
+# -- reads: the files a place holds, by what they resolve to --------------------------------------
+# A place's name is checked above (made real first); what it holds is checked here: a data folder's
+# files, a model or tokenizer folder's, init_from's run folder, the evaluate deployment's run
+# folder. A link among them is read as its target, so the target is what must lie under a root.
+
+
+def check_reads(policy: TrustPolicy, cfg: Any, cwd: str | None = None) -> None:
+    """ConfigError naming the first READS field of `cfg` (a RunConfig that passed policy.check)
+    whose folder holds a link that resolves outside the places a deployment run may read: the
+    operator's roots and the default storage root. Names and links only (a scandir of each
+    folder, a realpath of each link), nothing opened: a data folder of thousands of files is
+    walked in milliseconds. A URL (gs://) has no links: its name, checked by policy.check, is all."""
+    cwd = cwd or os.getcwd()
+    for field, path in read_places(cfg, cwd):
+        check_folder(policy, field, value_of(cfg, field), path, cwd)
+
+
+def check_folder(policy: TrustPolicy, field: str, value: Any, path: str, cwd: str | None = None) -> None:
+    """ConfigError naming `field` (whose value is `value`) when `path` or a link under it resolves
+    outside the allowed roots; a URL passes (it has no links)."""
+    if "://" in path:
+        return
+    cwd = cwd or os.getcwd()
+    found = link_out(os.path.join(cwd, os.path.expanduser(path)), (*policy.roots, _place(DEFAULT_STORAGE_ROOT, cwd)))
+    if found is None:
+        return
+    link, target = found
+    raise ConfigError(
+        f"{field}={value!r} may not be read in a deployment run: {link} is a link to {target}, which is not where "
+        f"this deployment's runs read ({_listed(policy.roots)}). An operator allows a folder or bucket prefix with "
+        f"`grpo serve --allow-root ROOT` (or {ENV_ROOTS}=ROOT,... in the environment of the process that runs "
+        "the flow, e.g. a work-pool worker)"
+    )
+
+
+def read_places(cfg: Any, cwd: str | None = None) -> list[tuple[str, str]]:
+    """(field, local path) of each READS place `cfg` names other than the default config's: data
+    files and folders, model and tokenizer folders, and model.init_from's run folders (a run name
+    or pattern: those under storage.root it may name)."""
+    import fnmatch  # here, not with the module's imports: only a deployment run's walk needs it
+
+    cwd = cwd or os.getcwd()
+    out = []
+    for field in fields_of(Trust.READS):
+        value = value_of(cfg, field)
+        if not isinstance(value, str) or not value or value == value_of(_default(), field):
+            continue
+        ref = value.split("@")[0] if field == "model.init_from" else value
+        if _is_place(field, value):
+            out.append((field, ref))
+        elif field == "model.init_from" and "://" not in cfg.storage_url:
+            runs = os.path.join(cwd, os.path.expanduser(cfg.storage_url))
+            if not any(c in ref for c in "*?["):
+                out.append((field, os.path.join(runs, ref)))
+                continue
+            try:
+                names = sorted(e.name for e in os.scandir(runs) if e.is_dir() and not e.name.startswith("_"))
+            except OSError:
+                names = []  # no storage root yet: no run to start from
+            out += [(field, os.path.join(runs, n)) for n in names if fnmatch.fnmatchcase(n, ref)]
+    return out
+
+
+def link_out(path: str, roots: tuple[str, ...]) -> tuple[str, str] | None:
+    """(the name, its target) of `path` or of the first link under it whose target is under none
+    of `roots` (a dangling link's included), or None. A link to a folder inside is walked too,
+    each real folder once (a loop of links ends)."""
+    inside = lambda real: any(_under(real, root) for root in roots)
+    real = os.path.realpath(path)
+    if not inside(real):
+        return path, real
+    seen, todo = {real}, [(path, real)]  # (the name as reached, its real path)
+    while todo:
+        shown, folder = todo.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:  # not a folder, or one that cannot be listed: its reader fails naming it
+            continue
+        for e in entries:
+            name = os.path.join(shown, e.name)
+            if e.is_symlink():
+                target = os.path.realpath(e.path)
+                if not inside(target):
+                    return name, target
+                if os.path.isdir(target) and target not in seen:
+                    seen.add(target)
+                    todo.append((name, target))
+            elif e.is_dir(follow_symlinks=False) and e.path not in seen:
+                seen.add(e.path)
+                todo.append((name, e.path))
+    return None

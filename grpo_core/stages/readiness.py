@@ -216,17 +216,28 @@ def _server_check(rollout) -> dict[str, Any]:
         return check("rollout_engine", True, "OpenAI-compatible rollout server (not probed)")
     if rollout.url:
         import urllib.error  # worker start: with urllib.request
-        import urllib.request  # worker start: ssl
+
+        from grpo_core.addresses import open_url, redirect_of  # worker start: urllib.request, ssl
 
         url = rollout.url.rstrip("/") + "/v1/models"
         try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
+            with open_url(url, timeout=10) as resp:  # no redirect followed: only the allowed address is asked
                 return check(
                     "rollout_engine",
                     resp.status == 200,
                     f"rollout server {url}: HTTP {resp.status}",
                     "check the server at train.rollout.url",
                 )
+        except urllib.error.HTTPError as exc:
+            where = redirect_of(exc)
+            return check(
+                "rollout_engine",
+                False,
+                f"rollout server {url}: HTTP {exc.code}" + (f", a redirect to {where} (not followed)" if where else ""),
+                "set train.rollout.url to the server's own address"
+                if where
+                else "check the server at train.rollout.url",
+            )
         except (urllib.error.URLError, OSError) as exc:
             return check(
                 "rollout_engine",
