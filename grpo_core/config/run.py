@@ -92,6 +92,34 @@ DEFAULT: dict[str, Any] = {
 }
 
 
+# `grpo demo --task NAME`: the embedded default (reverse a word), or the synthetic tool task whose
+# answer only a tool can tell (train.agent with the built-in codebook environment): the model
+# learns to call it (`#` in the plain format) and to answer with what it returned. Greedy
+# held-out accuracy 0.00 -> 1.00 in 600 steps, about 2.5 minutes on 2 CPU cores
+# (docs/agents.md). Each is a config over DEFAULT, as a --config file would be.
+DEMO_TASKS: dict[str, dict[str, Any]] = {
+    "reverse": {},
+    "tools": {
+        "data": {"synthetic": {"task": "codebook", "alphabet": "abcde", "min_len": 3, "max_len": 3, "seed": 0}},
+        # char_match on the final answer teaches copying the code; tool_called (a small weight)
+        # rewards a call that returned, which the model must find first; exact_match is reported
+        "rewards": [
+            {"function": "char_match", "weight": 1.0},
+            {"function": "tool_called", "weight": 0.2},
+            {"function": "exact_match", "weight": 0.0},
+        ],
+        "eval": {
+            "rewards": [{"function": "exact_match"}, {"function": "char_match"}, {"function": "tool_called"}],
+            "accuracy_reward": "exact_match",
+        },
+        "train": {
+            "sampling": {"max_new_tokens": 4},  # a call (`#`) or an answer (three digits and the end)
+            "agent": {"environment": "codebook", "max_turns": 2, "max_tokens": 16},
+        },
+    },
+}
+
+
 # Experiment trackers pipeline.report_to names (grpo_core.store.tracking sends to them).
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
@@ -746,4 +774,19 @@ def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
             where = spec.get("function", "").rsplit(":", 1)[0] if isinstance(spec, dict) else ""
             if where.endswith(".py") and os.path.exists(where):
                 spec["function"] = f"{os.path.abspath(where)}:{spec['function'].rsplit(':', 1)[1]}"
+    train = data.get("train")
+    agent = train.get("agent") if isinstance(train, dict) else None
+    if isinstance(agent, dict):  # tools and the environment: code files as the rewards'
+        if isinstance(agent.get("tools"), list):
+            agent["tools"] = [_absolute_code(t) for t in agent["tools"]]
+        if isinstance(agent.get("environment"), str):
+            agent["environment"] = _absolute_code(agent["environment"])
     return data
+
+
+def _absolute_code(spec: Any) -> Any:
+    """`path/file.py:name` with the file made absolute where it exists here; anything else as it is."""
+    if not isinstance(spec, str) or ":" not in spec:
+        return spec
+    where, name = spec.rsplit(":", 1)
+    return f"{os.path.abspath(where)}:{name}" if where.endswith(".py") and os.path.exists(where) else spec
