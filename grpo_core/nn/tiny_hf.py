@@ -1,6 +1,6 @@
 """Tiny Hugging Face model folders, built here with no download: a tokenizer (character-level, or
 a byte-level BPE trained here, which encodes any UTF-8 text) with chat special tokens and a
-Qwen-style chat template, random Qwen3 or Qwen2 weights sized to it, and a
+Qwen-style chat template (with tools, in `grpo tiny-model`'s folders), random Qwen3 or Qwen2 weights sized to it, and a
 generation_config.json whose eos_token_id lists two stop tokens, as Qwen's instruct models do.
 
 `grpo tiny-model DIR` writes one (the quickstart's offline model), and the tests build their
@@ -27,6 +27,33 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 LLAMA_CHAT_TEMPLATE = "{{ bos_token }}" + CHAT_TEMPLATE
+# CHAT_TEMPLATE with tools, in Qwen2.5/Qwen3's layout (what `grpo tiny-model` writes): the tools'
+# JSON schemas in the system turn, a call as a <tool_call>{json}</tool_call> block after the
+# assistant's text, results as <tool_response> blocks in one user turn. Without tools it renders
+# what CHAT_TEMPLATE renders.
+TOOLS_CHAT_TEMPLATE = (
+    "{% set skip_system = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if skip_system %}{{ messages[0]['content'] }}{{ '\n\n' }}{% endif %}"
+    "You can call these tools, described as JSON schemas:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}{{ '\n' }}{% endfor %}"
+    "</tools>\nTo call one, write <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if loop.first and skip_system %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user\n{% endif %}"
+    "<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% else %}{{ '\n' }}{% endif %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] is defined and m['tool_calls'] %}"
+    "<|im_start|>assistant\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{\"name\": {{ c['function']['name'] | tojson }}, \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # What the BPE tokenizer is trained on: GSM8K-like text, so numbers and words get merges.
 GSM8K_TEXTS = [
@@ -68,7 +95,9 @@ def save_tokenizer(folder: pathlib.Path, llama: bool = False):
     return tok
 
 
-def save_bpe_tokenizer(folder: pathlib.Path, texts=GSM8K_TEXTS, vocab_size: int = 400, chat: bool = True):
+def save_bpe_tokenizer(
+    folder: pathlib.Path, texts=GSM8K_TEXTS, vocab_size: int = 400, chat: bool = True, template: str = CHAT_TEMPLATE
+):
     """A byte-level BPE tokenizer trained here (any UTF-8 text encodes), Qwen-like: no BOS, pad
     <|endoftext|>, EOS <|im_end|>, the chat specials and template; saved as users save one
     (tokenizer.json, tokenizer_config.json: no config.json)."""
@@ -86,7 +115,7 @@ def save_bpe_tokenizer(folder: pathlib.Path, texts=GSM8K_TEXTS, vocab_size: int 
         tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=QWEN_SPECIALS
     )
     if chat:
-        tok.chat_template = CHAT_TEMPLATE
+        tok.chat_template = template
     tok.save_pretrained(str(folder))
     return tok
 
@@ -144,7 +173,7 @@ def write_tiny_model(folder: str | pathlib.Path, arch: str = "qwen3", seed: int 
     generation config in `folder`: a Hugging Face folder to give as `model.path`."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = save_bpe_tokenizer(folder)
+    tok = save_bpe_tokenizer(folder, template=TOOLS_CHAT_TEMPLATE)  # Qwen's layout, with tools
     cfg = tiny_config(len(tok), arch)
     save_file(random_weights(cfg, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
