@@ -44,6 +44,8 @@ def readiness_report(
     tokenizer = _tokenizer_check(cfg, checks)
     if tokenizer is None:  # the model's shape (its vocabulary) is not known: no device checks
         return {"checks": checks, "ready": False}
+    if cfg.train.agent.enabled:  # the tools, and how this tokenizer's template writes their calls
+        tokenizer = _agent_check(cfg, tokenizer, checks)
     if data:
         checks.append(_data_check(cfg, tokenizer))
     try:
@@ -211,9 +213,10 @@ def _with_target(report: dict[str, Any], live: list[dict[str, Any]], aot: dict[s
 
 
 def _tokenizer_check(cfg: RunConfig, checks: list[dict[str, Any]]):
-    """The run's tokenizer, or None with a failed check naming model.tokenizer."""
+    """The run's tokenizer (without train.agent's tools: _agent_check adds them), or None with a
+    failed check naming model.tokenizer."""
     try:
-        tokenizer = make_tokenizer(cfg)
+        tokenizer = make_tokenizer(cfg, tools=False)
     except (ConfigError, StorageError) as exc:
         fix = "set model.tokenizer to a Hugging Face tokenizer: a Hub id, or a folder of what save_pretrained writes"
         checks.append({"name": "tokenizer", "ok": False, "detail": str(exc), "fix": fix})
@@ -222,6 +225,32 @@ def _tokenizer_check(cfg: RunConfig, checks: list[dict[str, Any]]):
         {"name": "tokenizer", "ok": True, "detail": f"{cfg.tokenizer_id}, {tokenizer.vocab_size} tokens", "fix": None}
     )
     return tokenizer
+
+
+def _agent_check(cfg: RunConfig, tokenizer, checks: list[dict[str, Any]]):
+    """train.agent: its tools and environment load, each with a schema, and the tokenizer's chat
+    template writes calls in a format the episodes read; the tokenizer that renders the tools into
+    the prompts (the data check reads them so), or the plain one with a failed check."""
+    from grpo_core.agent.formats import detect  # the agent's checks: only a run with tools reads them
+    from grpo_core.agent.tools import load_toolbox
+    from grpo_core.data.tokenizer import WithTools
+
+    agent = cfg.train.agent
+    try:
+        box = load_toolbox(agent)
+        fmt = detect(tokenizer, agent.tool_format)
+    except ConfigError as exc:
+        fix = "fix the train.agent field or the file named (a tool's schema: its type hints and docstring)"
+        checks.append({"name": "agent", "ok": False, "detail": str(exc), "fix": fix})
+        return tokenizer
+    env = f", environment {box.env_class.__name__} (one per episode)" if box.env_class is not None else ""
+    detail = (
+        f"tools {', '.join(box.names)}{env}; calls in the {fmt.value} format; episodes of at most "
+        f"{agent.max_turns} turns and {agent.episode_tokens(cfg.train.sampling.max_new_tokens)} tokens after the "
+        f"prompt, each turn re-reading the conversation through the {cfg.train.rollout.engine.value} engine"
+    )
+    checks.append({"name": "agent", "ok": True, "detail": detail, "fix": None})
+    return WithTools(tokenizer, box.schemas) if hasattr(tokenizer, "apply_chat_template") else tokenizer
 
 
 def _steps_said(cfg: RunConfig, rows: int) -> str:

@@ -10,18 +10,18 @@ from grpo_core.data.synthetic import CharTokenizer
 from grpo_core.store.sources import load_tokenizer
 
 
-def make_tokenizer(cfg: RunConfig):
+def make_tokenizer(cfg: RunConfig, tools: bool = True):
     """The tokenizer named by model.tokenizer: 'char' (the built-in character tokenizer), 'auto'
     (AutoTokenizer of model.path, with its generation config's stop ids) or another HF id/folder.
     With train.agent, a Hugging Face tokenizer's chat template renders the run's tools into each
-    prompt (WithTools), as TRL renders them."""
+    prompt (WithTools), as TRL renders them (`tools`: False for the tokenizer alone)."""
     if cfg.tokenizer_source is None:
         return CharTokenizer()
     own = cfg.model.tokenizer == "auto"  # the model folder's own tokenizer
     field = f"model.tokenizer (auto: the tokenizer of model.path {cfg.model_path!r})" if own else "model.tokenizer"
     rev = cfg.model.revision if cfg.tokenizer_source == cfg.model_path else None
     tok = load_tokenizer(cfg.tokenizer_source, rev, field)
-    if cfg.train.agent.enabled:
+    if tools and cfg.train.agent.enabled:
         from grpo_core.agent.tools import load_toolbox  # the tools' code: only a run with tools loads it
 
         return WithTools(tok, load_toolbox(cfg.train.agent).schemas)

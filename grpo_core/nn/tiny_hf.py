@@ -37,7 +37,7 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if skip_system %}{{ messages[0]['content'] }}{{ '\n\n' }}{% endif %}"
     "You can call these tools, described as JSON schemas:\n<tools>\n"
     "{% for t in tools %}{{ t | tojson }}{{ '\n' }}{% endfor %}"
-    "</tools>\nTo call one, write <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    '</tools>\nTo call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.<|im_end|>\n'
     "{% endif %}"
     "{% for m in messages %}"
     "{% if loop.first and skip_system %}"
