@@ -52,12 +52,33 @@ class Place:
     def secret(self) -> Path:
         return self.outside / "secret.jsonl"
 
+    @property
+    def reward(self) -> Path:  # a reward file in the serving process's own rewards/ folder (allowed)
+        return self.base / "rewards" / "mine.py"
+
+    @property
+    def tool(self) -> Path:  # a tool file outside every allowed folder
+        return self.outside / "tool.py"
+
     def make(self) -> None:
-        for folder in (self.root, self.data.parent, self.outside / "step-0"):
+        for folder in (self.root, self.data.parent, self.outside / "step-0", self.reward.parent):
             folder.mkdir(parents=True, exist_ok=True)
         self.data.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": "a"}) + "\n" for i in range(64)))
         self.secret.write_text(json.dumps({"prompt": SECRET}) + "\n")
         (self.outside / "step-0" / "keep.txt").write_text("keep me")
+        self.tool.write_text(TOOL)
+        self.reward.write_text(REWARD.format(score=0.0))
+        self.edited_run()
+        self.reward.write_text(REWARD.format(score=1.0))  # edited since that run started
+
+    def edited_run(self) -> None:
+        """The run 'edited' as a deployment run of EDITED's parameters left it, before its reward
+        file was edited: its config.json holds the file's old digest."""
+        from flows.pipeline import _config
+        from grpo_core.data.resolve import with_versions
+        from grpo_core.store.runs import init_run_root
+
+        init_run_root(with_versions(_config(EDITED(self)["config"])))
 
 
 def operator_config(p: Place) -> dict[str, Any]:
@@ -97,6 +118,17 @@ def _cfg(**sections: Any) -> Callable[[Place], dict[str, Any]]:
 
     return build
 
+
+TOOL = '''def lookup(key: str) -> str:
+    """Read a key.
+
+    Args:
+        key: The key.
+    """
+    open("pwned-by-tool", "w").close()
+    return key
+'''
+REWARD = "def score(prompts, completions, **kw):\n    return [{score}] * len(completions)\n"
 
 PIPE, READY, EVAL = "grpo-pipeline/pipeline", "grpo-readiness/readiness", "grpo-evaluate/evaluate"
 TRAIN = "grpo-pipeline/train"  # the everyday deployment: the short form (flows/everyday.py)
@@ -161,11 +193,50 @@ CASES = [
     Case("storage.root outside (train)", TRAIN, lambda p: {"storage_root": str(p.outside)}, "storage.root"),
     Case("reward os:system (train)", TRAIN, lambda p: {"rewards": [{"function": "os:system"}]}, "rewards[0]"),
     Case("num_steps 1e12 (train)", TRAIN, lambda p: {"num_steps": 10**12}, "train.num_steps"),
+    # format strings are data: refused when the config is read, before anything is formatted
+    Case("template format spec", PIPE, _cfg(data__template="{prompt:>1500000000}"), "data.template"),
+    Case("template nested spec", READY, _cfg(data__template="{prompt:{prompt.__class__.__mro__}}"), "format spec"),
+    Case("run_name format spec", PIPE, _cfg(run_name="{date:>1000000000}"), "run_name"),
+    # work as a whole: each factor within its limit, the product over the total
+    Case(
+        "work total 3.4e10 tokens",
+        PIPE,
+        _cfg(
+            train__grpo={"prompts_per_step": 4096, "num_generations": 256},
+            train__sampling={"max_new_tokens": 32768},
+        ),
+        "--raise-limit train.tokens_per_step",
+    ),
+    # trackers: one that sends the run's metrics (with the operator's key) is an address
+    Case("tracker wandb", PIPE, _cfg(pipeline__report_to=["wandb"]), "pipeline.report_to"),
+    Case(
+        "job variables tracker",
+        PIPE,
+        lambda p: {},
+        "MLFLOW_TRACKING_URI",
+        job_variables={"env": {"MLFLOW_TRACKING_URI": "http://203.0.113.9:5000"}},
+    ),
+    # a run is what its files say: the reward file was edited since run 'edited' started
+    Case("edited reward file", PIPE, lambda p: EDITED(p), "edited code: "),
+    # tools are code, as rewards are (issue 62)
+    Case("tool outside", PIPE, _cfg(train__agent=lambda p: {"tools": [f"{p.tool}:lookup"]}), "train.agent.tools[0]"),
+    Case(
+        "tool pickled (readiness)",
+        READY,
+        _cfg(train__agent=lambda p: {"tools": [f"{p.root}/_inputs/rewards/x/lookup.pkl:lookup"]}),
+        "pickled",
+    ),
+    Case("environment module", PIPE, _cfg(train__agent={"environment": "subprocess:Popen"}), "--allow-reward-module"),
     # the evaluate deployment
     Case("evaluate outside", EVAL, lambda p: {"run_url": str(p.outside)}, "run_url"),
     # the served pipeline's own runs may be evaluated (not a trust refusal: there is no run yet)
     Case("evaluate a served run", EVAL, lambda p: {"run_url": str(p.root / "r")}, "config.json", refused=False),
 ]
+
+
+def EDITED(p: Place) -> dict[str, Any]:  # noqa: N802 - a case's parameters, as the other lambdas
+    """Run 'edited' with the serving process's own reward file."""
+    return _cfg(run_name="edited", rewards=lambda p: [{"function": f"{p.reward}:score"}])(p)
 
 
 def serve(env: dict[str, str], p: Place, cwd: Path, bin_dir: str) -> subprocess.Popen:
@@ -305,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     for o in outcomes:
         line = f"{o.case.name:34} {o.case.deployment:26} {'yes' if o.ok else 'NO':3} {o.state:9} {o.seconds:5.1f} "
         print(line + textwrap.shorten(o.message.replace("Flow run encountered an exception: ", ""), 140), flush=True)
-    kept = (p.outside / "step-0" / "keep.txt").exists() and not any(p.outside.glob("*/config.json"))
+    kept = (
+        (p.outside / "step-0" / "keep.txt").exists()
+        and not any(p.outside.glob("*/config.json"))
+        and not (base / "pwned-by-tool").exists()
+    )
     failed = sum(not o.ok for o in outcomes) + (not kept)
     print(
         f"{len(outcomes) - sum(not o.ok for o in outcomes)}/{len(outcomes)} as expected; outside folder untouched: "

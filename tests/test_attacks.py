@@ -56,3 +56,4 @@ def test_each_attack_is_refused_before_any_task_naming_the_field(outcomes):
     assert (place.outside / "step-0" / "keep.txt").read_text() == "keep me"
     assert sorted(p.name for p in place.outside.iterdir()) == ["secret.jsonl", "step-0"]  # nothing written there
     assert not (place.base / "pwned").exists()  # server_command's `touch pwned` never ran
+    assert not (place.base / "pwned-by-tool").exists()  # the tool outside the allowed folders never ran
