@@ -29,7 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic.json_schema import SkipJsonSchema
 
 from flows.params import _DEFAULTS, _ON_USER_DATA, _TOP, RunParams
-from flows.pipeline import _allowed, _run_named, run_pipeline
+from flows.pipeline import Refused, _allowed, _run_named, run_pipeline
 from grpo_core.config.model import LoraConfig
 from grpo_core.config.run import RunConfig
 
@@ -208,5 +208,8 @@ def grpo_train(
     The same pipeline as grpo-pipeline/pipeline, whose form has every key."""
     values = dict(locals())  # the parameters, before any other local
     log = get_run_logger()
-    cfg = _allowed(lambda: everyday_config(values), log)  # before anything runs or is written
+    try:
+        cfg = _allowed(lambda: everyday_config(values), log)  # before anything runs or is written
+    except Refused as refused:
+        return refused.state
     return run_pipeline(cfg, log)

@@ -25,6 +25,7 @@ from prefect import flow, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import deployment, flow_run
+from prefect.states import Failed
 
 from flows.logs import attach as _attach_log_filter
 from flows.logs import stop_level, stop_reason
@@ -218,9 +219,23 @@ def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
             check_reads(policy, cfg)  # a link in a data or model folder is read as its target
             return cfg
         return make_config()
-    except ConfigError:
+    except ConfigError as exc:
         _no_flow_retry(log)
+        if deployment.id is not None:  # one clear line in the run's log, not a traceback
+            if log is not None:
+                log.error("refused before any task ran: ConfigError: %s", exc)
+            raise Refused(Failed(message=f"ConfigError: {exc}")) from None
         raise
+
+
+class Refused(ConfigError):  # noqa: N818 - not an error of the run: the caller's input refused
+    """A deployment run's config refused (by the trust policy, or invalid): the flow returns
+    `state`, a Failed state whose message names every refused field, and Prefect logs no
+    traceback for what is the caller's input, not a fault of the run."""
+
+    def __init__(self, state: Any):
+        super().__init__(state.message.removeprefix("ConfigError: "))
+        self.state = state
 
 
 def _job_variables(log: Any) -> dict[str, Any]:
@@ -336,7 +351,10 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
             this config, as on the command line; the same config resumes its own run.
     """
     log = get_run_logger()
-    cfg = _allowed(lambda: _config(config), log)  # before anything runs or is written
+    try:
+        cfg = _allowed(lambda: _config(config), log)  # before anything runs or is written
+    except Refused as refused:
+        return refused.state
     return run_pipeline(cfg, log)
 
 
@@ -449,7 +467,10 @@ def grpo_evaluate(run_url: str, steps: Optional[list[int]] = None) -> dict[str, 
             finalised checkpoint (what a nightly evaluation of a run in progress wants). Each
             result lands in {run_url}/eval/{step}.json; a step already evaluated is read back.
     """
-    cfg = _allowed(lambda: load_run(run_url), get_run_logger(), run_url=run_url)
+    try:
+        cfg = _allowed(lambda: load_run(run_url), get_run_logger(), run_url=run_url)
+    except Refused as refused:
+        return refused.state
     if not steps:
         found = checkpoint_steps(RunRoot(run_url))
         steps = [found[-1] if found else 0]
@@ -472,7 +493,10 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
         config: The run to check, as for the pipeline: its storage root is probed and its
             memory plan checked on this worker's devices. Empty fields: the config's defaults.
     """
-    cfg = _allowed(lambda: _config(config), get_run_logger())  # before anything runs, is read or written
+    try:
+        cfg = _allowed(lambda: _config(config), get_run_logger())  # before anything runs, is read or written
+    except Refused as refused:
+        return refused.state
     cfg = _fill_run_name(cfg)
     report = readiness_report(cfg, data=True)
     publish_readiness(report, cfg.name)

@@ -234,7 +234,9 @@ def test_addresses_are_refused_unless_the_host_or_the_field_is_allowed():
         TrustPolicy().check(ray)
     TrustPolicy().check(cfg("pipeline.launcher.kind=ray"))  # address auto: the default
     tpu = cfg("pipeline.launcher.kind=tpu-vm", "pipeline.launcher.tpu_name=someone-elses", "pipeline.launcher.zone=z")
-    with pytest.raises(ConfigError, match=r"^pipeline\.launcher\.tpu_name=.* names a machine"):
+    with pytest.raises(
+        ConfigError, match=r"^2 fields .*\(1\) pipeline\.launcher\.tpu_name=.* names a machine.*\(2\) pipel"
+    ):
         TrustPolicy().check(tpu)
     TrustPolicy.from_env({ENV_FIELDS: "pipeline.launcher.tpu_name,pipeline.launcher.zone"}).check(tpu)
 
@@ -247,7 +249,7 @@ def test_work_is_bounded_by_limits_the_operator_can_raise():
         ("eval.num_samples=1000000", "eval.num_samples"),
         ("pipeline.launcher.num_processes=100000", "pipeline.launcher.num_processes"),
     ]:
-        with pytest.raises(ConfigError, match=rf"^{re.escape(field)}=.* more than a deployment run may ask for"):
+        with pytest.raises(ConfigError, match=rf"(^|\) ){re.escape(field)}=.* more than a deployment run may ask for"):
             TrustPolicy().check(cfg(setting))
     TrustPolicy.from_env({ENV_LIMITS: "data.synthetic_rows=2e9"}).check(cfg("data.synthetic_rows=1000000000"))
     TrustPolicy().check(cfg("train.num_steps=auto"))  # a word, not a number
@@ -305,7 +307,7 @@ def test_work_as_a_whole_has_a_total_the_operator_can_raise():
     with pytest.raises(ConfigError) as err:
         TrustPolicy().check(big)
     msg = str(err.value)
-    assert msg.startswith(
+    assert msg.split("(1) ", 1)[-1].startswith(
         "train.tokens_per_step = train.grpo.prompts_per_step 4,096 × train.grpo.num_generations 256 × "
         "(data.max_prompt_tokens 16 + train.sampling.max_new_tokens 32,768) = 34,376,515,584 tokens is more than "
         "a deployment run may ask for (8,388,608)"
@@ -313,7 +315,7 @@ def test_work_as_a_whole_has_a_total_the_operator_can_raise():
     assert "--raise-limit train.tokens_per_step=N" in msg
     TrustPolicy.from_env({ENV_LIMITS: "train.tokens_per_step=4e10,eval.tokens_per_batch=1e7"}).check(big)
     evals = cfg("eval.batch_size=4096", "eval.num_samples=64", "train.sampling.max_new_tokens=1024")
-    with pytest.raises(ConfigError, match=r"^eval\.tokens_per_batch = eval\.batch_size 4,096 × eval\.num_samples 64"):
+    with pytest.raises(ConfigError, match=r"eval\.tokens_per_batch = eval\.batch_size 4,096 × eval\.num_samples 64"):
         TrustPolicy().check(evals)
     TrustPolicy().check(cfg())  # the demo: 16 × 8 × (16 + 6) tokens a step
     for recipe in ("gsm8k-qwen2.5-0.5b-instruct", "dapo-qwen2.5-math-7b"):  # real recipes fit the totals
@@ -403,3 +405,26 @@ def test_a_pickled_reward_is_never_allowed_in_a_deployment_run(project, monkeypa
         monkeypatch.setenv(name, env[name])
     with pytest.raises(ConfigError, match="a deployment never loads one"):
         pipeline._allowed(lambda: c, log=None)
+
+
+def test_one_refusal_names_every_refused_field():
+    """A deployment run that names several things the operator did not allow is refused once, the
+    message naming each field with the setting that would allow it (a user fixes them all at once)."""
+    c = cfg(
+        "data.source=/etc/x.jsonl", "pipeline.report_to=[wandb]", "rewards=[os:system]", "train.num_steps=100000000"
+    )
+    with pytest.raises(ConfigError) as err:
+        TrustPolicy().check(c)
+    msg = str(err.value)
+    assert msg.startswith("4 fields may not be set in a deployment run: (1) rewards[0].function 'os:system'")
+    for i, (field, setting) in enumerate(
+        [
+            ("rewards[0].function", "--allow-reward-module"),
+            ("data.source", "--allow-root"),
+            ("train.num_steps", "--raise-limit train.num_steps"),
+            ("pipeline.report_to", "--allow-field pipeline.report_to"),
+        ],
+        1,
+    ):
+        part = msg.split(f"({i}) ", 1)[1]
+        assert part.startswith(field) and setting in part.split(f"({i + 1}) ", 1)[0], (i, part[:200])

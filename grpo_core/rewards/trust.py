@@ -232,26 +232,34 @@ class TrustPolicy:
         return dict(self.limits).get(field, declared_max)
 
     def check(self, cfg: Any, cwd: str | None = None) -> None:
-        """ConfigError naming the first field of `cfg` (a RunConfig) that a deployment's config may
-        not set, and the setting that would allow it."""
+        """ConfigError naming every field of `cfg` (a RunConfig) that a deployment's config may not
+        set, each with the setting that would allow it: one refusal says all that is wrong."""
+        found = list(self.refusals(cfg, cwd))
+        if len(found) == 1:
+            raise ConfigError(found[0])
+        if found:
+            raise ConfigError(
+                f"{len(found)} fields may not be set in a deployment run: "
+                + " ".join(f"({i}) {why}" for i, why in enumerate(found, 1))
+            )
+
+    def refusals(self, cfg: Any, cwd: str | None = None) -> Iterator[str]:
+        """Why each field of `cfg` that a deployment's config may not set is refused, in the
+        config's order."""
         for field, spec in cfg.code:
             why = self.reward_refusal(spec, cwd)
             if why:
-                raise ConfigError(
+                yield (
                     f"{field} {spec!r} may not run in a deployment run: {why}. "
                     "A config from the API or the UI may name the built-in rewards and the reward files "
                     "and modules the operator allowed; " + HOW_TO_ALLOW.format(paths=ENV_PATHS, modules=ENV_MODULES)
                 )
         for d in declared():
-            if d.path.startswith("rewards[]") or d.path in (
-                "eval.rewards",
-                "train.agent.tools",
-                "train.agent.environment",
-            ):
+            if d.path.startswith("rewards[]") or d.path in ("eval.rewards", *CODE_LISTED):
                 continue  # above: the code the config names (RunConfig.code)
             value = value_of(cfg, d.path)
             if d.trust is Trust.PROGRAM and d.path not in self.fields and value != value_of(_default(), d.path):
-                raise ConfigError(
+                yield (
                     f"{d.path}={value!r} may not be set in a deployment run: it names a program "
                     f"this machine would run. An operator allows it with `grpo serve --allow-field {d.path}` "
                     f"(or {ENV_FIELDS}={d.path} in the environment of the process that runs the flow)"
@@ -259,7 +267,7 @@ class TrustPolicy:
             if d.trust in (Trust.READS, Trust.WRITES):
                 why = self.place_refusal(d.path, value, cwd)
                 if why:
-                    raise ConfigError(
+                    yield (
                         f"{d.path}={value!r} may not be set in a deployment run: {why}. An operator allows a "
                         f"folder or bucket prefix with `grpo serve --allow-root ROOT` (or {ENV_ROOTS}=ROOT,... in "
                         "the environment of the process that runs the flow, e.g. a work-pool worker)"
@@ -267,7 +275,7 @@ class TrustPolicy:
             if d.trust is Trust.ADDRESS:
                 why = self.address_refusal(d.path, value, cfg.storage_url)
                 if why:
-                    raise ConfigError(
+                    yield (
                         f"{d.path}={value!r} may not be set in a deployment run: {why}. An operator allows a host "
                         f"with `grpo serve --allow-host HOST[:PORT]` ({ENV_HOSTS}=...) or the field with "
                         f"`grpo serve --allow-field {d.path}` ({ENV_FIELDS}=...)"
@@ -276,7 +284,7 @@ class TrustPolicy:
                 most = self.limit(d.path, d.api_max)
                 most = int(most) if most == int(most) else most
                 if value > most:
-                    raise ConfigError(
+                    yield (
                         f"{d.path}={value!r} is more than a deployment run may ask for ({most}). An operator "
                         f"raises the limit with `grpo serve --raise-limit {d.path}=N` (or {ENV_LIMITS}="
                         f"{d.path}=N,... in the environment of the process that runs the flow)"
@@ -284,7 +292,7 @@ class TrustPolicy:
         for total in TOTALS:  # each factor within its limit, the product within its own
             most = self.limit(total.name, total.api_max)
             if total.of(cfg) > most:
-                raise ConfigError(
+                yield (
                     f"{total.name} = {total.spelled(cfg)} is more than a deployment run may ask for ({most:,.0f}). "
                     f"An operator raises the limit with `grpo serve --raise-limit {total.name}=N` (or {ENV_LIMITS}="
                     f"{total.name}=N,... in the environment of the process that runs the flow)"
