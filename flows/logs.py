@@ -15,6 +15,9 @@ loggers, so the UI's log and the console read the same), and who stopped a run:
   run. Its worker stopped at a step boundary with a checkpoint; nothing failed. They become
   "Stopped: <who stopped it>" and "Finished: interrupted", at INFO after a cancel and at WARNING
   after another SIGTERM (stop_level).
+- "Engine execution exited with unexpected exception" and a traceback, at ERROR, after a deployment
+  run whose config was refused (flows.pipeline.Refused): the flow logged one line saying why and
+  its Failed state holds the message; the traceback of Prefect re-raising that state is dropped.
 
 The filter is attached when flows.pipeline is imported (every flow-run process: grpo run, grpo
 serve, a work-pool worker); the first line comes before that import, so `grpo serve` gives its
@@ -157,7 +160,16 @@ class EngineLines(logging.Filter):
         elif msg == f"Finished in state Crashed({_TERMINATED!r})":
             record.msg, record.args = "Finished: interrupted (Prefect marks the task run Crashed)", ()
             _level(record, stop_level())
+        elif msg == "Engine execution exited with unexpected exception" and _refused(record.exc_info):
+            return False  # a refused deployment run: its one line said why, its state holds the message
         return True
+
+
+def _refused(exc_info) -> bool:
+    """Whether a record's exception is the engine re-raising a refused deployment run's Failed state
+    (flows.pipeline.Refused: its message starts 'ConfigError: '), nothing the run did."""
+    exc = exc_info[1] if exc_info else None
+    return type(exc).__name__ == "FailedRun" and str(exc).startswith("ConfigError: ")
 
 
 def attach() -> None:

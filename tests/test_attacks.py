@@ -57,3 +57,7 @@ def test_each_attack_is_refused_before_any_task_naming_the_field(outcomes):
     assert sorted(p.name for p in place.outside.iterdir()) == ["secret.jsonl", "step-0"]  # nothing written there
     assert not (place.base / "pwned").exists()  # server_command's `touch pwned` never ran
     assert not (place.base / "pwned-by-tool").exists()  # the tool outside the allowed folders never ran
+    log = (place.base / "serve.log").read_text()
+    # each refusal is one line in the run's log, never the traceback of Prefect re-raising its state
+    assert log.count("refused before any task ran: ConfigError: ") >= sum(o.case.refused for o in found)
+    assert "Engine execution exited with unexpected exception" not in log
