@@ -331,3 +331,45 @@ def test_the_reward_probe_says_what_it_compared(tmp_path):
     # the measured case: char_match against `answer`, the worked solution; the mean says it
     [char] = check_coverage(cfg, make_rewards((RewardSpec(function="char_match"),)), [], train, [], "gsm8k")
     assert char.scored == 32 and char.mean < 0.1 and f"the reward scored 32/32, mean {char.mean:.3g}" in char.describe()
+
+
+def test_a_messages_file_with_a_solution_trains_with_no_setting(tmp_path, hf_tok):
+    """A chat export, `{"messages": [...], "solution": "72"}` (issue 65 item 3): with no `prompt`
+    column the conversation is the prompt, up to its last user turn (the assistant's answer is what
+    the policy is to write), and `solution` is the reference answer TRL's math datasets name, so
+    math_answer is chosen by default and scores against it; nothing to set."""
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"{i}+{i}?"},
+                {"role": "assistant", "content": f"{2 * i}"},
+            ],
+            "solution": str(2 * i),
+        }
+        for i in range(6)
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    _, out = prep(tmp_path, hf_tok, "hf:tok", source=path, max_prompt_tokens=64, eval_fraction=0.2)
+    one = next(r for r in out if r["solution"] == "6")
+    assert (
+        one["prompt"]
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert one["prompt_messages"][-1] == {"role": "user", "content": "3+3?"} and one["ground_truth"] == "6"
+    assert detect(rows[0], "prompt") is DataFormat.PLAIN
+    cfg = RunConfig.from_dict({"data": {"source": path}})
+    from grpo_core.data.resolve import resolve_rewards
+
+    chosen = resolve_rewards(cfg).rewards_default
+    assert [s.function for s in cfg.rewards] == ["math_answer"] and "its solution column" in chosen.why
+    scored = score(
+        make_rewards(cfg.rewards),
+        [one["prompt_messages"]],
+        [[{"role": "assistant", "content": "6"}]],
+        {"ground_truth": ["6"]},
+    )
+    assert scored.total.tolist() == [1.0]
+    write_jsonl(tmp_path / "only.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}] * 3)
+    with pytest.raises(DataError, match=r"only.jsonl row 0: column 'messages' holds only assistant messages"):
+        prep(tmp_path / "o", hf_tok, "hf:tok", source=str(tmp_path / "only.jsonl"))

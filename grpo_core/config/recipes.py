@@ -152,7 +152,9 @@ def rewards_for_rows(data: dict[str, Any], fmt: str, columns: list[str], source:
     math_answer where one is ground_truth, else ConfigError naming `rewards` and the built-ins
     that need no reference answer."""
     if "ground_truth" in columns:
-        how = "a ground_truth column" if fmt == "plain" else f"ground_truth from its {fmt} rows"
+        how = f"ground_truth from its {fmt} rows"
+        if fmt == "plain":
+            how = "ground_truth from its solution column" if "solution" in columns else "a ground_truth column"
         return math_rewards(data, f"data.source reads as {fmt}: {how}, the reference answer")
     answers = [c for c in columns if c in ("answer", "solution", "target", "label", "reference")]
     hint = ""

@@ -1,7 +1,9 @@
 """Dataset shapes people bring, turned into rows of one kind: a prompt (text or chat messages)
 and, for math data, a `ground_truth` column the built-in math rewards compare with.
 
-    plain  the prompt column (or data.template) as it is
+    plain  the prompt column (or data.template) as it is; a `solution` column (TRL's math datasets'
+           reference) is the ground_truth where the rows have none; with no `prompt` column, a
+           conversation in `messages` is the prompt, up to its last user turn
     gsm8k  `question`, and `answer` = a worked solution ending in '#### 42' (openai/gsm8k):
            ground_truth '42'; the solution stays in `answer`
     verl   verl's RL parquet: `prompt` = a list of {role, content} messages, the reference in
@@ -50,8 +52,20 @@ def completion_text(completion: Any) -> str:
     return completion if isinstance(completion, str) else str(completion)
 
 
+CONVERSATION = "messages"  # the column chat exports name a conversation by (TRL's language-modeling format)
+
+
+def prompt_column_of(row: dict[str, Any], prompt_column: str) -> str:
+    """The column a row's prompt is read from: data.prompt_column, or where that is the default
+    'prompt' and the row has none, a conversation in `messages` (chat exports name it so)."""
+    if prompt_column == "prompt" and "prompt" not in row and is_messages(row.get(CONVERSATION)):
+        return CONVERSATION
+    return prompt_column
+
+
 def detect(row: dict[str, Any], prompt_column: str) -> DataFormat:
     """What `auto` resolves to, from the first row (after data.rename)."""
+    prompt_column = prompt_column_of(row, prompt_column)
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return DataFormat.GSM8K
     if is_messages(row.get(prompt_column)) and _verl_truth(row)[0]:
@@ -88,7 +102,17 @@ def is_empty(value: Any) -> bool:
 
 
 def apply_format(fmt: DataFormat, row: dict[str, Any], prompt_column: str) -> tuple[dict[str, Any], str]:
-    """(the row with ground_truth added, the column the prompt comes from)."""
+    """(the row with ground_truth added, the column the prompt comes from). A conversation in
+    `messages` (prompt_column_of) is the prompt up to its last user turn: the assistant's
+    answers after it are what the policy is to write, not its prompt."""
+    column = prompt_column_of(row, prompt_column)
+    if column == CONVERSATION and column != prompt_column:
+        turns = list(row[column])
+        while turns and turns[-1].get("role") == "assistant":
+            turns.pop()
+        if not turns:
+            raise ValueError(f"column {column!r} holds only assistant messages: nothing is left to prompt with")
+        row, prompt_column = dict(row, **{column: turns}), column
     if fmt is DataFormat.GSM8K:
         column = prompt_column if prompt_column in row else "question"
         if column not in row:
@@ -106,6 +130,9 @@ def apply_format(fmt: DataFormat, row: dict[str, Any], prompt_column: str) -> tu
         if isinstance(truth, (int, float)) and not isinstance(truth, bool):
             truth = str(truth)  # one type per column; the math rewards read text
         return dict(row, ground_truth=truth), prompt_column
+    if "ground_truth" not in row and isinstance(row.get("solution"), str) and row["solution"].strip():
+        # TRL's math datasets and its accuracy_reward name the reference answer `solution`
+        return dict(row, ground_truth=row["solution"]), prompt_column
     return row, prompt_column
 
 
