@@ -505,6 +505,8 @@ def status_command(args) -> int:
         return 0
     summary = st["summary"] or {}
     print(f"run {st['run_uri']}: {summary.get('status', 'in progress or stopped')}")
+    if summary.get("error") and summary.get("status") != "completed":
+        print(f"  why: {summary['error']}")
     print(
         f"  steps {st['steps_done']}/{st['num_steps']}, latest checkpoint {st['latest_checkpoint']}, "
         f"Hugging Face export {st['export_uri'] or 'none'}"
@@ -514,6 +516,8 @@ def status_command(args) -> int:
         print("  last step: " + "  ".join(f"{k} {v:.4g}" for k, v in st["last_metrics"].items()))
     for e in st["eval"]:
         print("  eval " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in e.items()))
+    if st["metrics_missing"]:  # a wiped bucket, a shard lost: the curve and the means leave these steps out
+        print(f"  metrics missing for steps {', '.join(st['metrics_missing'])} (the checkpoints hold those steps)")
     return 0
 
 

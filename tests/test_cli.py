@@ -127,6 +127,26 @@ def test_status_counts_its_last_step_as_it_counts_the_steps_done(tmp_path, capsy
     assert st["steps_done"] == st["last_metrics"]["step"] == 4
 
 
+def test_status_and_the_summary_name_missing_metrics_and_why_a_run_failed(tmp_path, capsys):
+    """(issue 65, items 1 and 10) A run root whose first metric rows are gone (a wiped bucket, then
+    a resume) said "completed" with no word of them; a failed run said only "failed"."""
+    from grpo_core.store.report import build_summary, metric_gaps
+    from grpo_core.store.root import RunRoot
+    from tests.test_worker import make_run
+
+    assert metric_gaps([3, 4, 7], 10) == ["0-2", "5-6", "8-9"] and metric_gaps(list(range(4)), 4) == []
+    run = make_run(str(tmp_path), "r")
+    root = RunRoot(run)
+    root.write_metrics([{"step": float(s), "reward": 0.5} for s in range(3, 6)])
+    summary = build_summary(root, "completed")
+    assert summary["metrics_missing"] == ["0-2"] and summary["steps"] == 6
+    root.write_json("summary.json", build_summary(root, "failed", error="DataError: row 3 has no column 'prompt'"))
+    assert main(["status", run]) == 0
+    out = capsys.readouterr().out
+    assert "failed\n  why: DataError: row 3 has no column 'prompt'\n" in out
+    assert "  metrics missing for steps 0-2 (the checkpoints hold those steps)" in out
+
+
 def test_the_printed_time_is_summary_jsons_or_says_what_it_measures(tmp_path, capsys):
     """(c) the CLI printed "354 s" where summary.json said 340.35: the flow's time is printed as
     summary.json holds it, the command's (the Prefect server's start and stop besides) named apart."""

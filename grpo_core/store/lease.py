@@ -509,8 +509,9 @@ class RunLease:
         elif why is None:
             why = f"it was taken over by {describe_owner(rec)} (lease {self.uri})"
         lost = (
-            f"run root {self.url} is no longer this run's: {why}. This run stops and writes nothing more "
-            "there; the run that holds it now carries on"
+            f"run root {self.url} is no longer this run's: {why}. This run starts no further stage there: the "
+            "stage running now ends as it would (its worker may still write a checkpoint, metrics or an evaluation "
+            "until it does), then the run stops; the run that holds the root now carries on"
         )
         self._stop.set()
         self.log.error("LEASE LOST: %s", lost)

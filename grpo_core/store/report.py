@@ -134,11 +134,27 @@ def build_summary(root: RunRoot, status: str, **extra: Any) -> dict[str, Any]:
         "export_uri": latest_export(root),
         "run_uri": root.url,
     }
+    gaps = metric_gaps([int(m["step"]) for m in metrics], summary["steps"])
+    if gaps:  # steps trained whose metrics rows are gone (a wiped bucket, a damaged shard): said, not hidden
+        summary["metrics_missing"] = gaps
     start = started_from(root)
     if start is not None:
         summary["started_from"] = start
     summary.update(extra)
     return summary
+
+
+def metric_gaps(steps: list[int], total: int) -> list[str]:
+    """The steps of 0..total-1 that have no metrics row, as ranges ('0-59', '120')."""
+    have, out, start = set(steps), [], None
+    for s in range(total + 1):
+        missing = s < total and s not in have
+        if missing and start is None:
+            start = s
+        elif not missing and start is not None:
+            out.append(f"{start}-{s - 1}" if s - 1 > start else str(start))
+            start = None
+    return out
 
 
 def started_from(root: RunRoot) -> dict[str, Any] | None:
@@ -211,6 +227,8 @@ def status(root: RunRoot) -> dict[str, Any]:
         "readiness": root.read_json("readiness.json").get("ready") if root.exists("readiness.json") else None,
         "eval": [_headline(e) for e in eval_results(root)],
         "summary": root.read_json("summary.json") if root.exists("summary.json") else None,
+        # steps trained (up to the newest checkpoint or metrics row) whose metrics rows are gone
+        "metrics_missing": metric_gaps([int(m["step"]) for m in metrics], max(done, latest_checkpoint(root) or 0)),
         # "step" counts steps as steps_done, checkpoints and evaluations do: the metrics files number
         # them from 0 (their step 3 is the 4th, after which checkpoint 4 is saved), and `grpo status`
         # printed "steps 4/4" beside "last step: step 3" (issue 53)
