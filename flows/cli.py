@@ -1,6 +1,7 @@
 """The `grpo` command line.
 
-    grpo demo                      the pipeline on the embedded default, then where everything is
+    grpo demo [--task T]           the pipeline on the embedded default (or a demo task over it: tools),
+                                   then where everything is
     grpo run   [--config F] [--set k=v ...]   the pipeline, locally, with live progress
     grpo check [--config F] [--set k=v ...] [--json] [--target v5e:2x2]
                                    the readiness report (--target: XLA's figures for a TPU slice)
@@ -121,16 +122,54 @@ def _interruptible():
             signal.signal(sig, h)
 
 
+# `grpo demo --task NAME`: what each demo task is (the names and configs: grpo_core.config.run.DEMO_TASKS)
+_DEMO_ABOUT = {
+    "reverse": "the embedded default, reverse a word",
+    "tools": "the synthetic tool task: the answer is a code only the codebook environment's tool code() tells; "
+    "the model learns to call it and answer with what it returned (train.agent)",
+}
+
+
+class _DemoHelp(argparse.HelpFormatter):
+    """`grpo demo --help`: the demo tasks, read from the config only when the help is printed (the
+    parser is built for every command, and `grpo --help` loads the standard library alone)."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action) or ""
+        if action.dest != "task":
+            return text
+        from grpo_core.config.run import DEMO_TASKS  # CLI start: the config, for this help only
+
+        tasks = "; ".join(f"{name} ({_DEMO_ABOUT.get(name, 'a config over the default')})" for name in DEMO_TASKS)
+        return f"{text}: {tasks}".replace("%", "%%")
+
+
+def demo_config(task: str, path: str | None = None, overrides: list[str] | None = None):
+    """The config `grpo demo --task TASK --config PATH --set ...` runs: the default, then the task's
+    config (DEMO_TASKS, as a --config file would be), then the YAML file, then the overrides."""
+    from grpo_core.config.fields import apply_overrides  # CLI start: the config
+    from grpo_core.config.run import DEMO_TASKS, RunConfig, _merge, absolute_paths, read_config  # CLI start
+    from grpo_core.errors import ConfigError  # CLI start
+
+    if task not in DEMO_TASKS:
+        raise ConfigError(f"--task {task!r} is not a demo task ({', '.join(DEMO_TASKS)})")
+    given = _merge(DEMO_TASKS[task], read_config(path))
+    return RunConfig.from_dict(absolute_paths(apply_overrides(given, overrides or [])))
+
+
 def _config(args):
-    """The run config from --config and --set, or None after printing the error (exit 2)."""
+    """The run config from --config and --set (and grpo demo's --task), or None after printing the
+    error (exit 2)."""
     from grpo_core.config.run import load_config  # CLI start
     from grpo_core.data.resolve import with_versions  # CLI start
     from grpo_core.errors import ConfigError, StorageError  # CLI start
 
     try:
+        task = getattr(args, "task", None)
+        cfg = demo_config(task, args.config, args.set) if task else load_config(args.config, args.set)
         # with the versions of the sources it names: the run's name depends on them (run_name: null)
         # a run_name template ({date}, ...) filled in now: the command prints the folder it names
-        cfg = load_config(args.config, args.set).with_run_name(datetime.datetime.now(datetime.timezone.utc))
+        cfg = cfg.with_run_name(datetime.datetime.now(datetime.timezone.utc))
         return with_versions(cfg, warn=lambda w: print(f"warning: {w}", file=sys.stderr))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -195,8 +234,10 @@ def _print_summary(s: dict, wall: float) -> None:
             f"{s['reward_mean_first']:.3f} -> {s['reward_mean_last']:.3f}"
         )
     before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
-    for k in sorted(k for k in after if k != "step"):
-        print(f"eval {k:<12} {before.get(k, float('nan')):.3f} (step 0) -> {after[k]:.3f} (step {after['step']})")
+    names = sorted(k for k in after if k != "step")
+    width = max([12, *map(len, names)])  # an agentic run's tool_calls_per_episode, ... in one column too
+    for k in names:
+        print(f"eval {k:<{width}} {before.get(k, float('nan')):.3f} (step 0) -> {after[k]:.3f} (step {after['step']})")
     print("\nin the run root:")
     for what, rel in (
         ("config", "config.json"),
@@ -220,9 +261,59 @@ def _print_examples(run_url: str) -> None:
     if len(evals) < 2 or not evals[0].get("examples"):
         return
     first, last = evals[0], evals[-1]
+    if any("episode" in e for e in first["examples"]):
+        _print_episodes(first, last)
+        return
     print(f"\nheld-out prompts, greedy: prompt -> step {first['step']} | step {last['step']} | expected")
     for a, b in zip(first["examples"], last["examples"]):
         print(f"  {a['prompt']!r:>10} -> {a['completion']!r:>10} | {b['completion']!r:>8} | {a.get('answer', '')!r}")
+
+
+def _print_episodes(first: dict, last: dict) -> None:
+    """An agentic run's examples (train.agent): each prompt's greedy episode at the first and the last
+    evaluated step, its turns, calls and tool results on one line each."""
+    print(f"\nheld-out prompts, greedy episodes at step {first['step']} and step {last['step']}:")
+    width = len(str(last["step"]))
+    for a, b in zip(first["examples"], last["examples"]):
+        print(f"  {a['prompt']!r}" + (f"  (expected {a['answer']!r})" if "answer" in a else ""))
+        for example, result in ((a, first), (b, last)):
+            print(f"    step {result['step']:>{width}}: {episode_text(example.get('episode') or [])}")
+
+
+def episode_text(messages: list[dict]) -> str:
+    """An episode (its assistant and tool messages after the prompt) on one line:
+    `call code() -> 006 -> answer 006`."""
+    parts = []
+    for m in messages:
+        if m.get("role") == "tool":
+            parts.append(_short(str(m.get("content", ""))))
+            continue
+        calls = m.get("tool_calls") or []
+        content = str(m.get("content") or "")
+        if content and calls:
+            parts.append(f"says {_short(content)}")
+        for c in calls:
+            fn = c.get("function", c)
+            parts.append(f"call {fn.get('name', '?')}({_arguments(fn.get('arguments'))})")
+        if not calls:
+            parts.append(f"answer {_short(content)}")
+    return " -> ".join(parts) or "(nothing)"
+
+
+def _arguments(args) -> str:
+    """A call's arguments as written: positional words (the plain format's `_0`, `_1`) as they are,
+    keywords as k=v."""
+    if not isinstance(args, dict):
+        return _short(str(args))
+    if all(k.startswith("_") and k[1:].isdigit() for k in args):
+        return ", ".join(_short(str(args[k])) for k in sorted(args, key=lambda k: int(k[1:])))
+    return ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
+
+
+def _short(text: str, most: int = 40) -> str:
+    """A turn's or a result's text: as it is when it reads as one word, else quoted; cut at `most`."""
+    cut = text if len(text) <= most else text[:most] + "..."
+    return cut if cut and cut.strip() == cut and not any(c in cut for c in " \n\t'\"") else repr(cut)
 
 
 def _bars() -> dict[str, bool]:
@@ -588,7 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return p
 
-    with_config(sub.add_parser("demo", help="the pipeline on the embedded default")).set_defaults(func=run_command)
+    p = with_config(sub.add_parser("demo", help="the pipeline on the embedded default", formatter_class=_DemoHelp))
+    p.add_argument("--task", default="reverse", help="the demo task (default: reverse), a config over the default")
+    p.set_defaults(func=run_command)
     with_config(sub.add_parser("run", help="run the pipeline locally")).set_defaults(func=run_command)
     p = with_config(sub.add_parser("check", help="print the readiness report"))
     p.add_argument("--json", action="store_true", help="the report as JSON")

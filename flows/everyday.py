@@ -30,6 +30,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from flows.params import _DEFAULTS, _ON_USER_DATA, _TOP, RunParams
 from flows.pipeline import Refused, _allowed, _run_named, run_pipeline
+from grpo_core.agent.builtin import BUILTIN_TOOLS
 from grpo_core.config.model import LoraConfig
 from grpo_core.config.run import RunConfig
 
@@ -37,14 +38,16 @@ from grpo_core.config.run import RunConfig
 # default filled in: a default that is the same for every config; the others are empty, and an
 # empty field is the default for this config, as in the full form and on the command line).
 # In the order they change: what a run trains on, from and for (data, model, rewards), how long,
-# where it lands; then what a user tunes; last what is detected or set once (the data's format,
-# a preset, used only without a model path, and the operator's storage root).
+# where it lands; the tools its episodes may call; then what a user tunes; last what is detected
+# or set once (the data's format, a preset, used only without a model path, and the operator's
+# storage root).
 EVERYDAY: dict[str, tuple[str, str, bool]] = {
     "data_source": ("data.source", "Data source", False),
     "model_path": ("model.path", "Model path", False),
     "rewards": ("rewards", "Rewards", False),
     "num_steps": ("num_steps", "Steps", False),
     "run_name": ("run_name", "Run folder (run_name)", False),
+    "tools": ("train.agent.tools", "Tools", False),
     "learning_rate": ("train.optimizer.learning_rate", "Learning rate", False),
     "epochs": ("epochs", "Epochs", True),
     "lora": ("model.lora", "LoRA", True),
@@ -94,6 +97,12 @@ def _description(name: str) -> str:
         return (
             f"GRPO steps in the whole run. Allowed: ≥ 1. Empty: {user} on your data or model (train.num_epochs "
             f"passes over its training rows), {demo} on the built-in synthetic task."
+        )
+    if name == "tools":  # as the rewards field says its names; and what empty means: no episodes
+        return (
+            f"{text.split('. Empty:')[0]} (train.agent.tools). Built-in: {', '.join(sorted(BUILTIN_TOOLS))}. A "
+            "deployment run may name the built-ins and the files and modules the operator allowed for rewards. "
+            "Empty: the default for this config (none: each completion is one turn)."
         )
     if name == "lora":
         lora = LoraConfig()
@@ -196,6 +205,7 @@ def grpo_train(
     rewards: T.rewards = everyday("rewards"),
     num_steps: T.num_steps = everyday("num_steps"),
     run_name: T.run_name = everyday("run_name"),
+    tools: T.tools = everyday("tools"),
     learning_rate: T.learning_rate = everyday("learning_rate"),
     epochs: T.epochs = everyday("epochs"),
     lora: T.lora = everyday("lora"),

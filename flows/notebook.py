@@ -15,11 +15,17 @@
 - The rewards: callables with TRL's signature `(prompts, completions, **columns)`, pickled by value
   for the workers (grpo_core.rewards.by_value), beside built-in names and `file.py:fn` specs;
   `(fn, weight)` or `{"function": fn, "weight": w}` for a weight. A deployment never runs them.
+- Agentic runs (train.agent), as TRL's `tools=` and `environment_factory=`: `tools` a list of
+  functions (their type hints and docstrings are their schemas), built-in names and `file.py:fn`
+  specs; `environment` a class (one instance per episode: reset(**row), its public methods the
+  episode's tools, get_reward() a reward) or its spec, `environment_kwargs` what each instance is
+  built with. Functions and classes are pickled by value as the rewards are.
 
 The same cell run again (a new kernel too) names the same run, so it resumes or finds it done;
-another reward body or other rows make a new run. The kernel's first run starts the embedded
-Prefect server, which the later ones reuse (flows.local_server.kernel_server); a kernel interrupt
-stops the workers at a step boundary, as Ctrl-C does in the terminal (tasks.process).
+another reward, tool or environment body, or other rows, make a new run. The kernel's first run
+starts the embedded Prefect server, which the later ones reuse (flows.local_server.kernel_server);
+a kernel interrupt stops the workers at a step boundary, as Ctrl-C does in the terminal
+(tasks.process).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import _thread
 import contextlib
 import copy
 import datetime
+import inspect
 import logging
 import os
 import signal
@@ -40,7 +47,7 @@ from grpo_core.config.run import RunConfig, absolute_paths, read_config
 from grpo_core.data.in_memory import is_in_memory, rows_of, split_rows, write_rows
 from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError, RunInterrupted
-from grpo_core.rewards.by_value import reward_name, save_reward
+from grpo_core.rewards.by_value import reward_name, save_code, save_reward
 from grpo_core.rewards.registry import config_rewards
 from tasks.process import add_listener, clear_interrupt, kill_live_workers, request_interrupt, watch_the_stop
 
@@ -56,6 +63,9 @@ def train(
     eval_data: Any = None,
     rewards: list[Any] | None = None,
     eval_rewards: list[Any] | None = None,
+    tools: list[Any] | None = None,
+    environment: Any = None,
+    environment_kwargs: Mapping[str, Any] | None = None,
     model: str | None = None,
     run_name: str | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -74,6 +84,9 @@ def train(
         eval_data=eval_data,
         rewards=rewards,
         eval_rewards=eval_rewards,
+        tools=tools,
+        environment=environment,
+        environment_kwargs=environment_kwargs,
         model=model,
         run_name=run_name,
         overrides=overrides,
@@ -107,6 +120,9 @@ def resolve(
     eval_data: Any = None,
     rewards: list[Any] | None = None,
     eval_rewards: list[Any] | None = None,
+    tools: list[Any] | None = None,
+    environment: Any = None,
+    environment_kwargs: Mapping[str, Any] | None = None,
     model: str | None = None,
     run_name: str | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -135,7 +151,18 @@ def resolve(
         specs = _get(values, where)
         if isinstance(specs, (list, tuple)):
             _set(values, where, [_reward_spec(item, i, storage, where) for i, item in enumerate(specs)])
+    if tools is not None:
+        _set(values, "train.agent.tools", list(tools))
+    if environment is not None:
+        _set(values, "train.agent.environment", environment)
+    if environment_kwargs is not None:
+        _set(values, "train.agent.environment_kwargs", dict(environment_kwargs))
+    _agent_by_value(values, storage)
     cfg = RunConfig.from_dict(absolute_paths(values))
+    if cfg.train.agent.enabled:  # each tool has a schema, the environment a reset: now, naming the field
+        from grpo_core.agent.tools import load_toolbox  # transformers' schema reader: only an agentic run needs it
+
+        load_toolbox(cfg.train.agent)
     config_rewards(cfg)  # each reward loads and takes (prompts, completions, **columns), names unique: now
     cfg = cfg.with_run_name(datetime.datetime.now(datetime.timezone.utc))
     return with_versions(cfg, warn=log.warning)
@@ -200,6 +227,30 @@ def _reward_spec(item: Any, index: int, storage: str, where: str) -> Any:
     if hasattr(item, "to_dict"):  # a RewardSpec
         return item.to_dict()
     return item  # a name, a spec or a mapping: the config validates it, naming {where}[{index}]
+
+
+def _agent_by_value(values: dict[str, Any], storage: str) -> None:
+    """train.agent's tools and environment given as Python objects, pickled by value into specs
+    (grpo_core.rewards.by_value); names and specs as they are, for the config to validate."""
+    tools = _get(values, "train.agent.tools")
+    if isinstance(tools, (list, tuple)):
+        specs = []
+        for i, tool in enumerate(tools):
+            if inspect.isclass(tool):
+                raise ConfigError(
+                    f"train.agent.tools[{i}] is the class {tool.__name__}: a tool is a function; a class whose "
+                    "methods are tools is an environment (environment=...)"
+                )
+            specs.append(save_code(tool, storage, reward_name(tool, i, "tool"), "tool") if callable(tool) else tool)
+        _set(values, "train.agent.tools", specs)
+    env = _get(values, "train.agent.environment")
+    if env is not None and not isinstance(env, str):
+        if not inspect.isclass(env):
+            raise ConfigError(
+                f"train.agent.environment must be a class (one instance per episode) or its spec "
+                f"('path/to/file.py:Class', 'module:Class', a built-in's name), got a {type(env).__name__}"
+            )
+        _set(values, "train.agent.environment", save_code(env, storage, env.__name__, "environment"))
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ def load_code(spec: str, what: str = "reward") -> Any:
     if not where or not name.isidentifier():
         raise ValueError(f"{what} spec {spec!r} must look like 'path/to/file.py:function' or 'module:function'")
     if is_pickled(spec):
-        return load_pickled(where, spec)
+        return load_pickled(where, spec, what)
     module = _load_file(where, spec, what) if where.endswith(".py") else _import(where, spec, what)
     if not hasattr(module, name):
         defined = sorted(

@@ -1,19 +1,24 @@
-"""Reward functions given as Python callables (a notebook's cell, a script: flows.notebook), carried
-to the workers by value: each is pickled with cloudpickle into a folder of the storage root named
-by its digest, beside its source text, and a config names it `{folder}/{name}.pkl:{name}`.
+"""Code given as Python objects (a notebook's cell, a script: flows.notebook), carried to the workers
+by value: reward functions, tool functions and environment classes. Each is pickled with
+cloudpickle into a folder of the storage root named by its digest, beside its source text, and a
+config names it `{folder}/{name}.pkl:{name}`.
 
-- The digest is of what the function does, not of how Python lays it out in memory: its source
-  text (or, without one, its code), and what it reaches by name (the globals its code names, its
-  closure, its defaults), recursively for the functions among them. Re-running the same cell in a
-  new kernel gives the same digest (a pickle's bytes would not: they name the cell's temporary
-  file), so the same config resumes its run; an edit of the function's text is a new digest, so a
-  new spec, a new training hash and a new run.
-- The pickle is written once: a folder named by the digest holds one function for good.
-- Such a reward is local-only: unpickling runs code, so a deployment run never loads one (the
-  trust policy, grpo_core.rewards.trust, refuses any spec naming a `.pkl`).
+- The digest is of what the object does, not of how Python lays it out in memory: a function's
+  source text (or, without one, its code), and what it reaches by name (the globals its code
+  names, its closure, its defaults), recursively for the functions among them; a class's text and
+  its members (its methods, and so what they reach), which is also what a class defined in a
+  notebook has where Python keeps no text of it. Re-running the same cell in a new kernel gives
+  the same digest (a pickle's bytes would not: they name the cell's temporary file), so the same
+  config resumes its run; an edit of the function's or the class's text is a new digest, so a new
+  spec, a new training hash and a new run.
+- The pickle is written once: a folder named by the digest holds one object for good.
+- Such code is local-only: unpickling runs code, so a deployment run never loads one (the trust
+  policy, grpo_core.rewards.trust, refuses any spec naming a `.pkl`, in rewards, train.agent.tools
+  and train.agent.environment alike).
 
-The folder lies under storage.root (`_inputs/rewards/{digest}/`), not in the run root: the run's
-folder is named by the training hash, which the spec holds.
+The folders lie under storage.root (`_inputs/rewards/{digest}/`, `_inputs/tools/...`,
+`_inputs/environments/...`), not in the run root: the run's folder is named by the training hash,
+which the spec holds.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import inspect
 import pickle
 import posixpath
 import sys
+import sysconfig
 import textwrap
 import types
 from typing import Any, Callable
@@ -34,36 +40,50 @@ from grpo_core.store.root import RunRoot
 
 
 def is_pickled(spec: str) -> bool:
-    """Whether a reward spec (`rewards[].function`) names a pickled callable: code by value."""
+    """Whether a code spec (`rewards[].function`, `train.agent.tools[i]`, `train.agent.environment`)
+    names a pickled object: code by value."""
     where = spec.rsplit(":", 1)[0] if ":" in spec else ""
     return where.endswith(PICKLED)
 
 
-def reward_name(fn: Callable, index: int = 0) -> str:
-    """The name a callable is reported under (metrics `rewards/{name}/mean`, eval.accuracy_reward):
-    its __name__ where that is an identifier (not a lambda's), else reward_{index}."""
+# What a pickled object is, and the folder of `{storage.root}/_inputs/` that holds its kind
+KINDS = {"reward": "rewards", "tool": "tools", "environment": "environments"}
+
+
+def reward_name(fn: Callable, index: int = 0, what: str = "reward") -> str:
+    """The name a callable is reported under (metrics `rewards/{name}/mean`, eval.accuracy_reward;
+    a tool's name is its function's own): its __name__ where that is an identifier (not a
+    lambda's), else {what}_{index}."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     name = getattr(target, "__name__", "") or type(target).__name__
-    return name if name.isidentifier() else f"reward_{index}"
+    return name if name.isidentifier() else f"{what}_{index}"
 
 
 def save_reward(fn: Callable, storage_url: str, name: str) -> str:
-    """Pickle `fn` by value under `storage_url` (written once per digest) with its source text;
-    return the spec that names it: `{storage_url}/_inputs/rewards/{digest}/{name}.pkl:{name}`."""
-    if not callable(fn):
-        raise TypeError(f"reward {name!r} is a {type(fn).__name__}, not a function")
-    folder = RunRoot(posixpath.join(storage_url, INPUTS, "rewards", digest(fn)))
+    """Pickle reward `fn` by value under `storage_url`: save_code's spec for it."""
+    return save_code(fn, storage_url, name, "reward")
+
+
+def save_code(obj: Any, storage_url: str, name: str, what: str = "reward") -> str:
+    """Pickle `obj` (a reward or tool function, an environment class) by value under `storage_url`
+    (written once per digest) with its source text; return the spec that names it:
+    `{storage_url}/_inputs/{kind}/{digest}/{name}.pkl:{name}`."""
+    if what == "environment" and not inspect.isclass(obj):
+        raise TypeError(f"environment {name!r} is a {type(obj).__name__}, not a class")
+    if what != "environment" and (not callable(obj) or inspect.isclass(obj)):
+        raise TypeError(f"{what} {name!r} is a {type(obj).__name__}, not a function")
+    folder = RunRoot(posixpath.join(storage_url, INPUTS, KINDS[what], digest(obj)))
     rel = f"{name}{PICKLED}"
     if not folder.exists(rel):
-        source = _source(fn) or "# (no source text: defined where Python keeps none)\n"
-        header = f"# {name}: the source of the pickled reward beside this file ({rel}), which is what runs\n"
+        source = _source(obj) or _members_source(obj) or "# (no source text: defined where Python keeps none)\n"
+        header = f"# {name}: the source of the pickled {what} beside this file ({rel}), which is what runs\n"
         folder.write_bytes(f"{name}.py", (header + source).encode())
-        folder.write_bytes(rel, _dumps(fn))  # last: its presence says the folder is whole
+        folder.write_bytes(rel, _dumps(obj))  # last: its presence says the folder is whole
     return f"{folder.uri(rel)}:{name}"
 
 
-def load_pickled(where: str, spec: str) -> Callable:
-    """The callable pickled at `where` (a local path or a URL). FileNotFoundError when it is not
+def load_pickled(where: str, spec: str, what: str = "reward") -> Any:
+    """The object pickled at `where` (a local path or a URL). FileNotFoundError when it is not
     there; ImportError when it cannot be unpickled here (a module it needs is missing)."""
     folder, rel = where.rsplit("/", 1) if "/" in where else (".", where)
     data = RunRoot(folder).read_bytes(rel)  # FileNotFoundError names the URI
@@ -71,14 +91,15 @@ def load_pickled(where: str, spec: str) -> Callable:
         return pickle.loads(data)  # cloudpickle's output: plain pickle, cloudpickle's helpers by reference
     except Exception as exc:  # noqa: BLE001 - whatever unpickling the user's objects raises
         raise ImportError(
-            f"reward {spec!r}: the pickled callable cannot be loaded in this environment "
+            f"{what} {spec!r}: the pickled object cannot be loaded in this environment "
             f"({type(exc).__name__}: {exc}); the interpreter that runs the workers needs the modules it uses"
         ) from exc
 
 
-def _dumps(fn: Callable) -> bytes:
-    """cloudpickle of `fn`, its own module by value too (a function of an importable module would
-    otherwise travel by reference, and the worker might not import that module, or another version)."""
+def _dumps(fn: Any) -> bytes:
+    """cloudpickle of `fn`, its own module by value too (a function or class of an importable module
+    would otherwise travel by reference, and the worker might not import that module, or another
+    version). A class of `__main__` (a notebook's, a script's) travels by value as a function does."""
     import cloudpickle  # Prefect's dependency, also the project's; only the writer needs it
 
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
@@ -155,11 +176,58 @@ def _feed(h: "hashlib._Hash", obj: Any, seen: set[int], depth: int) -> None:
     elif isinstance(obj, type):
         h.update(f"<class {obj.__module__}.{obj.__qualname__}>".encode())
         h.update((_source(obj) or "").encode())
+        if _users(obj):  # its bases and members: what its methods reach, which its text does not show
+            for base in obj.__bases__:
+                if base is not object:
+                    _feed(h, base, seen, depth + 1)
+            for name, member in _members(obj):
+                h.update(f"<member {name}>".encode())
+                _feed(h, member, seen, depth + 1)
     elif callable(obj) and not isinstance(obj, types.BuiltinFunctionType):  # an object with __call__
         _feed(h, type(obj), seen, depth + 1)
         _feed(h, getattr(obj, "__dict__", None), seen, depth + 1)
     else:
         h.update(_value_bytes(obj))
+
+
+# a class's own entries that say nothing about what it does (its text says the docstring)
+_CLASS_BOOKKEEPING = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__firstlineno__"})
+_LIBRARY = tuple(
+    sorted({p for k in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_paths().get(k))})
+)
+
+
+def _users(cls: type) -> bool:
+    """Whether `cls` is the user's (a notebook's, a script's, a module of theirs), not the standard
+    library's or an installed package's, whose text and name stand for it."""
+    if cls.__module__ in ("__main__", "builtins"):  # a notebook's or a script's (whatever runs as __main__)
+        return cls.__module__ == "__main__"
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)  # none: a class loaded by value
+    return path is None or not str(path).startswith(_LIBRARY)
+
+
+def _members(cls: type) -> list[tuple[str, Any]]:
+    """A class's own members, by name: methods as their functions (a staticmethod's, a
+    classmethod's, a property's accessors), other values as they are."""
+    out = []
+    for name, member in sorted(vars(cls).items()):
+        if name in _CLASS_BOOKKEEPING:
+            continue
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        elif isinstance(member, property):
+            member = (member.fget, member.fset, member.fdel)
+        out.append((name, member))
+    return out
+
+
+def _members_source(obj: Any) -> str | None:
+    """A class's methods' source texts, where Python keeps none of the class itself (a notebook's)."""
+    if not inspect.isclass(obj):
+        return None
+    texts = [_source(m) for _, m in _members(obj) if isinstance(m, types.FunctionType)]
+    body = "\n".join(textwrap.indent(t, "    ") for t in texts if t)
+    return f"class {obj.__name__}:  # its methods' text (Python kept none of the class)\n{body}" if body else None
 
 
 def _names(code: types.CodeType) -> set[str]:
