@@ -232,8 +232,8 @@ def _agent_check(cfg: RunConfig, tokenizer, checks: list[dict[str, Any]]):
     template writes calls in a format the episodes read; the tokenizer that renders the tools into
     the prompts (the data check reads them so), or the plain one with a failed check."""
     from grpo_core.agent.formats import detect  # the agent's checks: only a run with tools reads them
-    from grpo_core.agent.tools import load_toolbox
-    from grpo_core.data.tokenizer import WithTools
+    from grpo_core.agent.tools import load_toolbox  # the agent's checks, as above
+    from grpo_core.data.tokenizer import WithTools  # the agent's checks, as above
 
     agent = cfg.train.agent
     try:

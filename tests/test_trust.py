@@ -390,9 +390,9 @@ def test_a_pickled_reward_is_never_allowed_in_a_deployment_run(project, monkeypa
     for policy in (TrustPolicy.from_env({}, cwd=str(project)), TrustPolicy.from_env(env, cwd=str(project))):
         with pytest.raises(ConfigError, match=r"^rewards\[0\]\.function '.*shout\.pkl:shout' may not run in a "):
             policy.check(c, cwd=str(project))
-        assert "pickled reward" in policy.reward_refusal(spec, cwd=str(project))
+        assert "pickled code" in policy.reward_refusal(spec, cwd=str(project))
     evals = cfg(f'eval.rewards=[{{function: exact_match}}, {{function: "{spec}"}}]', "eval.accuracy_reward=exact_match")
-    with pytest.raises(ConfigError, match=r"^eval\.rewards\[1\]\.function .*pickled reward"):
+    with pytest.raises(ConfigError, match=r"^eval\.rewards\[1\]\.function .*pickled code"):
         TrustPolicy().check(evals)
     # where the flow calls the policy: a deployment's run (its id set) is refused and not retried;
     # a direct call (the notebook's, the CLI's) is the local user's

@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from grpo_core.agent.builtin import BUILTIN_ENVIRONMENTS, BUILTIN_TOOLS
+from grpo_core.code import load_code
 from grpo_core.config.agent import AgentConfig
 from grpo_core.errors import ConfigError
 
@@ -128,8 +130,6 @@ def load_toolbox(agent: AgentConfig, pickled_ok: bool = True) -> Toolbox:
     ConfigError naming the field: a missing file or name, a tool that is not a function with a
     schema, an environment without reset. The environment class is instantiated once here to read
     its methods' schemas (TRL does the same), and closed."""
-    from grpo_core.agent.builtin import BUILTIN_ENVIRONMENTS, BUILTIN_TOOLS
-    from grpo_core.code import load_code
 
     def load(spec: str, where: str, what: str, builtins: dict[str, Any]) -> Any:
         if spec in builtins:

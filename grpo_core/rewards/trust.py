@@ -155,8 +155,8 @@ class TrustPolicy:
         where, name = spec.rsplit(":", 1)
         if is_pickled(spec):  # code by value (flows.notebook): whatever the folder, no operator setting allows it
             return (
-                "it names a pickled reward (a callable pickled by value, from a notebook or a script), which runs "
-                "only where it was pickled: a deployment never loads one. Put the function in a reward file"
+                "it names pickled code (a function or class pickled by value, from a notebook or a script), which "
+                "runs only where it was pickled: a deployment never loads one. Put it in a file"
             )
         if where.endswith(".py"):
             path = os.path.realpath(os.path.join(cwd or os.getcwd(), os.path.expanduser(where)))

@@ -13,11 +13,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from grpo_core.agent.episodes import Turns
+from grpo_core.agent.tools import load_toolbox
 from grpo_core.config.model import ReferencePolicy
 from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import load_prepared
 from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError
+from grpo_core.generate.sampler import stop_ids
 from grpo_core.nn import lora
 from grpo_core.nn.hf import load_hf_model, save_hf_model
 from grpo_core.nn.model import create_model
@@ -48,10 +51,6 @@ class RunParts:
         agent = self.cfg.train.agent
         if not agent.enabled:
             return None
-        from grpo_core.agent.episodes import Turns
-        from grpo_core.agent.tools import load_toolbox
-        from grpo_core.generate.sampler import stop_ids
-
         sampling = sampling or self.cfg.train.sampling
         return Turns.of(
             agent,
