@@ -14,6 +14,7 @@ tests/test_attacks.py runs the same cases against the suite's server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import dataclasses
 import json
@@ -67,6 +68,13 @@ class Place:
         self.secret.write_text(json.dumps({"prompt": SECRET}) + "\n")
         (self.outside / "step-0" / "keep.txt").write_text("keep me")
         self.tool.write_text(TOOL)
+        # folders under the served root with a file that is a link out of it (issue 61 item 3)
+        (self.root / "dsdir").mkdir()
+        (self.root / "dsdir" / "part-1.jsonl").write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
+        (self.root / "dsdir" / "part-0.jsonl").symlink_to(self.secret)
+        (self.outside / "config.json").write_text(json.dumps({"model_type": "qwen3", "note": SECRET}))
+        (self.root / "model").mkdir()
+        (self.root / "model" / "config.json").symlink_to(self.outside / "config.json")
         self.reward.write_text(REWARD.format(score=0.0))
         self.edited_run()
         self.reward.write_text(REWARD.format(score=1.0))  # edited since that run started
@@ -218,6 +226,19 @@ CASES = [
     ),
     # a run is what its files say: the reward file was edited since run 'edited' started
     Case("edited reward file", PIPE, lambda p: EDITED(p), "edited code: "),
+    # reads stay inside: a file of a folder under an allowed root that links out of it
+    Case("data folder link out", PIPE, _cfg(data__source=lambda p: str(p.root / "dsdir")), "is a link to"),
+    Case("data folder link out (readiness)", READY, _cfg(data__source=lambda p: str(p.root / "dsdir")), "data.source"),
+    Case("model folder link out", PIPE, _cfg(model__path=lambda p: str(p.root / "model")), "model.path"),
+    # addresses stay allowed: an allowed host that redirects elsewhere is not followed (the stage fails
+    # naming it, after the tasks before readiness ran: refused=False), and the target never hears of it
+    Case(
+        "rollout url redirects (readiness)",
+        READY,
+        _cfg(train__rollout=lambda p: {"engine": "http", "url": REDIRECT.url, "reload_route": "/reload"}),
+        "not followed",
+        refused=False,
+    ),
     # tools are code, as rewards are (issue 62)
     Case("tool outside", PIPE, _cfg(train__agent=lambda p: {"tools": [f"{p.tool}:lookup"]}), "train.agent.tools[0]"),
     Case(
@@ -232,6 +253,55 @@ CASES = [
     # the served pipeline's own runs may be evaluated (not a trust refusal: there is no run yet)
     Case("evaluate a served run", EVAL, lambda p: {"run_url": str(p.root / "r")}, "config.json", refused=False),
 ]
+
+
+class Redirect:
+    """An allowed address (127.0.0.1:port, given to grpo serve's --allow-host) that answers every
+    request with a redirect to another server on 127.0.0.1, which counts what reaches it."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        hits = self.hits = []
+
+        class Target(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+                hits.append(self.path)
+                self.send_response(200)
+                self.end_headers()
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.target = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Target)
+        to = f"http://127.0.0.1:{self.target.server_address[1]}"
+
+        class Redirector(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(302)
+                self.send_header("Location", f"{to}{self.path}")
+                self.end_headers()
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.redirector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirector)
+        self.host = f"127.0.0.1:{self.redirector.server_address[1]}"
+        self.url = f"http://{self.host}"
+        for srv in (self.target, self.redirector):
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        for srv in (self.target, self.redirector):
+            srv.shutdown()
+            srv.server_close()
+
+
+REDIRECT: Any = None  # the matrix's Redirect, started before the cases are built into parameters
 
 
 def EDITED(p: Place) -> dict[str, Any]:  # noqa: N802 - a case's parameters, as the other lambdas
@@ -252,8 +322,9 @@ def serve(env: dict[str, str], p: Place, cwd: Path, bin_dir: str) -> subprocess.
 
     flat(operator_config(p))
     log = open(cwd / "serve.log", "w")  # noqa: SIM115 - the process writes it until stopped
+    allow = ["--allow-host", REDIRECT.host] if REDIRECT is not None else []
     return subprocess.Popen(
-        [f"{bin_dir}/grpo", "serve", "--limit", "4", *sets],
+        [f"{bin_dir}/grpo", "serve", "--limit", "4", *allow, *sets],
         env=env,
         cwd=cwd,
         stdout=log,
@@ -362,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="grpo-attacks-"))
     p = Place(base)
     p.make()
-    with embedded_server() as url:
+    global REDIRECT
+    REDIRECT = Redirect()
+    with contextlib.ExitStack() as stack:
+        stack.callback(REDIRECT.close)
+        url = stack.enter_context(embedded_server())
         env = {**os.environ, "PREFECT_API_URL": url or "", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
         proc = serve(env, p, base, str(Path(sys.executable).parent))
         try:
@@ -380,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         (p.outside / "step-0" / "keep.txt").exists()
         and not any(p.outside.glob("*/config.json"))
         and not (base / "pwned-by-tool").exists()
+        and not REDIRECT.hits
     )
     failed = sum(not o.ok for o in outcomes) + (not kept)
     print(

@@ -8,6 +8,7 @@ outside the operator's places is left as it was. The cases are bench.attack_matr
 
 import pytest
 
+import bench.attack_matrix as attacks
 from bench.attack_matrix import CASES, SECRET, Place, run_cases, serve, wait_registered
 from tests.prefect_server import BIN, _stop, api_client, client_env
 
@@ -20,6 +21,7 @@ def outcomes(server, tmp_path_factory):  # noqa: F811
     base = tmp_path_factory.mktemp("attacks")
     place = Place(base)
     place.make()
+    attacks.REDIRECT = attacks.Redirect()
     proc = serve(client_env(home, url), place, base, BIN)
     try:
         with api_client(url) as client:
@@ -27,6 +29,7 @@ def outcomes(server, tmp_path_factory):  # noqa: F811
             yield place, run_cases(client, CASES, place)
     finally:
         _stop(proc)
+        attacks.REDIRECT.close()
 
 
 def test_every_deployment_is_covered_by_every_class():
@@ -54,7 +57,8 @@ def test_each_attack_is_refused_before_any_task_naming_the_field(outcomes):
         if o.case.refused:
             assert o.tasks == 0 and o.state == "FAILED", o.case.name
     assert (place.outside / "step-0" / "keep.txt").read_text() == "keep me"
-    assert sorted(p.name for p in place.outside.iterdir()) == ["secret.jsonl", "step-0"]  # nothing written there
+    assert sorted(p.name for p in place.outside.iterdir()) == ["config.json", "secret.jsonl", "step-0", "tool.py"]
+    assert attacks.REDIRECT.hits == []  # the server an allowed address redirected to never heard of the run
     assert not (place.base / "pwned").exists()  # server_command's `touch pwned` never ran
     assert not (place.base / "pwned-by-tool").exists()  # the tool outside the allowed folders never ran
     log = (place.base / "serve.log").read_text()
