@@ -371,11 +371,24 @@ def run_command(args) -> int:
             )
             return 1
         print(f"\nrun failed: {type(exc).__name__}: {exc}{where}", file=sys.stderr)
-        return 1
+        return exit_code(exc)
     _print_summary(summary, time.perf_counter() - t)
     if args.command == "demo":
         _print_examples(cfg.run_url)
     return 0
+
+
+def exit_code(exc: BaseException) -> int:
+    """What `grpo run` exits with for a run that failed: the failing stage's code (a worker's, or
+    the readiness check's 4), or the code grpo_core.errors' table gives the exception (a config
+    error in the flow: 2); 1 for anything else (docs/concepts.md lists them)."""
+    from grpo_core.errors import classify  # CLI start
+
+    code = getattr(exc, "code", None)
+    if isinstance(code, int) and code > 0:
+        return int(code)
+    known = classify(exc)
+    return int(known.code) if known is not None else 1
 
 
 def check_command(args) -> int:

@@ -26,11 +26,13 @@ from grpo_core.launch.launchers import Launched, LauncherConfig, drop_all_ahead,
 
 
 class StageError(RuntimeError):
-    """A stage failed. `retryable` says whether running it again can help."""
+    """A stage failed. `retryable` says whether running it again can help; `code`, the exit code
+    that says why (grpo_core.errors.ExitCode: the worker's, or the readiness check's), which
+    `grpo run` exits with; None where no code says more than a failure (1)."""
 
-    def __init__(self, message: str, retryable: bool):
+    def __init__(self, message: str, retryable: bool, code: int | None = None):
         super().__init__(message)
-        self.retryable = retryable
+        self.retryable, self.code = retryable, code
 
 
 GiB = 2**30
@@ -324,16 +326,16 @@ def _watch(
     errors = [e for e in events if e.get("event") == "error"]
     detail = errors[-1]["message"] if errors and failed == 0 else _tail(tails[failed])
     if not is_retryable(rc):
-        raise StageError(f"{what} failed{who} ({ExitCode(rc).kind}): {detail}", retryable=False)
+        raise StageError(f"{what} failed{who} ({ExitCode(rc).kind}): {detail}", retryable=False, code=rc)
     if watch.killed_for_memory(rc):
         plan = next((e for e in reversed(events) if e.get("event") == "memory"), None)
-        raise StageError(watch.message(f"{what}{who}", plan), retryable=False)
+        raise StageError(watch.message(f"{what}{who}", plan), retryable=False, code=ExitCode.MEMORY)
     if rc == ExitCode.INTERRUPTED:  # SIGTERM from something else than this process: resumable
         stopped = next((e for e in reversed(events) if e.get("event") == "interrupted"), {})
-        raise StageError(f"{what}{who} was stopped: {stopped.get('message', detail)}", retryable=True)
+        raise StageError(f"{what}{who} was stopped: {stopped.get('message', detail)}", retryable=True, code=rc)
     if rc < 0:  # its last output is not the cause of a kill: name the signal, then show the output as such
         raise StageError(f"{what}{who} was killed by {_signal_cause(-rc)}; its last output: {detail}", retryable=True)
-    raise StageError(f"{what}{who} exited with code {rc}: {detail}", retryable=True)
+    raise StageError(f"{what}{who} exited with code {rc}: {detail}", retryable=True, code=rc if rc > 0 else None)
 
 
 def _signal_cause(sig: int) -> str:

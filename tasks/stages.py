@@ -31,7 +31,7 @@ from grpo_core.config.run import RunConfig
 from grpo_core.data.prepare import DataError
 from grpo_core.data.prepare import prepare_dataset as prepare
 from grpo_core.data.tokenizer import make_tokenizer
-from grpo_core.errors import ConfigError, RewardFunctionError, storage_cause_lasts
+from grpo_core.errors import ConfigError, ExitCode, RewardFunctionError, storage_cause_lasts
 from grpo_core.rewards.probe import check_prepared
 from grpo_core.rewards.registry import config_rewards
 from grpo_core.store.report import eval_results, latest_checkpoint, read_eval
@@ -174,7 +174,7 @@ def publish_readiness(report: dict[str, Any], run_name: str) -> None:
     )
     failed = [f"{c['name']}: {c['detail']} (fix: {c['fix']})" for c in report["checks"] if not c["ok"]]
     if failed:
-        raise StageError("not ready: " + "; ".join(failed), retryable=False)
+        raise StageError("not ready: " + "; ".join(failed), retryable=False, code=ExitCode.NOT_READY)
 
 
 def nothing_left(cfg: RunConfig, root: RunRoot) -> bool:

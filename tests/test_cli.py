@@ -170,3 +170,18 @@ def test_the_printed_time_is_summary_jsons_or_says_what_it_measures(tmp_path, ca
     assert "the flow 12.50 s (summary.json last_invocation.wall_s; the run's invocations together 340.35 s, " in (
         capsys.readouterr().out
     )
+
+
+def test_a_failed_run_exits_with_the_code_that_says_why():
+    """(issue 65 item 8) `grpo run` exited 1 for every failure, where docs/concepts.md lists a code
+    for each kind: the failing stage's (the worker's, the readiness check's 4), the table's for an
+    exception the flow raised, 1 for the rest."""
+    from flows.cli import exit_code
+    from grpo_core.errors import ConfigError, DataError, ExitCode, StorageError
+    from tasks.process import StageError
+
+    assert exit_code(StageError("reward", retryable=False, code=ExitCode.REWARD)) == 3
+    assert exit_code(StageError("not ready", retryable=False, code=ExitCode.NOT_READY)) == 4
+    assert exit_code(StageError("killed", retryable=True)) == 1
+    assert exit_code(ConfigError("x")) == 2 and exit_code(DataError("x")) == 2
+    assert exit_code(StorageError("x")) == 5 and exit_code(RuntimeError("x")) == 1
