@@ -28,6 +28,7 @@ from grpo_core.launch.launchers import drop_ahead, start_ahead
 from grpo_core.launch.processes import sglang_python
 from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
 from grpo_core.store.root import RunRoot, StorageError
+from grpo_core.store.runs import check_run_root
 from grpo_core.store.sources import model_config
 from tasks.process import StageError, ahead_scope, run_worker
 
@@ -51,6 +52,7 @@ def readiness_report(
     try:
         RunRoot(cfg.run_url).probe()
         checks.append({"name": "storage", "ok": True, "detail": f"write/read/delete under {cfg.run_url}", "fix": None})
+        checks.append(_run_check(cfg))
     except StorageError as exc:
         checks.append(
             {
@@ -225,6 +227,17 @@ def _tokenizer_check(cfg: RunConfig, checks: list[dict[str, Any]]):
         {"name": "tokenizer", "ok": True, "detail": f"{cfg.tokenizer_id}, {tokenizer.vocab_size} tokens", "fix": None}
     )
     return tokenizer
+
+
+def _run_check(cfg: RunConfig) -> dict[str, Any]:
+    """What `grpo run` would say of the run folder: another config's run that trained there is
+    refused (check_run_root, which the flow calls before any task), so the check says it too."""
+    try:
+        check_run_root(cfg)
+    except ConfigError as exc:
+        fix = "set run_name to a new name, or run_name: null to name the run by its config and inputs"
+        return {"name": "run", "ok": False, "detail": str(exc), "fix": fix}
+    return {"name": "run", "ok": True, "detail": f"{cfg.name}: the folder takes this config", "fix": None}
 
 
 def _agent_check(cfg: RunConfig, tokenizer, checks: list[dict[str, Any]]):

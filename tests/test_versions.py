@@ -152,3 +152,26 @@ def test_an_edited_reward_file_is_a_new_run_or_a_refusal_naming_it(tmp_path):
     demo = with_versions(load_config(None, []))
     assert not demo.code_versions("rewards[", "eval.rewards[")
     assert demo.train_hash == load_config(None, []).train_hash
+
+
+def test_check_and_run_agree_on_a_run_name_and_a_failed_start_gives_it_up(tmp_path):
+    """(issue 65 item 1) `grpo check` said ready, then `grpo run` refused the run name (another
+    config's). The check now says what the run would: and a run that failed before its first step
+    (nothing trained) gives its name to the corrected config, nothing of it lost."""
+    from tasks.readiness import _run_check
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(_rows(8))
+    first = _config(str(tmp_path / "runs"), str(data), "run_name=mine")
+    init_run_root(first)  # started, then failed in its data stage: no checkpoint, no metrics
+    fixed = _config(str(tmp_path / "runs"), str(data), "run_name=mine", "data.max_prompt_tokens=32")
+    assert fixed.train_hash != first.train_hash
+    assert _run_check(fixed)["ok"]
+    init_run_root(fixed)
+    assert RunRoot(fixed.run_url).read_json("config.json")["hashes"]["train"] == fixed.train_hash
+    RunRoot(fixed.run_url).write_metrics([{"step": 0.0, "reward": 0.5}])  # now it trained
+    check = _run_check(first)
+    assert not check["ok"] and "was started with another config" in check["detail"]
+    assert "run_name" in check["fix"]
+    with pytest.raises(ConfigError, match="was started with another config"):
+        init_run_root(first)

@@ -8,6 +8,7 @@ from typing import Any
 
 from grpo_core.config.run import RunConfig, _merge, read_config
 from grpo_core.errors import ConfigError
+from grpo_core.store.report import latest_checkpoint
 from grpo_core.store.root import RunRoot, check_reachable
 
 
@@ -25,9 +26,11 @@ def init_run_root(cfg: RunConfig) -> RunRoot:
 
 def check_run_root(cfg: RunConfig, root: RunRoot | None = None) -> bool:
     """ConfigError where the run folder holds a config that trains something else (naming what
-    differs: a field, or an input whose content changed, an edited reward file among them);
-    reads only, so the flow refuses such a run before any task. True where the folder's
-    config.json is to be kept as it is (a run started before its inputs were versioned)."""
+    differs: a field, or an input whose content changed, an edited reward file among them), once
+    that run trained anything (a run that failed before its first step gives its name to the new
+    config: nothing of it is lost); reads only, so the flow refuses such a run before any task and
+    `grpo check` reports it. True where the folder's config.json is to be kept as it is (a run
+    started before its inputs were versioned)."""
     root = root or RunRoot(cfg.run_url)
     if root.exists("config.json"):
         old = RunConfig.from_dict(root.read_json("config.json"))
@@ -39,6 +42,10 @@ def check_run_root(cfg: RunConfig, root: RunRoot | None = None) -> bool:
             before = dataclasses.replace(cfg, versions=tuple(kv for kv in cfg.versions if kv[0] not in code))
             if old.train_hash == before.train_hash:
                 return True  # started before code was versioned by its content: it keeps its config.json
+        if old.train_hash != cfg.train_hash and not trained_anything(root):
+            # failed before its first step (its data, its readiness, a reward that did not load):
+            # nothing of it would be lost, so the corrected config takes the name over
+            return False
         if old.train_hash != cfg.train_hash:
             diff = _diff(old.to_dict(), cfg.to_dict())
             changed = [d.removeprefix("versions.") for d in diff if d.startswith("versions.")]
@@ -61,6 +68,11 @@ def check_run_root(cfg: RunConfig, root: RunRoot | None = None) -> bool:
                 "to name runs by their config"
             )
     return False
+
+
+def trained_anything(root: RunRoot) -> bool:
+    """Whether a run folder holds anything training made: a checkpoint or a metrics row."""
+    return latest_checkpoint(root) is not None or bool(root.list("metrics"))
 
 
 # What `--set` may name for a command on an existing run: where the run is, nothing of it.
