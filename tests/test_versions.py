@@ -33,7 +33,7 @@ def _check_both_behaviours(root: str, source: str, rewrite) -> None:
         first.data, make_tokenizer(first), init_run_root(first), first.tokenizer_id, first.data_versions
     )
     named = _config(root, source, "run_name=nightly")
-    init_run_root(named)
+    init_run_root(named).write_metrics([{"step": 0.0, "reward": 0.0}])  # it trained: its name is its own
     rewrite()
     again = _config(root, source)
     # run_name: null: new content is another data key and another run
@@ -132,7 +132,7 @@ def test_an_edited_reward_file_is_a_new_run_or_a_refusal_naming_it(tmp_path):
     assert dict(first.versions)["rewards[0].function"].startswith("sha256:")
     assert "rewards[0].function" in json.dumps(first.to_dict()["versions"])  # recorded in config.json
     named = _config(str(tmp_path / "runs"), str(data), spec, "run_name=mine")
-    init_run_root(named)
+    init_run_root(named).write_metrics([{"step": 0.0, "reward": 0.0}])  # it trained: its name is its own
     reward.write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     edited = _config(str(tmp_path / "runs"), str(data), spec)
     assert edited.train_hash != first.train_hash and edited.name != first.name
