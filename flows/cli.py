@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -250,7 +251,9 @@ def _print_summary(s: dict, wall: float) -> None:
         print(f"  {what:<12} {s['run_uri']}/{rel}")
     print(f"  {'checkpoint':<12} {s['checkpoint_uri']}")
     if s.get("export_uri"):
-        print(f"  {'HF export':<12} {s['export_uri']}  (transformers.AutoModelForCausalLM.from_pretrained)")
+        # a loader that runs where the run ran (`make demo` installs no PyTorch), and the one users know
+        print(f"  {'HF export':<12} {s['export_uri']}")
+        print(f"  {'':<12} try it: grpo generate {s['export_uri']} PROMPT  (transformers loads it too, with PyTorch)")
 
 
 def _print_examples(run_url: str) -> None:
@@ -669,6 +672,12 @@ def serve_command(args) -> int:
     return 0
 
 
+def generate_command(args) -> int:
+    """`grpo generate`: in a process of its own (this one never loads JAX), grpo_core.stages.generate."""
+    cmd = [sys.executable, "-m", "grpo_core.stages.generate", args.folder, "--max-new-tokens", str(args.max_new_tokens)]
+    return subprocess.run([*cmd, *(["--chat"] if args.chat else []), *args.prompts]).returncode
+
+
 def tiny_model_command(args) -> int:
     from grpo_core.nn.tiny_hf import write_tiny_model  # CLI start (numpy, safetensors, tokenizers: no JAX)
 
@@ -784,6 +793,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", choices=("qwen3", "qwen2"), default="qwen3", help="the architecture (default qwen3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.set_defaults(func=tiny_model_command)
+    p = sub.add_parser(
+        "generate",
+        help="greedy completions from a Hugging Face folder (a run's export) with the project's JAX model: no PyTorch",
+    )
+    p.add_argument("folder", help="a Hugging Face model folder, e.g. a run's export/STEP/")
+    p.add_argument("prompts", nargs="+", help="prompts, each completed greedily")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="render each prompt through the tokenizer's chat template")
+    p.set_defaults(func=generate_command)
     args = parser.parse_args(argv)
     code = args.func(args)
     if argv is None and _API_GONE[0]:  # the program itself (not a caller's main([...])), its API gone

@@ -185,3 +185,25 @@ def test_a_failed_run_exits_with_the_code_that_says_why():
     assert exit_code(StageError("killed", retryable=True)) == 1
     assert exit_code(ConfigError("x")) == 2 and exit_code(DataError("x")) == 2
     assert exit_code(StorageError("x")) == 5 and exit_code(RuntimeError("x")) == 1
+
+
+def test_the_printed_loader_runs_without_pytorch(tmp_path):
+    """(issue 65 item 2) The demo printed `transformers.AutoModelForCausalLM.from_pretrained` for its
+    export, which `make demo`'s environment cannot run (no PyTorch). It prints `grpo generate FOLDER
+    PROMPT`, the project's own JAX loader and sampler, which runs with PyTorch made unimportable."""
+    import subprocess
+    import sys
+
+    from grpo_core.nn.tiny_hf import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "m")
+    code = (
+        "import runpy, sys; sys.modules['torch'] = None; "  # `import torch` now raises ImportError
+        "sys.argv = ['generate', sys.argv[1], '--max-new-tokens', '3', 'What is 2+3?', 'Hi']; "
+        "runpy.run_module('grpo_core.stages.generate', run_name='__main__')"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("'What is 2+3?' -> '") and lines[1].startswith("'Hi' -> '")
+    assert main(["generate", str(tmp_path / "nowhere"), "x"]) == 2  # a folder that is no model: said, exit 2
