@@ -100,8 +100,11 @@ class Run:
         if png is None:
             raise FileNotFoundError(f"{self.url} has no metrics or evaluations to draw yet")
         try:
-            from IPython.display import Image  # optional: present in a notebook's kernel
+            from IPython import get_ipython  # optional: present in a notebook's kernel
+            from IPython.display import Image
         except ImportError:
+            return png
+        if get_ipython() is None:  # IPython installed, this a plain script: the bytes, as said
             return png
         return Image(data=png, format="png")
 

@@ -182,8 +182,11 @@ class _Bars:
             else:
                 p.update(self.train, completed=done)
         elif kind == "eval_progress":
-            if e["step"] not in self.evals:
-                self.evals[e["step"]] = p.add_task(f"eval step {e['step']}", total=e["total"], unit="prompts")
+            if e["step"] not in self.evals:  # its passes said: 20 rows greedy then sampled read 20/40, not 20/20
+                what = f"eval step {e['step']}"
+                if e.get("passes", 1) > 1:
+                    what += f" ({e['passes']} passes × {e['rows']} prompts: greedy, then sampled)"
+                self.evals[e["step"]] = p.add_task(what, total=e["total"], unit="prompts")
             p.update(self.evals[e["step"]], completed=e["done"], total=e["total"])
         elif kind == "eval" and e["step"] in self.evals:  # done: its log line gives the result
             p.remove_task(self.evals.pop(e["step"]))

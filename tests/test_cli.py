@@ -207,3 +207,14 @@ def test_the_printed_loader_runs_without_pytorch(tmp_path):
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("'What is 2+3?' -> '") and lines[1].startswith("'Hi' -> '")
     assert main(["generate", str(tmp_path / "nowhere"), "x"]) == 2  # a folder that is no model: said, exit 2
+
+
+def test_run_plot_in_a_script_is_the_pngs_bytes(tmp_path):
+    """(issue 65 item 5) Run.plot() returned an IPython Image wherever IPython was installed; its
+    docstring says the PNG's bytes outside IPython, which a script (no kernel) now gets."""
+    from flows.results import Run
+    from grpo_core.store.root import RunRoot
+
+    RunRoot(str(tmp_path / "r")).write_metrics([{"step": float(s), "reward": 0.1 * s} for s in range(5)])
+    png = Run(str(tmp_path / "r")).plot()
+    assert isinstance(png, bytes) and png[:8] == b"\x89PNG\r\n\x1a\n"

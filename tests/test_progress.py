@@ -122,6 +122,7 @@ def test_the_eval_worker_reports_the_prompts_done(tmp_path):
     run_worker(args, timeout_s=240, on_event=events.append, what="evaluation")
     shown = [(e["step"], e["done"], e["total"]) for e in events if e["event"] == "eval_progress"]
     assert shown == [(0, 0, 16), (0, 4, 16), (0, 8, 16), (0, 12, 16), (0, 16, 16)]
+    assert {(e["rows"], e["passes"]) for e in events if e["event"] == "eval_progress"} == {(8, 2)}  # the bar says so
     assert [e["event"] for e in events][-1] == "eval"  # the result after its progress
 
 
@@ -174,7 +175,8 @@ def test_grpo_run_in_a_terminal_shows_bars_for_steps_and_evaluation(tmp_path):
     # the training bar: steps done of the run's, steps/s and the time left
     assert re.search(rf"training +\S+ +{STEPS}/{STEPS} +steps +[0-9.]+ steps/s ETA", plain), plain[-3000:]
     # each evaluation's bar: prompts done of its passes (128 eval rows, greedy and 4 samples)
-    assert re.search(r"eval step 0 +\S+ +\d+/256 +prompts", plain) and re.search(r"eval step 30 ", plain)
+    assert re.search(r"eval step 0 \(2 passes × 128 prompts: greedy, then sampled\) +\S+ +\d+/256 +prompts", plain)
+    assert re.search(r"eval step 30 ", plain)
     # and Prefect's log keeps its lines, the expected end among them
     assert re.search(r"epoch 0: [0-9.]+ steps/s; it should end \(step 30\) at about \d\d:\d\d", plain)
     assert f"step {STEPS}/{STEPS}" in plain and "eval step 30: accuracy" in plain

@@ -390,7 +390,9 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             t, compiled_before = time.perf_counter(), len(_COMPILED)
             # prompts done of all passes (greedy, then the sampled one): the task's log and the terminal's bar
             rows, passes = len(parts.eval_rows), 1 + (cfg.eval.num_samples > 1)
-            shown = lambda done, p=0: _emit("eval_progress", step=step, done=p * rows + done, total=passes * rows)
+            shown = lambda done, p=0: _emit(
+                "eval_progress", step=step, done=p * rows + done, total=passes * rows, rows=rows, passes=passes
+            )
             shown(0)
             placement = placement or _eval_placement(cfg.train.mesh)
             graphdef, params = parts.policy_at(ckpt, step, placement)  # laid out over its rollout mesh
