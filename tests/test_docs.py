@@ -99,7 +99,7 @@ def test_the_config_reference_holds_every_declared_field(site):
     the optional ones such as model.lora, the architecture's overrides, a reward's fields) has a
     row with its name, and its row shows its type, its default, each choice of an enum and each
     bound. The generated page is in the site, not written into docs/."""
-    page = (site / "reference" / "config" / "index.html").read_text()
+    page = (site / "reference" / "config.html").read_text()
     rows = _rows(page)
     declared = _declared(RunConfig, "")
     assert len(declared) > 150, len(declared)  # the walk itself found the sections
@@ -154,9 +154,20 @@ def test_the_site_has_every_page_and_the_architecture(site):
     pages = sorted(p.relative_to(ROOT / "docs") for p in (ROOT / "docs").rglob("*.md"))
     assert pathlib.Path("DESIGN.md") in pages
     for page in pages:
-        built = site / ("index.html" if page.stem == "index" else page.with_suffix("") / "index.html")
+        built = site / page.with_suffix(".html")
         assert built.exists(), f"{page} was not built"
-    assert "The boundaries that matter" in (site / "DESIGN" / "index.html").read_text()
+    assert "The boundaries that matter" in (site / "DESIGN.html").read_text()
+
+
+def test_the_built_site_browses_from_disk(site):
+    """(issue 65 item 5) A link in the built site names the page's file, so a click opens the page
+    from disk (file://), not a folder's listing."""
+    import re as _re
+
+    index = (site / "index.html").read_text()
+    hrefs = [h for h in _re.findall(r'href="([^"#:]+)"', index) if not h.endswith((".css", ".js", ".png", ".svg"))]
+    assert hrefs and not [h for h in hrefs if h.endswith("/")], hrefs  # no link to a folder
+    assert "reference/config.html" in index and all((site / h).is_file() for h in hrefs if h.endswith(".html"))
 
 
 # -- the README ----------------------------------------------------------------------------------
