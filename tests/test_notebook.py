@@ -200,6 +200,8 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
     everything = "\n".join(out.get("text", "") for c in nb.cells for out in c.get("outputs", []))
     assert everything.count("Prefect server for this kernel's runs") == 1  # started once, reused
     assert "same run: True | trained again: False" in _outputs(nb, "again = train(")
+    # the agent's cell: a tool function from the cell, and episodes evaluated (their figures in the table)
+    assert "tool_calls_per_episode" in _outputs(nb, "agent = train(")
     trained = _trained(run)
 
     edited = nbformat.read(tmp_path / NOTEBOOK.name, as_version=4)
@@ -222,6 +224,8 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["last_invocation"]["did_work"] is False, summary
     assert "same run: True | trained again: False" in _outputs(nb, "again = train(")
+    # the agent's cell: a tool function from the cell, and episodes evaluated (their figures in the table)
+    assert "tool_calls_per_episode" in _outputs(nb, "agent = train(")
     new_url = _outputs(nb, "the body edited").split("edited:", 1)[1].strip()
     assert new_url.startswith(f"{tmp_path}/runs/tiny-qwen-") and new_url != str(run)
 
