@@ -30,6 +30,7 @@ from prefect.states import Failed
 from flows.logs import attach as _attach_log_filter
 from flows.logs import stop_level, stop_reason
 from flows.params import RunParams
+from flows.pool_record import pool_record_refusal
 from grpo_core.config.run import RunConfig, check_run_name, is_template
 from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError, RunRootInUse
@@ -200,14 +201,15 @@ def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
 def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
     """The config `make_config()` builds, refused (ConfigError naming the field, the flow run not
     retried) when it is invalid or, in a deployment run, names what the operator did not allow:
-    code, programs, places, addresses, or more work than the limits (grpo_core.rewards.trust). The
+    code, programs, places, addresses, or more work than the limits (grpo_core.rewards.trust), or
+    the run's work-pool deployment is not as deployments/*.yaml deploys it (flows.pool_record). The
     policy is read from this process's environment, which the operator set where the flow runs
     (grpo serve, a work-pool worker), never from anything the API can edit. `run_url`: the
     evaluate deployment's run folder, checked before anything is read from it. A direct call (the
     CLI) is the local user's."""
     try:
         if deployment.id is not None:
-            why = refused_job_variables(_job_variables(log))
+            why = refused_job_variables(_job_variables(log)) or pool_record_refusal(deployment.id)
             if why:
                 raise ConfigError(why)
             policy = TrustPolicy.from_env()

@@ -10,9 +10,14 @@ shows a form and the server rejects invalid values before a run starts (enforce_
 Each pipeline deployment runs one flow run at a time (concurrency_limit=1), and `grpo serve` one
 flow run of all of them (--limit, default 1): two runs never share one accelerator.
 
-Ownership: each `grpo serve` writes its own token into its deployments' `version`. When it
-stops it pauses only the deployments whose version is still its token, so stopping an older
-`grpo serve` leaves a newer one's schedules running.
+Ownership: the serving process owns its deployments (flows.serve_runner). Each `grpo serve`
+writes its own token into their `version`; a second one registering them says whose they were,
+and the first one notices at its next poll, says who took over, stops its flow runs as a SIGTERM
+does and exits. When one stops it pauses only the deployments whose version is still its token,
+so a newer `grpo serve`'s schedules keep running. A flow run's code is always this process's own
+(its entrypoint, never the pull steps, path or entrypoint of the deployment's record on the
+server), a run whose deployment's record changed since it was registered fails before anything
+of it runs, and registering sets every field of that record again.
 
 `require_project_dir` is the first pull step of the work-pool deployments: it moves the flow
 run into GRPO_PROJECT_DIR, or fails the run with a message saying what to set.
@@ -43,12 +48,12 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound, TerminationSignal
 from prefect.logging import get_logger
-from prefect.runner import Runner
 from prefect.states import Cancelled, Crashed, Failed
 
 from flows.everyday import everyday_defaults, grpo_train
 from flows.logs import private_folder, quiet_logging_config, stop_file, write_private
 from flows.pipeline import _config, grpo_evaluate, grpo_pipeline, grpo_readiness
+from flows.serve_runner import ServeRunner
 from grpo_core.errors import ConfigError
 from grpo_core.rewards.registry import builtin_rewards
 from grpo_core.rewards.trust import (
@@ -67,6 +72,8 @@ from grpo_core.rewards.trust import (
 )
 
 FLOW_ENTRYPOINT = os.path.join("flows", "pipeline.py")
+# each served deployment (build_deployments) by name: the flow its runs run, whatever the server says
+SERVED_FLOWS = {"train": grpo_train, "pipeline": grpo_pipeline, "evaluate": grpo_evaluate, "readiness": grpo_readiness}
 
 
 def build_deployments(
@@ -207,13 +214,15 @@ def owner_token() -> str:
 def serve(
     parameters: dict[str, Any] | None = None, cron: str | None = None, interval: float | None = None, limit: int = 1
 ) -> None:
-    """Serve until interrupted. `limit` bounds concurrent flow runs of this process. On the way
-    out (SIGTERM, SIGINT), stop the flow runs this process runs as a cancel does and mark them
-    in the API (stop_flow_runs), then pause the deployments this process still owns (not those
-    a newer `grpo serve` took). On the way in, mark the runs a `grpo serve` that died left as
-    Running (mark_orphaned_runs)."""
+    """Serve until interrupted or taken over. `limit` bounds concurrent flow runs of this process.
+    On the way out (SIGTERM, SIGINT, another `grpo serve` taking the deployments over), stop the
+    flow runs this process runs as a cancel does and mark them in the API (stop_flow_runs), then
+    pause the deployments this process still owns (not those a newer `grpo serve` took). On the
+    way in, mark the runs a `grpo serve` that died left as Running (mark_orphaned_runs), say whose
+    deployments it takes over, and register every field of the deployments' records it relies on
+    (flows.serve_runner)."""
 
-    class _Runner(Runner):
+    class _Runner(ServeRunner):
         def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:  # Prefect's runner installs it
             _on_stop_signal(signal.SIGTERM, None)
 
@@ -231,13 +240,14 @@ def serve(
         signal.signal(signal.SIGINT, _on_stop_signal)  # asyncio keeps a handler it did not install
     try:
         _report_replaced(deployments)
+        _report_taken_over(deployments, token)
         try:
             mark_orphaned_runs(deployments)
         except Exception as exc:  # noqa: BLE001 - serving matters more than tidying up after another
             print(f"grpo serve: could not check for runs a stopped grpo serve left: {exc}", file=sys.stderr)
-        runner = _Runner(pause_on_shutdown=False, limit=limit)
+        runner = _Runner(token, _on_taken_over, pause_on_shutdown=False, limit=limit)
         for d in deployments:
-            runner.add_deployment(d)
+            runner.serve_deployment(d, SERVED_FLOWS[d.name])
         print(f"grpo serve: serving {', '.join(_full_name(d) for d in deployments)} (pid {os.getpid()})", flush=True)
         rest = everyday_defaults(parameters)[1]
         if rest:
@@ -263,6 +273,64 @@ def serve(
         except Exception as exc:  # noqa: BLE001 - the server is gone: nothing to pause there
             print(f"grpo serve: could not pause its deployments on the way out: {exc}", file=sys.stderr)
         shutil.rmtree(private, ignore_errors=True)  # the logging config and every stop file in it
+
+
+def _serve_named(version: str) -> str:
+    """Who a deployment's `version` says serves it (owner_token), for the lines below."""
+    owner = version.split()
+    if len(owner) == 5 and owner[0] == "grpo-serve" and owner[2] == "pid":
+        return f"grpo serve pid {owner[3]} on {owner[1]} ({owner[4]})"
+    return f"something else (its version reads {version!r})"
+
+
+def _report_taken_over(deployments: list, token: str) -> None:
+    """Say so when these deployments are another `grpo serve`'s: this one takes them over, and that
+    one, if it still runs, notices at its next poll and exits (ServeRunner, _on_taken_over)."""
+    owners: dict[str, list[str]] = {}
+    host = socket.gethostname()
+    with get_client(sync_client=True) as client:
+        for d in deployments:
+            try:
+                version = client.read_deployment_by_name(_full_name(d)).version or ""
+            except ObjectNotFound:
+                continue
+            if version.startswith("grpo-serve ") and version != token:
+                owners.setdefault(version, []).append(_full_name(d))
+    for version, names in owners.items():
+        owner = version.split()
+        gone = len(owner) == 5 and owner[1] == host and owner[3].isdigit() and not _alive(int(owner[3]))
+        print(
+            f"grpo serve: taking over {', '.join(names)} from {_serve_named(version)}"
+            + (
+                ", which is no longer running"
+                if gone
+                else ": if it still runs, it stops picking up flow runs at its next poll, stops the ones it runs "
+                "as a SIGTERM of it does, and exits"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _on_taken_over(names: list[str], version: str) -> None:
+    """Another `grpo serve` registered `names` (their version is now `version`): say so, stop this
+    process's flow runs as a SIGTERM of it does, and exit. Stopped rather than left to finish: the
+    serve that took over may start runs at once, and this process's --limit is what keeps two runs
+    off one accelerator; a stopped run keeps its checkpoint and resumes with the UI's Retry."""
+    print(
+        f"grpo serve: {', '.join(names)} taken over by {_serve_named(version)}: this grpo serve (pid {os.getpid()}) "
+        "picks up no more flow runs, stops the ones it runs and exits",
+        file=sys.stderr,
+        flush=True,
+    )
+    if _STOPPING:  # a stop signal came first
+        return
+    _STOPPING.append(0)  # a stop signal from now on exits at once
+    try:
+        stop_flow_runs(f"grpo serve (pid {os.getpid()}) was taken over by {_serve_named(version)}")
+    except Exception as exc:  # noqa: BLE001 - exit anyway
+        print(f"grpo serve: could not stop its flow runs: {exc}", file=sys.stderr)
+    asyncio.get_running_loop().call_soon(_exit_the_loop)
 
 
 _STOPPING: list[int] = []

@@ -142,3 +142,26 @@ def test_worker_with_project_dir_runs_the_pipeline(deployed, tmp_path):
         flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[nightly.id]))
     )
     assert runs == []
+
+
+def test_a_patched_pull_step_runs_and_the_flow_refuses_the_run(deployed, tmp_path):
+    """A worker runs the deployment record's pull steps before any code of this project's: a PATCH
+    that adds one runs it (the marker exists: only the server's auth string stops that, docs/trust.md),
+    and the flow then refuses the run before any task, naming pull_steps (flows/pool_record.py)."""
+    client, env, worker_line = deployed
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    marker = tmp_path / "pulled"
+    dep = client.read_deployment_by_name("grpo-readiness/pool")
+    step = {"prefect.deployments.steps.run_shell_script": {"script": f"touch {marker}"}}
+    client.update_deployment(dep.id, DeploymentUpdate(pull_steps=[step, *dep.pull_steps]))
+    run = client.create_flow_run_from_deployment(dep.id, parameters={"config": tiny(tmp_path, "patched")})
+    with worker(worker_line, env, tmp_path / "worker.log"):
+        run = _wait(client, run.id, timeout=180)
+    assert run.state.is_failed(), (run.state, (tmp_path / "worker.log").read_text()[-3000:])
+    assert "grpo-readiness/pool on the server is not as deployments/prefect.yaml deploys it: pull_steps." in (
+        run.state.message
+    ), run.state.message
+    assert marker.exists()
+    assert client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))) == []
