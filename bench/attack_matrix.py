@@ -68,6 +68,11 @@ class Place:
         self.secret.write_text(json.dumps({"prompt": SECRET}) + "\n")
         (self.outside / "step-0" / "keep.txt").write_text("keep me")
         self.tool.write_text(TOOL)
+        (self.outside / "code").mkdir()  # a flow file a PATCHed entrypoint and path would load
+        marker = str(self.base / "pwned-flow")
+        (self.outside / "code" / "evil.py").write_text(
+            f"from prefect import flow\n\n@flow\ndef evil(**kw):\n    open({marker!r}, 'w').close()\n"
+        )
         # folders under the served root with a file that is a link out of it (issue 61 item 3)
         (self.root / "dsdir").mkdir()
         (self.root / "dsdir" / "part-1.jsonl").write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
@@ -110,6 +115,9 @@ class Case:
     refused: bool = True  # False: the trust policy lets it through (it may fail later, for another reason)
     job_variables: dict[str, Any] | None = None
     patch: Callable[[Place], dict[str, Any]] | None = None  # the deployment's parameters, PATCHed first
+    # other fields of the deployment's record PATCHed first (pull_steps, entrypoint, path), put back
+    # once the run ended (the serve reads the record when it picks the run up)
+    record: Callable[[Place], dict[str, Any]] | None = None
 
 
 def _cfg(**sections: Any) -> Callable[[Place], dict[str, Any]]:
@@ -249,6 +257,23 @@ CASES = [
         "pickled",
     ),
     Case("environment module", PIPE, _cfg(train__agent={"environment": "subprocess:Popen"}), "--allow-reward-module"),
+    # the deployment's record is the serving process's: a PATCH of what Prefect acts on runs nothing
+    Case(
+        "PATCH pull_steps (readiness)",
+        READY,
+        lambda p: {},
+        "registered it: pull_steps",
+        record=lambda p: {
+            "pull_steps": [{"prefect.deployments.steps.run_shell_script": {"script": f"touch {p.base / 'pwned-pull'}"}}]
+        },
+    ),
+    Case(
+        "PATCH entrypoint and path",
+        EVAL,
+        lambda p: {"run_url": str(p.root / "r")},
+        "registered it: entrypoint, path",
+        record=lambda p: {"entrypoint": "evil.py:evil", "path": str(p.outside / "code")},
+    ),
     # the evaluate deployment
     Case("evaluate outside", EVAL, lambda p: {"run_url": str(p.outside)}, "run_url"),
     # the served pipeline's own runs may be evaluated (not a trust refusal: there is no run yet)
@@ -335,15 +360,19 @@ def serve(env: dict[str, str], p: Place, cwd: Path, bin_dir: str) -> subprocess.
 
 
 def wait_registered(client, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    """Until every deployment carries this serve's mark (its pid in the version): a server that
+    kept an earlier serve's deployments (a Prefect home reused) has them before this one registers."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            client.read_deployment_by_name(READY)
-            return
+            versions = [client.read_deployment_by_name(d).version or "" for d in (PIPE, READY, EVAL, TRAIN)]
+            if all(f" pid {proc.pid} " in v for v in versions):
+                return
         except Exception:  # noqa: BLE001 - not registered yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("grpo serve did not register its deployments") from None
-            time.sleep(0.5)
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("grpo serve did not register its deployments")
+        time.sleep(0.5)
 
 
 @dataclasses.dataclass
@@ -356,7 +385,11 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        refused = self.state == "FAILED" and self.tasks == 0 and "ConfigError: " in self.message
+        said = (
+            "ConfigError: " in self.message
+            or "was changed on the server since grpo serve registered it" in self.message
+        )
+        refused = self.state == "FAILED" and self.tasks == 0 and said
         if not self.case.refused:  # let through by the policy: whatever fails next is not a refusal of it
             return "deployment run" not in self.message and self.case.expect in self.message
         return refused and self.case.expect in self.message and SECRET not in self.message
@@ -369,22 +402,30 @@ def submit(client, case: Case, p: Place, timeout_s: float = 300) -> Outcome:
 
     dep = client.read_deployment_by_name(case.deployment)
     before = dep.parameters
+    record = case.record(p) if case.record else {}
+    kept = {k: getattr(dep, k) for k in record}
     if case.patch:  # what an unauthenticated PATCH /api/deployments/{id} did (HTTP 204)
         client.update_deployment(dep.id, _deployment_update(parameters=case.patch(p)))
+    if record:
+        client.update_deployment(dep.id, _deployment_update(**record))
     try:
-        t = time.monotonic()
-        run = run_deployment(
-            case.deployment, parameters=case.parameters(p), job_variables=case.job_variables, timeout=0
-        )
+        try:
+            t = time.monotonic()
+            run = run_deployment(
+                case.deployment, parameters=case.parameters(p), job_variables=case.job_variables, timeout=0
+            )
+        finally:
+            if case.patch:
+                client.update_deployment(dep.id, _deployment_update(parameters=before))
+        deadline = time.monotonic() + timeout_s
+        while not (run := client.read_flow_run(run.id)).state.is_final():
+            if time.monotonic() > deadline:
+                return Outcome(case, run.state.type.value, time.monotonic() - t, "did not end", -1)
+            time.sleep(0.25)
+        seconds = time.monotonic() - t  # from submission to the final state, as the caller sees it
     finally:
-        if case.patch:
-            client.update_deployment(dep.id, _deployment_update(parameters=before))
-    deadline = time.monotonic() + timeout_s
-    while not (run := client.read_flow_run(run.id)).state.is_final():
-        if time.monotonic() > deadline:
-            return Outcome(case, run.state.type.value, time.monotonic() - t, "did not end", -1)
-        time.sleep(0.25)
-    seconds = time.monotonic() - t  # from submission to the final state, as the caller sees it
+        if record:  # the later cases' runs of this deployment find it as the serve registered it
+            client.update_deployment(dep.id, _deployment_update(**kept))
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     return Outcome(case, run.state.type.value, seconds, run.state.message or "", len(tasks))
 
@@ -456,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         (p.outside / "step-0" / "keep.txt").exists()
         and not any(p.outside.glob("*/config.json"))
         and not (base / "pwned-by-tool").exists()
+        and not (base / "pwned-pull").exists()
+        and not (base / "pwned-flow").exists()
+        and not (base / "evil.py").exists()
         and not REDIRECT.hits
     )
     failed = sum(not o.ok for o in outcomes) + (not kept)

@@ -57,11 +57,21 @@ def test_each_attack_is_refused_before_any_task_naming_the_field(outcomes):
         if o.case.refused:
             assert o.tasks == 0 and o.state == "FAILED", o.case.name
     assert (place.outside / "step-0" / "keep.txt").read_text() == "keep me"
-    assert sorted(p.name for p in place.outside.iterdir()) == ["config.json", "secret.jsonl", "step-0", "tool.py"]
+    assert sorted(p.name for p in place.outside.iterdir()) == [
+        "code",
+        "config.json",
+        "secret.jsonl",
+        "step-0",
+        "tool.py",
+    ]
+    # a PATCHed pull step never ran, a PATCHed entrypoint and path never loaded (nor copied) the caller's file
+    assert not (place.base / "pwned-pull").exists() and not (place.base / "pwned-flow").exists()
+    assert not (place.base / "evil.py").exists()
     assert attacks.REDIRECT.hits == []  # the server an allowed address redirected to never heard of the run
     assert not (place.base / "pwned").exists()  # server_command's `touch pwned` never ran
     assert not (place.base / "pwned-by-tool").exists()  # the tool outside the allowed folders never ran
     log = (place.base / "serve.log").read_text()
     # each refusal is one line in the run's log, never the traceback of Prefect re-raising its state
-    assert log.count("refused before any task ran: ConfigError: ") >= sum(o.case.refused for o in found)
+    policy = sum(o.case.refused and o.case.record is None for o in found)  # the record's refusals say so apart
+    assert log.count("refused before any task ran: ConfigError: ") >= policy
     assert "Engine execution exited with unexpected exception" not in log
