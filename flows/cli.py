@@ -339,6 +339,9 @@ def run_command(args) -> int:
 
     t = time.perf_counter()
     print(f"run {cfg.name}: {cfg.run_url}", flush=True)
+    if cfg.rewards_default is not None:  # rewards the config did not name: which, and why (as grpo check says)
+        chosen = cfg.rewards_default
+        print(f"rewards {', '.join(chosen.describe())}: {chosen.why} (set rewards to choose others)", flush=True)
     try:
         with _interruptible(), embedded_server(), terminal_bars(num_steps=cfg.train.num_steps, **_bars()):
             # the flow takes the config's fields and finds the sources' versions itself

@@ -31,7 +31,7 @@ FIRST_LINES = 3  # a worker's first steps are always logged: a user wants to see
 # A worker states when its epoch and the run should end after its first ETA_AFTER steps (the first
 # one compiles, so it is not timed), or ETA_AFTER_S after its first step when steps are slow.
 ETA_AFTER, ETA_AFTER_S = 10, 60.0
-EVAL_LINE_S = 30.0  # a long evaluation says how far it is this often
+EVAL_LINE_S = 10.0  # an evaluation says how far it is this often (piped output is otherwise silent)
 
 
 def step_every(num_steps: int, log_every: int | None = None) -> int:
@@ -116,7 +116,10 @@ class TrainLog:
     def step_suffix(self, s: int) -> str:
         """The run's expected end, for a step line (once the steps are timed)."""
         left = self.remaining_s(s, self.num_steps) if self.steps > 1 else None
-        return "" if left is None or s >= self.num_steps else f"  run ETA {_clock_time(left)}"
+        if left is None or s >= self.num_steps:
+            return ""
+        # within two minutes a clock time reads as now ("run ETA 03:25" printed at 03:25): say the seconds
+        return f"  run ETA in {left:.0f} s" if left < 120 else f"  run ETA {_clock_time(left)}"
 
 
 def checkpoint_line(uri: str, unsaid: list[int]) -> str:
@@ -127,15 +130,18 @@ def checkpoint_line(uri: str, unsaid: list[int]) -> str:
 
 
 class EvalLog:
-    """When a long evaluation says how far it is: every EVAL_LINE_S, not at its start or end."""
+    """When an evaluation says how far it is: at its start (it can take a while before a first
+    batch is done: its programs compile), then every EVAL_LINE_S, not at its end (its result says it)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock, self.last = clock, {}
 
     def due(self, step: int, done: int, total: int) -> bool:
         now = self.clock()
-        last = self.last.setdefault(step, now)
-        if done >= total or now - last < EVAL_LINE_S:
+        if step not in self.last:
+            self.last[step] = now
+            return done < total
+        if done >= total or now - self.last[step] < EVAL_LINE_S:
             return False
         self.last[step] = now
         return True

@@ -96,6 +96,28 @@ def test_a_2800_step_run_states_its_end_within_its_first_20_steps():
         eta,
     ), eta
     assert re.fullmatch(r"  run ETA (\d{4}-\d\d-\d\d )?\d\d:\d\d", log.step_suffix(20))
+    assert log.step_suffix(2760) == "  run ETA in 80 s"  # near the end a clock time reads as now (issue 65)
+
+
+def test_an_evaluation_says_it_started_then_how_far_it_is_every_few_seconds():
+    """Piped output was silent up to 39 s in an evaluation (issue 65): a line at its start, then
+    one every EVAL_LINE_S, none at its end (the result's line says it)."""
+    from tasks.progress import EVAL_LINE_S, EvalLog
+
+    clock = Clock()
+    ev = EvalLog(clock)
+    said = []
+    for t, done in [
+        (0, 0),
+        (3, 16),
+        (EVAL_LINE_S + 1, 32),
+        (EVAL_LINE_S + 2, 48),
+        (2 * EVAL_LINE_S + 2, 64),
+        (99, 128),
+    ]:
+        clock.t = t
+        said.append(ev.due(6, done, 128))
+    assert said == [True, False, True, False, True, False] and EVAL_LINE_S <= 10
 
 
 def test_slow_steps_state_the_end_after_a_minute_not_after_ten_steps():
