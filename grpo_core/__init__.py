@@ -66,3 +66,8 @@ def cpu_unless_tpu() -> str | None:
 # Set before any JAX import in every process of the project (grpo_core is imported first). Kept in
 # this file, which imports no other module of the project (tests/test_errors.py holds that).
 cpu_unless_tpu()
+
+# transformers says "PyTorch was not found. Models won't be available..." on import where PyTorch is
+# not installed (`make demo`'s environment): this project loads only its tokenizers and configs with
+# it, so the advice is noise in every command's output (issue 65). A user's own setting wins.
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
