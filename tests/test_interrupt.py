@@ -222,6 +222,11 @@ def test_kill_9_of_the_cli_leaves_nothing_running(tmp_path):
     while _alive(children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(children), f"left running after kill -9 of the CLI: {_alive(children)}"
+    # the worker stopped as a Ctrl-C stops it: at its next step boundary, with a checkpoint there
+    # (issue 65 item 7: before, its next line's BrokenPipeError ended it without one)
+    [run] = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith("_")]
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] > 20, steps  # past the checkpoint the CLI had logged when it was killed
 
 
 def test_second_ctrl_c_exits_even_when_nobody_reads_the_output(tmp_path):

@@ -153,10 +153,22 @@ def _emit(event: str, **fields: Any) -> None:
     """One JSON line on stdout, from process 0 only (the launcher streams process 0's); another
     process's error goes to its stderr, which the launcher keeps for the failure message."""
     line = json.dumps({"event": event, **fields})
-    if _PRIMARY:
-        print(line, flush=True)
-    elif event == "error":
-        print(line, file=sys.stderr, flush=True)
+    try:
+        if _PRIMARY:
+            print(line, flush=True)
+        elif event == "error":
+            print(line, file=sys.stderr, flush=True)
+    except OSError:  # BrokenPipeError: the launcher that read it is gone (a kill -9 of `grpo run`)
+        _output_gone()
+
+
+def _output_gone() -> None:
+    """The launcher reading this process's output is gone: stop as its death would stop it (at the
+    next step boundary, a checkpoint saved), writing what follows nowhere. Before, the next line's
+    BrokenPipeError ended the worker at once without one, and up to checkpoint_every steps were lost."""
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - this process's stdout and stderr from now on
+    sys.stdout = sys.stderr = devnull
+    _request_stop("the process that read its output is gone")
 
 
 def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
