@@ -284,7 +284,9 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
             log.info("epoch %d: %s at step %d, training until %d", epoch, kind, e["step"], e["until"])
         elif kind == "step":
             state["last"] = e
-            trackers.log(int(e["step"]), e)
+            # at the steps done after it (a step event's "step" counts from 0), as checkpoints and evaluations
+            # count: a tracker's curve of eval/* lines up with the training curve (issue 65)
+            trackers.log(int(e["step"]) + 1, e)
             state["steps_s"] += e["time/step"]
             if state["first_step_s"] is None:  # the first step of a process includes compilation
                 state["first_step_s"] = e["time/step"]

@@ -142,7 +142,8 @@ def test_progress_is_the_whole_runs_and_the_curve_is_in_the_summary(baseline):
     # pipeline.report_to: TensorBoard's reader finds the run's metrics and evaluations in the run root
     from tests.test_tracking import scalars
 
-    assert [step for step, _ in scalars(run.url, "reward")] == list(range(NUM_STEPS))
+    # both at the steps done: the reward of the 3rd step at 3, beside the evaluation of checkpoint 3 (issue 65)
+    assert [step for step, _ in scalars(run.url, "reward")] == list(range(1, NUM_STEPS + 1))
     assert [step for step, _ in scalars(run.url, "eval/accuracy")] == [0, 3, 6]
     markdown = artifacts("summary-baseline")[-1].data
     b64 = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)
@@ -246,7 +247,7 @@ def test_killed_worker_resumes_to_the_same_parameters(baseline, tmp_path, monkey
     assert s["eval_after"]["step"] == NUM_STEPS and run.read_json("eval/6.json")["step"] == NUM_STEPS
     from tests.test_tracking import scalars
 
-    assert [step for step, _ in scalars(run.url, "reward")] == list(range(NUM_STEPS))  # re-run steps sent once
+    assert [step for step, _ in scalars(run.url, "reward")] == list(range(1, NUM_STEPS + 1))  # re-run steps sent once
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS
     assert [m["step"] for m in run.read_metrics()] == list(range(NUM_STEPS))
     assert run.done_info("stages/train-epoch-0")["steps_run"] == 0  # resumed at the boundary

@@ -181,7 +181,7 @@ def plot_curve(root: RunRoot) -> bytes | None:
     import matplotlib.pyplot as plt  # heavy, as matplotlib; after matplotlib.use
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    steps = [int(m["step"]) for m in metrics]
+    steps = [int(m["step"]) + 1 for m in metrics]  # steps done after it, as the evaluations below count them
     rewards = [float(m["reward"]) for m in metrics]
     top.plot(steps, rewards, lw=0.6, alpha=0.4, label="reward")
     w = max(1, len(rewards) // 20)
