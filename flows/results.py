@@ -101,7 +101,7 @@ class Run:
             raise FileNotFoundError(f"{self.url} has no metrics or evaluations to draw yet")
         try:
             from IPython import get_ipython  # optional: present in a notebook's kernel
-            from IPython.display import Image
+            from IPython.display import Image  # optional, as above
         except ImportError:
             return png
         if get_ipython() is None:  # IPython installed, this a plain script: the bytes, as said

@@ -26,7 +26,7 @@ from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError
 from grpo_core.launch.launchers import drop_ahead, start_ahead
 from grpo_core.launch.processes import sglang_python
-from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
+from grpo_core.launch.requests import request_for
 from grpo_core.store.root import RunRoot, StorageError
 from grpo_core.store.runs import check_run_root
 from grpo_core.store.sources import model_config

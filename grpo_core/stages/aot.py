@@ -39,10 +39,10 @@ from grpo_core.config.model import LoraConfig, ModelConfig
 from grpo_core.config.target import Target
 from grpo_core.config.train import TrainConfig
 from grpo_core.errors import ConfigError, ExitCode
-from grpo_core.store.sources import model_config
+from grpo_core.launch.requests import programs_key
 
-# JAX-free: the Prefect side imports this module (tasks/readiness.py: request_for); grpo_core.rl.aot,
-# which imports JAX, is imported inside the functions that use it (to compile: after _compiler_env).
+# grpo_core.rl.aot, which imports JAX, is imported inside the functions that use it (to compile:
+# after _compiler_env); the request itself is grpo_core.launch.requests' (the Prefect side reads that).
 
 _VERSIONED = ("jax", "jaxlib", "libtpu", "flax", "optax")
 
@@ -56,30 +56,6 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def request_for(cfg, vocab_size: int) -> dict[str, Any]:
-    """The request for a run config's programs (grpo_core.config.run.RunConfig), for
-    pipeline.readiness.target; `vocab_size`: the tokenizer's."""
-    return {
-        "model": model_config(cfg, vocab_size=vocab_size).to_dict(),
-        # num_steps (maybe still auto before the data is prepared) only sets the learning-rate
-        # schedule's length: no program's shape or memory, so neither the key nor the compile sees it
-        "train": cfg.train.replace(num_steps=1).to_dict(),
-        "max_prompt_tokens": cfg.data.max_prompt_tokens,
-        "target": cfg.pipeline.readiness.target,
-        "num_slices": cfg.pipeline.readiness.num_slices,
-        "eval": {k: getattr(cfg.eval, k) for k in ("batch_size", "num_samples", "temperature")},
-        "lora": cfg.model.to_dict().get("lora"),
-        "separate_reference": cfg.separate_reference,
-    }
-
-
-def programs_key(req: dict[str, Any]) -> str:
-    """The programs' identity: the request's configs and target (not the compiler's versions)."""
-    keys = ("model", "train", "max_prompt_tokens", "eval", "lora", "separate_reference", "programs")
-    body = {k: req.get(k) for k in keys} | {"target": req["target"], "num_slices": req.get("num_slices", 1)}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 # bumped when what a report holds or how it counts changes: older reports are not read (4: the estimate)

@@ -271,7 +271,7 @@ def _compiler_choice(parts):
     import jax  # worker start: JAX
 
     from grpo_core.config.train import RematPolicy  # worker start: config
-    from grpo_core.stages.aot import programs_key, request_for  # worker start: fsspec
+    from grpo_core.launch.requests import programs_key, request_for  # worker start: fsspec
 
     cfg = parts.cfg
     if not cfg.pipeline.readiness.target or not parts.root.exists("readiness.json"):

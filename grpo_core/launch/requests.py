@@ -1,0 +1,36 @@
+"""What a readiness worker is asked: the request for a run config's programs, which the Prefect
+side writes for `python -m grpo_core.stages.aot --request FILE` (tasks/readiness.py) and a training
+worker compares with the report it finds (grpo_core.stages.worker). Config data, JAX-free: tasks
+start workers by command line and read this, never a stage module."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from grpo_core.store.sources import model_config
+
+
+def request_for(cfg, vocab_size: int) -> dict[str, Any]:
+    """The request for a run config's programs (grpo_core.config.run.RunConfig), for
+    pipeline.readiness.target; `vocab_size`: the tokenizer's."""
+    return {
+        "model": model_config(cfg, vocab_size=vocab_size).to_dict(),
+        # num_steps (maybe still auto before the data is prepared) only sets the learning-rate
+        # schedule's length: no program's shape or memory, so neither the key nor the compile sees it
+        "train": cfg.train.replace(num_steps=1).to_dict(),
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "target": cfg.pipeline.readiness.target,
+        "num_slices": cfg.pipeline.readiness.num_slices,
+        "eval": {k: getattr(cfg.eval, k) for k in ("batch_size", "num_samples", "temperature")},
+        "lora": cfg.model.to_dict().get("lora"),
+        "separate_reference": cfg.separate_reference,
+    }
+
+
+def programs_key(req: dict[str, Any]) -> str:
+    """The programs' identity: the request's configs and target (not the compiler's versions)."""
+    keys = ("model", "train", "max_prompt_tokens", "eval", "lora", "separate_reference", "programs")
+    body = {k: req.get(k) for k in keys} | {"target": req["target"], "num_slices": req.get("num_slices", 1)}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
