@@ -36,9 +36,10 @@ install: $(STAMP)
 $(SGL_STAMP): requirements-sglang.txt pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "the sglang-jax environment needs Python 3.12: 'pyenv install 3.12' or" \
 		"PYTHON312=/path/to/python3.12; SGLANG=0 make test skips its tests"; exit 1; }
+	@echo "sglang-env: $(SGL_VENV) for the sglang-jax rollout engine (Python 3.12; a few minutes the first time)"
 	$(PYTHON312) -m venv $(SGL_VENV)
 	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SGL_VENV)/bin/python -m pip install -q -r requirements-sglang.txt \
+	$(SGL_VENV)/bin/python -m pip install --progress-bar off -r requirements-sglang.txt \
 		$(if $(filter tpu,$(SGLANG_EXTRA)),"jax[tpu]==0.10.2")
 	$(SGL_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(SGL_VENV)/bin/python -c "import sgl_jax, grpo_core.engines"

@@ -38,15 +38,22 @@ class ModelConfig(Section):
     intermediate_size: int = field(doc="Width of the MLP", ge=1)
     rms_norm_eps: float = field(1e-6, doc="RMSNorm epsilon", gt=0)
     rope_theta: float = field(1_000_000.0, doc="RoPE base frequency", gt=0)
-    tie_word_embeddings: bool = field(True)
+    tie_word_embeddings: bool = field(
+        True, doc="The LM head is the embedding matrix (Qwen's small models); false: a head of its own"
+    )
     attention_bias: bool = field(False, doc="Qwen2: bias on q/k/v projections")
     qk_norm: bool = field(False, doc="Qwen3: RMSNorm over each head of q and k")
-    max_position_embeddings: int = field(32768)
+    max_position_embeddings: int = field(
+        32768, doc="Longest sequence the model's positions are made for (prompt and completion)"
+    )
     # Llama 3 "rope_scaling" = {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
-    rope_scaling: tuple[tuple[str, Any], ...] | None = field(None)
+    rope_scaling: tuple[tuple[str, Any], ...] | None = field(
+        None,
+        doc="RoPE's scaling as config.json gives it (Llama 3's rope_type llama3 and its factors); empty: plain RoPE",
+    )
     dtype: DType = field(DType.FLOAT32, doc="compute dtype")
-    param_dtype: DType = field(DType.FLOAT32)
+    param_dtype: DType = field(DType.FLOAT32, doc="dtype the parameters are stored and updated in")
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # as config.json writes it: a mapping, hashable once sorted
