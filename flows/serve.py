@@ -86,47 +86,39 @@ def build_deployments(
     params = {"config": parameters} if parameters else {}
     # the everyday form (flows.everyday): the served config's values of its fields are its defaults
     everyday, rest = everyday_defaults(parameters)
+    # what every served deployment is: its form checked by the server, tagged, marked with this serve's
+    # token; one run at a time where a run takes the accelerator (readiness's checks do not train)
+    common = dict(enforce_parameter_schema=True, tags=["grpo"], version=version)
+    one_at_a_time = dict(common, concurrency_limit=1)
+    full = (
+        "The full form, for experts: every key of the config, the keys grpo run --set takes (and the API's config "
+        "parameter), each section's fields before its advanced subsections; the same pipeline as "
+        "grpo-pipeline/train, whose form has only the fields most runs set."
+    )
     return [
         grpo_train.to_deployment(
-            name="train",
-            parameters=everyday,
-            enforce_parameter_schema=True,
-            concurrency_limit=1,
-            tags=["grpo"],
-            description=everyday_description(rest),
-            version=version,
+            name="train", parameters=everyday, description=everyday_description(rest), **one_at_a_time
         ),
         grpo_pipeline.to_deployment(
             name="pipeline",
             parameters=params,
-            enforce_parameter_schema=True,
-            concurrency_limit=1,
-            tags=["grpo"],
-            description="The full form, for experts: every key of the config, the keys grpo run --set takes "
-            "(and the API's config parameter), each section's fields before its advanced subsections; the "
-            "same pipeline as grpo-pipeline/train, whose form has only the fields most runs set."
-            + (" Scheduled by grpo serve (its --cron or --interval)." if schedule else ""),
-            version=version,
+            description=full + (" Scheduled by grpo serve (its --cron or --interval)." if schedule else ""),
+            **one_at_a_time,
             **schedule,
         ),
         grpo_evaluate.to_deployment(
             name="evaluate",
-            enforce_parameter_schema=True,
-            concurrency_limit=1,
-            tags=["grpo"],
             description="Evaluate checkpoints of an existing run: run_url is its folder (storage root and run "
             "folder), steps the checkpoints (0: the starting policy; empty: the newest). Results land in the "
             "run's eval folder and its evaluation table artifact.",
-            version=version,
+            **one_at_a_time,
         ),
         grpo_readiness.to_deployment(
             name="readiness",
-            enforce_parameter_schema=True,
-            tags=["grpo"],
             description="Preflight checks alone, nothing trained: the config's storage root probed, this "
             "worker's devices and the config's memory plan, as the readiness artifact. Its form is the full "
             "one, as grpo-pipeline/pipeline's.",
-            version=version,
+            **common,
         ),
     ]
 
