@@ -21,18 +21,11 @@ import json
 import statistics
 import time
 
-import jax
-import numpy as np
-
-from grpo_core.config.presets import get_preset
-from grpo_core.config.train import SamplingConfig
-from grpo_core.generate.sampler import SamplerOptions, decode, pad_prompts, prefill
-from grpo_core.nn.model import create_model
-
-WORKLOADS = {"small": ("small", {}), "qwen-0.5b": ("qwen2.5-0.5b", {})}
+WORKLOADS = {"tiny": ("tiny", {}), "small": ("small", {}), "qwen-0.5b": ("qwen2.5-0.5b", {})}
 
 
 def _time(fn, calls: int = 3) -> float:
+
     fn()  # compiles
     times = []
     for _ in range(calls):
@@ -43,9 +36,18 @@ def _time(fn, calls: int = 3) -> float:
 
 
 def run(workload: str, rows: int, prompt: int, new_tokens: int, turns: int, result: int) -> list[dict]:
+    from grpo_core.config.presets import get_preset  # grpo_core first: it chooses JAX's platform
+    from grpo_core.config.train import SamplingConfig
+    from grpo_core.generate.sampler import SamplerOptions, decode, pad_prompts, prefill
+    from grpo_core.nn.model import create_model
+
     preset, over = WORKLOADS[workload]
+    import jax  # after grpo_core, as above
+    import numpy as np
+    from flax import nnx
+
     mc = get_preset(preset, **over)
-    graphdef, params = __import__("flax").nnx.split(create_model(mc, 0))
+    graphdef, params = nnx.split(create_model(mc, 0))
     buckets = SamplingConfig().prompt_buckets
     opts = SamplerOptions(new_tokens, 1.0, 0, 1.0, (), 0)
     rng = np.random.default_rng(0)
@@ -74,9 +76,9 @@ def run(workload: str, rows: int, prompt: int, new_tokens: int, turns: int, resu
                 "prompt_tokens": length,
                 "bucket": int(ptok.shape[1]),
                 "prefill_s": t_pre,
-                "decode_s": t_all - t_pre,
+                "decode_s": max(0.0, t_all - t_pre),  # two medians apart: noise may cross them at tiny shapes
                 "reread_tokens": max(0, reread) if turn > 1 else 0,
-                "reread_share": 0.0 if turn == 1 else t_pre * max(0, reread) / length / t_all,
+                "reread_share": 0.0 if turn == 1 else min(1.0, t_pre * max(0, reread) / length / max(t_all, t_pre)),
             }
         )
         length += new_tokens + result
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     got = run(args.workload, args.rows, args.prompt, args.new_tokens, args.turns, args.result)
+    import jax  # loaded by run
+
     print(
         f"{args.workload}: {args.rows} rows, a {args.prompt}-token prompt, {args.new_tokens} new tokens a turn, "
         f"{args.result}-token results; backend {jax.default_backend()}"

@@ -134,3 +134,16 @@ def test_rescore_benchmark_times_both_ways_to_the_same_loss(tmp_path, capsys):
         assert 0 < row[v]["median_s"] and 0 < row[v]["first_s"]
     assert row["in_update"]["loss"] == pytest.approx(row["apart"]["loss"], rel=1e-4, abs=1e-6)
     assert row["ratio"] > 0
+
+
+def test_agent_turns_benchmark(tmp_path, capsys):
+    from bench import agent_turns
+
+    args = ["--workload", "tiny", "--rows", "2", "--prompt", "8", "--new-tokens", "4", "--turns", "2", "--result", "2"]
+    assert agent_turns.main([*args, "--json", str(tmp_path / "out.json")]) == 0
+    table = capsys.readouterr().out
+    assert "re-read share" in table and "a cache kept across turns would save at most" in table
+    rows = json.load(open(tmp_path / "out.json"))["turns"]
+    assert [(r["turn"], r["prompt_tokens"]) for r in rows] == [(1, 8), (2, 14)]
+    assert all(r["prefill_s"] > 0 and r["decode_s"] >= 0 for r in rows) and 0 <= rows[1]["reread_share"] <= 1
+    assert rows[1]["reread_tokens"] == 12  # what a kept cache would not read again: all but the last result
