@@ -220,7 +220,8 @@ class RewardSpec(Section):
                 f"rewards[].model must be a Hugging Face id, folder or URL, got {self.model!r}",
             )
             check(
-                not self.params, f"rewards[].params are a function's keywords; the reward model {self.model!r} takes none"
+                not self.params,
+                f"rewards[].params are a function's keywords; the reward model {self.model!r} takes none",
             )
         check(
             self.params is None or (isinstance(self.params, dict) and all(isinstance(k, str) for k in self.params)),

@@ -110,7 +110,9 @@ class Scorer:
     """A loaded classifier and the jitted program that scores token rows with it, in batches of
     `batch_size` rows of at most `max_length` tokens (callers cut longer rows)."""
 
-    def __init__(self, model: SequenceClassifier, batch_size: int, max_length: int, pad_id: int, pool_pad_id, placement):
+    def __init__(
+        self, model: SequenceClassifier, batch_size: int, max_length: int, pad_id: int, pool_pad_id, placement
+    ):
         self.graphdef, self.params = nnx.split(model)
         self.config = model.config
         self.batch_size, self.max_length = batch_size, max_length
