@@ -41,7 +41,9 @@ def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_mis
             if skip_missing and model.missing_here():
                 continue
             model.config()  # its config.json, small files only: not a classifier fails now, naming the field
-            out.append(Reward(model, weight=spec.weight, name=spec.name, field=model.field, spec=spec.model, model=True))
+            out.append(
+                Reward(model, weight=spec.weight, name=spec.name, field=model.field, spec=spec.model, model=True)
+            )
             continue
         where = f"{field}[{i}].function"
         builtin = spec.function in builtins
