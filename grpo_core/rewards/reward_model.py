@@ -18,6 +18,7 @@ worker, which the trainer and the evaluation do before scoring.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -57,8 +58,6 @@ class ModelReward:
 
     def missing_here(self) -> bool:
         """A local folder that is not on this machine (it may be where the workers run)."""
-        import os
-
         return looks_local(self.spec.model) and not os.path.isdir(os.path.expanduser(self.spec.model))
 
     def open(self, placement=None, dtype: str = "float32") -> "ModelReward":
@@ -159,3 +158,25 @@ def model_rewards(rewards: Sequence[Any]) -> list[ModelReward]:
 def open_all(rewards: Sequence[Any], placement=None, dtype: str = "float32") -> list[ModelReward]:
     """Open every reward model among `rewards` (grpo_core.rewards.functions.Reward) on the placement."""
     return [m.open(placement, dtype) for m in model_rewards(rewards)]
+
+
+def shapes(rewards: Sequence[Any], dtype: str = "float32") -> tuple[RewardModelShape, ...]:
+    """What the memory plan counts of the reward models among `rewards`, each model once."""
+    seen: dict[tuple[Any, ...], RewardModelShape] = {}
+    for m in model_rewards(rewards):
+        s = m.spec
+        seen.setdefault((s.model, s.model_batch_size, s.model_max_length), m.shape(dtype))
+    return tuple(seen.values())
+
+
+def config_shapes(cfg, dtype: str | None = None) -> tuple[RewardModelShape, ...]:
+    """The reward models of a RunConfig (rewards[].model, eval.rewards[].model) as the plan counts
+    them, in the run's compute dtype: from their config.json alone (the Prefect side's readiness
+    request)."""
+    dtype = dtype or cfg.compute_dtype.value
+    seen: dict[tuple[Any, ...], RewardModelShape] = {}
+    for field, s in cfg.reward_models:
+        key = (s.model, s.model_batch_size, s.model_max_length)
+        if key not in seen:
+            seen[key] = ModelReward(s, field).shape(dtype)
+    return tuple(seen.values())
