@@ -193,7 +193,9 @@ class RewardSpec(Section):
         api_max=131072,
     )
     clip: tuple[float, ...] | None = field(
-        None, doc="With model: [low, high] its scores are clipped to (OpenRLHF's reward_clip_range); empty: none"
+        None,
+        doc="With model: [low, high] its scores are clipped to (OpenRLHF's reward_clip_range); empty: none",
+        trust=Trust.SAFE,
     )
 
     MODEL_ONLY: ClassVar[tuple[str, ...]] = ("batch_size", "max_length", "clip")
