@@ -26,6 +26,7 @@ from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError
 from grpo_core.launch.launchers import drop_ahead, start_ahead
 from grpo_core.launch.processes import sglang_python
+from grpo_core.rewards.reward_model import ModelReward  # JAX-free: the weights load in the worker
 from grpo_core.stages.aot import request_for  # JAX-free: JAX is imported by the process it starts
 from grpo_core.store.root import RunRoot, StorageError
 from grpo_core.store.sources import model_config
@@ -261,8 +262,6 @@ def _reward_model_checks(cfg: RunConfig, checks: list[dict[str, Any]], parity: b
     """One check per reward model (rewards[].model): what it is and how it scores, read from its
     config.json; with `parity`, a few scores against transformers'. The shapes the memory plan
     counts (grpo_core.config.memory.RewardModelShape) of those that load."""
-    from grpo_core.rewards.reward_model import ModelReward  # JAX-free: the weights load in the worker
-
     dtype, out, seen = cfg.compute_dtype.value, [], set()
     for field, spec in cfg.reward_models:
         key = (spec.model, spec.model_batch_size, spec.model_max_length)

@@ -35,10 +35,12 @@ import time
 from importlib import metadata
 from typing import Any
 
+from grpo_core.config.memory import RewardModelShape
 from grpo_core.config.model import LoraConfig, ModelConfig
 from grpo_core.config.target import Target
 from grpo_core.config.train import TrainConfig
 from grpo_core.errors import ConfigError, ExitCode
+from grpo_core.rewards.reward_model import config_shapes
 from grpo_core.store.sources import model_config
 
 # JAX-free: the Prefect side imports this module (tasks/readiness.py: request_for); grpo_core.rl.aot,
@@ -72,6 +74,8 @@ def request_for(cfg, vocab_size: int) -> dict[str, Any]:
         "eval": {k: getattr(cfg.eval, k) for k in ("batch_size", "num_samples", "temperature")},
         "lora": cfg.model.to_dict().get("lora"),
         "separate_reference": cfg.separate_reference,
+        # the reward models' trunks and batches, from their config.json (absent without one)
+        **({"reward_models": [r.to_dict() for r in rms]} if (rms := config_shapes(cfg)) else {}),
     }
 
 
@@ -79,6 +83,8 @@ def programs_key(req: dict[str, Any]) -> str:
     """The programs' identity: the request's configs and target (not the compiler's versions)."""
     keys = ("model", "train", "max_prompt_tokens", "eval", "lora", "separate_reference", "programs")
     body = {k: req.get(k) for k in keys} | {"target": req["target"], "num_slices": req.get("num_slices", 1)}
+    if req.get("reward_models"):  # absent otherwise: the keys of runs without one hold
+        body["reward_models"] = req["reward_models"]
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -161,7 +167,8 @@ def _compiler_env() -> None:
 
 
 def parse_request(req: Any):
-    """(model, train, max_prompt_tokens, target, eval shape, lora, separate_reference), or ConfigError."""
+    """(model, train, max_prompt_tokens, target, eval shape, lora, separate_reference, reward
+    models), or ConfigError."""
     if not isinstance(req, dict):
         raise ConfigError(f"the AOT request must be a JSON object, got {type(req).__name__}")
     for key in ("model", "train", "max_prompt_tokens", "target"):
@@ -184,13 +191,14 @@ def parse_request(req: Any):
         evaluation,
         LoraConfig.from_value(req["lora"]) if req.get("lora") else None,
         bool(req.get("separate_reference")),
+        tuple(RewardModelShape.from_dict(r) for r in req.get("reward_models") or []),
     )
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:
     """The report for `req`, from the cache or from the compiler."""
     t = time.perf_counter()
-    model, train, mpt, target, ev, lora, separate = parse_request(req)  # before the cache: refuse bad input
+    model, train, mpt, target, ev, lora, separate, rms = parse_request(req)  # before the cache: refuse bad input
     key = cache_key(req)
     cached = _read_cache(key)
     if cached is not None:
@@ -206,7 +214,17 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     programs = program_cache(target=target.to_dict())
     threads = int(os.environ.get("GRPO_AOT_THREADS") or min(2, os.cpu_count() or 1))
     report = aot.check(
-        model, train, mpt, target, aot.EvalShape(*ev), lora, separate, only=only, cache=programs, threads=threads
+        model,
+        train,
+        mpt,
+        target,
+        aot.EvalShape(*ev),
+        lora,
+        separate,
+        only=only,
+        cache=programs,
+        threads=threads,
+        reward_models=rms,
     )
     report.update(versions=versions(), cache_key=key, programs_key=programs_key(req))
     _write_cache(key, report)

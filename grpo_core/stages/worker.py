@@ -294,6 +294,8 @@ def _local_choice(parts, train_cfg):
         return train_cfg
     devices = jax.devices()
     cache = program_cache(backend=devices[0].platform, device_kind=devices[0].device_kind, devices=len(devices))
+    from grpo_core.rewards import reward_model  # worker start: fsspec
+
     choice = compiler_plan.choose(
         parts.model_config(),
         train_cfg,
@@ -301,6 +303,7 @@ def _local_choice(parts, train_cfg):
         cfg.model.lora,
         separate_reference=cfg.separate_reference,
         cache=cache,
+        reward_models=reward_model.shapes(parts.rewards, cfg.compute_dtype.value),
     )
     _emit("memory_xla", **choice)
     return compiler_plan.resolve(train_cfg, choice)
