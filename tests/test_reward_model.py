@@ -86,3 +86,20 @@ def test_not_a_one_label_classifier_is_named(tmp_path):
         (tmp_path / "rm" / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ConfigError, match=message):
             load_classifier(str(tmp_path / "rm"), "float32", where="rewards[0].model")
+
+
+def test_grpo_tiny_model_writes_a_reward_model_transformers_and_grpo_check_score_alike(tmp_path, capsys):
+    """`grpo tiny-model --reward-model`: a Qwen2ForSequenceClassification folder (numpy only) that
+    transformers loads; grpo check's comparison (grpo_core.stages.reward_parity) finds the scores
+    of its texts equal, and says so without PyTorch."""
+    from flows.cli import main
+    from grpo_core.stages import reward_parity
+
+    folder = tmp_path / "tiny-rm"
+    assert main(["tiny-model", str(folder), "--arch", "qwen2", "--reward-model"]) == 0
+    assert f"rewards=[{{model: {folder}}}]" in capsys.readouterr().out
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    assert type(hf).__name__ == "Qwen2ForSequenceClassification" and hf.config.num_labels == 1
+    got = reward_parity.compare(str(folder), "rewards[0].model")
+    assert got["torch"] and got["ok"] and got["max_abs_diff"] < 1e-4 and len(set(got["tokens"])) == 4
+    assert np.std(got["transformers"]) > 0.05  # texts score differently
