@@ -116,3 +116,24 @@ def test_what_it_reads_is_what_trl_gives_a_reward_model(rm):
     assert len(full["input_ids"]) > 12 and ids == full["input_ids"][-12:]  # the end kept: it is what is scored
     with pytest.raises(RuntimeError, match=r"rewards\[0\]\.model .* is not loaded"):
         model(["p"], ["c"])
+
+
+def test_grpo_check_names_each_reward_model(rm, tmp_path):
+    """The readiness report's line per reward model (what it is, how it scores), a failed check
+    naming the field for one that is not a classifier, and the shapes the device checks' plan counts."""
+    from tasks.readiness import _reward_model_checks
+
+    causal = write_tiny_model(tmp_path / "causal", arch="qwen2")
+    cfg = RunConfig.from_dict(
+        {"rewards": [{"model": str(rm), "clip": [-1, 1], "max_length": 256}, {"model": str(causal)}, "char_match"]}
+    )
+    checks: list = []
+    shapes = _reward_model_checks(cfg, checks, parity=False, timeout_s=60)
+    assert [s.max_length for s in shapes] == [256]
+    good, bad = checks
+    assert good["ok"] and good["detail"].startswith(f"rewards[0].model 'tiny-rm' ({rm}): 0.1 M parameters in float32")
+    assert "batches of 8 texts of at most 256 tokens" in good["detail"] and "clipped to [-1.0, 1.0]" in good["detail"]
+    assert (
+        not bad["ok"] and bad["detail"].startswith("rewards[1].model") and "not a sequence classifier" in bad["detail"]
+    )
+    assert "ForSequenceClassification" in bad["fix"]
