@@ -33,6 +33,9 @@ def test_a_reward_is_a_function_or_a_model(rm):
     # a function's spec as before reward models: its dict, and so every hash of a run without one
     assert cfg.to_dict()["rewards"][1] == {"function": "char_match", "weight": 1.0, "params": None}
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    from flows.params import RunParams  # the run form (a deployment's parameters) holds it as it is
+
+    assert RunParams.model_validate(cfg.to_dict()).to_config() == cfg
     for given, message in [
         ({"model": "x", "function": "y"}, r"rewards\[0\] must name a function or a model \(one of them\)"),
         ({"weight": 2}, r"rewards\[0\] must name a function or a model .* neither"),
