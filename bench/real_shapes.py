@@ -12,6 +12,9 @@ train.grpo.grad_accum_steps: auto unless --accum, log-probs in chunks of the def
   gpu-0.5b  Qwen2.5-0.5B's shape in bf16, 8 prompts x 8 x 512 tokens: for a GPU or TPU (the
             update's MFU against the chip's bf16 peak); on CPU only with --workload gpu-0.5b
   gpu-1.5b  the same with Qwen2.5-1.5B's shape, where memory binds on an 80 GB GPU
+  a-rm      shape (a) with a reward model of the same trunk (rewards[].model: random, f32), scoring
+            batches of 8 texts of 512 tokens (each text padded to max_length: the plan's worst case)
+  a-rm-long the same, its batches 8 x 2048 tokens: scoring is the step's peak
   a-short   shape (a) cut to 4 layers, 2 x 4 x 32 tokens; small, tiny: bench.grpo_step's workloads
             (vocabulary 384, 8 x 8 x 32): quick checks of the estimate (tests/test_memory.py)
 
@@ -51,6 +54,24 @@ WORKLOADS = {
         generations=8,
         new_tokens=128,
         steps=2,
+    ),
+    "a-rm": dict(
+        preset="small",
+        over={"vocab_size": 151936, "dtype": "float32", "param_dtype": "float32"},
+        prompts=4,
+        generations=8,
+        new_tokens=128,
+        steps=2,
+        reward_model=(8, 512),
+    ),
+    "a-rm-long": dict(
+        preset="small",
+        over={"vocab_size": 151936, "dtype": "float32", "param_dtype": "float32"},
+        prompts=4,
+        generations=8,
+        new_tokens=128,
+        steps=2,
+        reward_model=(8, 2048),
     ),
     "b": dict(preset="qwen3-0.6b", over={}, prompts=2, generations=8, new_tokens=256, steps=1),
     "gpu-0.5b": dict(preset="qwen2.5-0.5b", over={}, prompts=8, generations=8, new_tokens=512, steps=3, gpu=True),
@@ -132,10 +153,13 @@ def run(
     if choice is not None:
         train = compiler_plan.resolve(train, choice)
         print(f"memory: {choice['describe']}", file=sys.stderr, flush=True)
-    plan = memory.plan_on(mcfg, train, PROMPT_TOKENS, facts)
+    rm_shapes, rewards, placement = (), [Reward(frac_a)], None
+    if "reward_model" in w:  # a reward model of the same trunk, as a run's rewards[].model scores
+        rm_shapes, rewards, placement = _reward_model(mcfg, train, *w["reward_model"])
+    plan = memory.plan_on(mcfg, train, PROMPT_TOKENS, facts, reward_models=rm_shapes)
     tok = CharTokenizer()
     prompts = RandomPrompts(tok.chars)
-    tr = GRPOTrainer(create_model(mcfg, 0), train, tok, [Reward(frac_a)], prompts, memory_plan=plan)
+    tr = GRPOTrainer(create_model(mcfg, 0), train, tok, rewards, prompts, memory_plan=plan, placement=placement)
     t = time.perf_counter()
     tr.train_step()
     first = time.perf_counter() - t
@@ -193,6 +217,30 @@ def run(
         out["update_tflops"] = update / out["update_s"] / 1e12
         out["mfu"] = None if chip is None else update / out["update_s"] / (chip * jax.device_count())
     return out
+
+
+def _reward_model(mcfg, train, batch_size: int, max_length: int):
+    """(its shape for the plan, the rewards, the placement): a random classifier of `mcfg`'s trunk on
+    the run's reference mesh, scoring each (prompt, completion) as a text of max_length tokens."""
+    from flax import nnx
+
+    from grpo_core.config.memory import RewardModelShape
+    from grpo_core.nn.reward_model import Scorer, SequenceClassifier
+    from grpo_core.rewards.functions import Reward
+    from grpo_core.runtime.mesh import Placement
+
+    placement = Placement.from_config(train.mesh)
+    model = SequenceClassifier(mcfg, rngs=nnx.Rngs(1))
+    model = nnx.merge(nnx.graphdef(model), placement.put_params(nnx.state(model), placement.reference))
+    scorer = Scorer(model, batch_size, max_length, 0, None, placement)
+    vocab = mcfg.vocab_size
+
+    def reward_model(prompts, completions, completion_ids, **_):
+        rows = [([ord(c) % vocab for c in p] + list(ids))[-max_length:] for p, ids in zip(prompts, completion_ids)]
+        return scorer([[1] * (max_length - len(r)) + r for r in rows]).tolist()
+
+    shape = RewardModelShape(mcfg, batch_size, max_length, "reward_model")
+    return (shape,), [Reward(reward_model, name="reward_model", model=True)], placement
 
 
 def _table(rows: list[dict]) -> str:

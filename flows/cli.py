@@ -10,6 +10,7 @@
     grpo status RUN [--json]       where a run stands, from its run root
     grpo serve [--cron C | --interval S] [--config F] [--set k=v ...]   serve the deployments
     grpo tiny-model DIR            a small random Qwen3 model + tokenizer to try model.path offline
+                                   (--reward-model: a reward model, to try rewards[].model)
 
 RUN is a run's URL (a folder or gs://bucket/prefix/name) or a run name under storage.root.
 """
@@ -407,7 +408,8 @@ def check_command(args) -> int:
     from grpo_core.errors import ExitCode  # CLI start
     from tasks.readiness import readiness_report  # CLI start
 
-    report = readiness_report(cfg, data=True)  # the data too: prompts its tokenizer cannot encode, before any run
+    # the data too: prompts its tokenizer cannot encode, before any run; a reward model's scores against transformers'
+    report = readiness_report(cfg, data=True, parity=True)
     report["recipe"] = _recipe(args, cfg)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -684,7 +686,13 @@ def generate_command(args) -> int:
 def tiny_model_command(args) -> int:
     from grpo_core.nn.tiny_hf import write_tiny_model  # CLI start (numpy, safetensors, tokenizers: no JAX)
 
-    folder = write_tiny_model(args.dir, arch=args.arch, seed=args.seed)
+    folder = write_tiny_model(args.dir, arch=args.arch, seed=args.seed, reward_model=args.reward_model)
+    if args.reward_model:
+        print(
+            f"wrote a tiny random {args.arch} reward model (a one-label sequence classifier) and its tokenizer to "
+            f"{folder}: --set 'rewards=[{{model: {args.dir}}}]'"
+        )
+        return 0
     print(f"wrote a tiny random {args.arch} model and its tokenizer to {folder}: --set model.path={args.dir}")
     return 0
 
@@ -795,6 +803,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="the folder to write (config.json, model.safetensors, tokenizer files)")
     p.add_argument("--arch", choices=("qwen3", "qwen2"), default="qwen3", help="the architecture (default qwen3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="a reward model instead: a one-label *ForSequenceClassification of the same trunk (rewards[].model)",
+    )
     p.set_defaults(func=tiny_model_command)
     p = sub.add_parser(
         "generate",

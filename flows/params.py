@@ -91,13 +91,6 @@ def _empty(**kw: Any) -> Any:
     return Field(None, json_schema_extra=_plain, **kw)
 
 
-class RewardParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", title="Reward", json_schema_extra=_positions)
-    function: str = Field(description=doc_of(_REWARD["function"]), **bounds_of(_REWARD["function"]))
-    weight: float = Field(1.0, description=doc_of(_REWARD["weight"]))
-    params: dict[str, Any] | None = _empty(description=doc_of(_REWARD["params"]))
-
-
 class _Switched(_Form):
     """An optional section (LoRA, another mesh for the rollout): a plain switch, `enabled`, and
     its fields, instead of a null/object choice (which the UI shows as 'Property is type
@@ -201,6 +194,27 @@ def _describe(doc: str, bounds: dict[str, Any], default: Any, demo: Any, fill: b
     if demo is None or _shown(default) == _shown(demo):
         return f"{text} {_EMPTY} ({_shown(default)}).".strip()
     return f"{text} {_EMPTY} ({_shown(default)}; on the built-in synthetic task: {_shown(demo)}).".strip()
+
+
+class RewardParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", title="Reward", json_schema_extra=_positions)
+    function: str | None = _empty(
+        description=_describe(doc_of(_REWARD["function"]), {}, None, None, False), **bounds_of(_REWARD["function"])
+    )
+    model: str | None = _empty(
+        description=_describe(doc_of(_REWARD["model"]), {}, None, None, False), **bounds_of(_REWARD["model"])
+    )
+    weight: float = Field(1.0, description=doc_of(_REWARD["weight"]))
+    params: dict[str, Any] | None = _empty(description=doc_of(_REWARD["params"]))
+    batch_size: int | None = _empty(
+        description=_describe(doc_of(_REWARD["batch_size"]), bounds_of(_REWARD["batch_size"]), None, None, False),
+        **bounds_of(_REWARD["batch_size"]),
+    )
+    max_length: int | None = _empty(
+        description=_describe(doc_of(_REWARD["max_length"]), bounds_of(_REWARD["max_length"]), None, None, False),
+        **bounds_of(_REWARD["max_length"]),
+    )
+    clip: list[float] | None = _empty(description=doc_of(_REWARD["clip"]), min_length=2, max_length=2)
 
 
 def _ordered(described: list[tuple[str, Any, Any]], path: str) -> list[tuple[str, Any, Any]]:

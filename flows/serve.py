@@ -68,6 +68,7 @@ from grpo_core.rewards.trust import (
     check_allowed_fields,
     fields_of,
     parse_limits,
+    place_values,
     value_of,
 )
 
@@ -177,8 +178,7 @@ def allow_code(
             own = _config(params)  # as its runs read their parameters (the form's: flows.params.RunParams)
         except ConfigError as exc:
             raise ValueError(f"the config to serve: {exc}") from None
-        for field in fields_of(Trust.READS, Trust.WRITES):
-            value = value_of(own, field)
+        for field, value in place_values(own, Trust.READS, Trust.WRITES):  # reward models' folders too
             if value and policy.place_refusal(field, value) is not None:  # a place, not allowed yet
                 own_places.append(value.split("@")[0] if field == "model.init_from" else value)
         default = _config({})  # built once: the fields' defaults, as a run's empty form reads

@@ -27,6 +27,7 @@ from grpo_core.errors import ConfigError
 from grpo_core.launch.launchers import drop_ahead, start_ahead
 from grpo_core.launch.processes import sglang_python
 from grpo_core.launch.requests import request_for
+from grpo_core.rewards.reward_model import ModelReward  # JAX-free: the weights load in the worker
 from grpo_core.store.root import RunRoot, StorageError
 from grpo_core.store.runs import check_run_root
 from grpo_core.store.sources import model_config
@@ -34,13 +35,15 @@ from tasks.process import StageError, ahead_scope, run_worker
 
 
 def readiness_report(
-    cfg: RunConfig, timeout_s: float | None = None, data: bool = False, handover: bool = False
+    cfg: RunConfig, timeout_s: float | None = None, data: bool = False, handover: bool = False, parity: bool = False
 ) -> dict[str, Any]:
     """The storage probe and the tokenizer (here), with `data` the prompts read and tokenized as
     the run will (`grpo check`: before any run; the pipeline prepares them just before), and the
     device checks (in a worker process), as one report. `handover` (the pipeline, whose training
     follows): with a local launcher the device checks run in the first training stage's worker,
-    started ahead (grpo_core.stages.ahead), which is kept for that stage when the run is ready."""
+    started ahead (grpo_core.stages.ahead), which is kept for that stage when the run is ready.
+    `parity` (`grpo check`): each reward model's scores of a few texts against transformers', in a
+    process of its own, where PyTorch is installed."""
     checks: list[dict[str, Any]] = []
     tokenizer = _tokenizer_check(cfg, checks)
     if tokenizer is None:  # the model's shape (its vocabulary) is not known: no device checks
@@ -49,6 +52,7 @@ def readiness_report(
         tokenizer = _agent_check(cfg, tokenizer, checks)
     if data:
         checks.append(_data_check(cfg, tokenizer))
+    reward_models = _reward_model_checks(cfg, checks, parity, timeout_s or cfg.pipeline.check_timeout_s)
     try:
         RunRoot(cfg.run_url).probe()
         checks.append({"name": "storage", "ok": True, "detail": f"write/read/delete under {cfg.run_url}", "fix": None})
@@ -74,6 +78,7 @@ def readiness_report(
         "lora": cfg.model.to_dict().get("lora"),
         "separate_reference": cfg.separate_reference,
         "run_root": cfg.run_url,
+        **({"reward_models": [r.to_dict() for r in reward_models]} if reward_models else {}),
     }
     try:
         python = worker_python(cfg)
@@ -264,6 +269,69 @@ def _agent_check(cfg: RunConfig, tokenizer, checks: list[dict[str, Any]]):
     )
     checks.append({"name": "agent", "ok": True, "detail": detail, "fix": None})
     return WithTools(tokenizer, box.schemas) if hasattr(tokenizer, "apply_chat_template") else tokenizer
+
+
+def _reward_model_checks(cfg: RunConfig, checks: list[dict[str, Any]], parity: bool, timeout_s: float) -> list:
+    """One check per reward model (rewards[].model): what it is and how it scores, read from its
+    config.json; with `parity`, a few scores against transformers'. The shapes the memory plan
+    counts (grpo_core.config.memory.RewardModelShape) of those that load."""
+    dtype, out, seen = cfg.compute_dtype.value, [], set()
+    for field, spec in cfg.reward_models:
+        key = (spec.model, spec.model_batch_size, spec.model_max_length)
+        try:
+            shape = ModelReward(spec, field).shape(dtype)
+        except (ConfigError, StorageError) as exc:
+            fix = f"set {field} to a one-label Qwen2, Qwen3 or Llama *ForSequenceClassification (a Hub id or a folder)"
+            checks.append({"name": "reward_model", "ok": False, "detail": str(exc), "fix": fix})
+            continue
+        m = shape.config
+        detail = (
+            f"{field} {spec.name!r} ({spec.model}): {m.num_params() / 1e6:.1f} M parameters in {dtype}, "
+            f"{m.num_hidden_layers} layers, on the reference's mesh; batches of {shape.batch_size} texts of at most "
+            f"{shape.max_length} tokens (its own tokenizer and chat template), scores used as they are"
+            + (f", clipped to {list(spec.clip)}" if spec.clip else "")
+        )
+        ok, fix = True, None
+        if parity and key not in seen:
+            said, ok = _parity(spec.model, field, timeout_s)
+            detail += f"; {said}"
+            fix = None if ok else "the scores differ from transformers': report it with the model's config.json"
+        checks.append({"name": "reward_model", "ok": ok, "detail": detail, "fix": fix})
+        if key not in seen:
+            seen.add(key)
+            out.append(shape)
+    return out
+
+
+def _parity(model: str, field: str, timeout_s: float) -> tuple[str, bool]:
+    """(what the comparison with transformers found, in words; whether it agrees), from
+    grpo_core.stages.reward_parity in a process of its own."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "grpo_core.stages.reward_parity", "--model", model, "--field", field],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return f"its scores were not compared with transformers' within {timeout_s:g} s", True
+    except (json.JSONDecodeError, IndexError):
+        return f"comparing its scores with transformers' failed: {proc.stderr[-300:]}", False
+    if not got.get("torch"):
+        return (
+            "its scores were not compared with transformers' (PyTorch is not installed here: pip install torch)",
+            True,
+        )
+    if "error" in got:
+        return f"comparing its scores with transformers' failed: {got['error']}", False
+    verdict = "agree" if got["ok"] else "DIFFER"
+    return (
+        f"scores of {got['texts']} texts ({min(got['tokens'])}-{max(got['tokens'])} tokens) here and in transformers "
+        f"{verdict}: largest difference {got['max_abs_diff']:.2g} in float32",
+        bool(got["ok"]),
+    )
 
 
 def _steps_said(cfg: RunConfig, rows: int) -> str:

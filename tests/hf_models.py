@@ -93,3 +93,42 @@ def run_offline(code: str, cache: pathlib.Path) -> dict:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def build_hf_classifier(
+    folder: pathlib.Path, arch: str = "qwen2", seed: int = 0, max_shard_size: str | None = None, extra=None
+):
+    """Save a tiny random one-label `arch` *ForSequenceClassification (qwen2, qwen3, llama: a reward
+    model, as AutoModelForSequenceClassification(num_labels=1) saves one) and its character-level
+    tokenizer (Llama-like for llama) in `folder`. Returns (the torch model, the tokenizer)."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    llama = arch == "llama"
+    tok = save_tokenizer(folder, llama=llama)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        num_labels=1,
+        pad_token_id=pad,
+        **(extra or {}),
+    )
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
+    if arch not in names:
+        raise ValueError(arch)
+    cfg = getattr(transformers, f"{names[arch]}Config")(**common)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{names[arch]}ForSequenceClassification")(cfg).eval()
+    with torch.no_grad():  # spread the near-uniform init so scores differ between texts
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(folder), **kw)
+    return model, tok

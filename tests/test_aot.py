@@ -127,6 +127,30 @@ def test_a_config_that_cannot_fit_one_v5e_chip_is_refused_with_xlas_number(aot):
     assert "LoRA" in report["fix"]  # no remat or accumulation fits weights that large
 
 
+def test_a_reward_models_program_is_compiled_and_its_weights_are_resident(aot):
+    """issue 64: a reward model's scoring (rewards[].batch_size x max_length) is a program of the run,
+    compiled on the reference's mesh; its weights are resident beside every other program; a batch
+    that cannot fit is refused with XLA's figure, naming the reward model's settings."""
+    from grpo_core.config.memory import RewardModelShape
+
+    mc, train = get_preset("tiny", vocab_size=512), _train()
+    rm = RewardModelShape(get_preset("tiny", vocab_size=512), batch_size=8, max_length=256, name="rm")
+    cache = aot.ProgramCache()
+    report = aot.check(mc, train, 16, Target.parse("v5e:2x2"), only=("reward_model",), reward_models=(rm,), cache=cache)
+    update, scoring = report["programs"]
+    assert scoring["program"] == "reward_model" and scoring["compiled"] and scoring["fits"]
+    weights = report["resident_bytes"]["reward_models"]
+    assert weights > 0 and weights == report["resident_bytes"]["reward_model_0"]
+    assert update["resident_bytes"] >= weights and scoring["resident_bytes"] >= report["resident_bytes"]["params"]
+    huge = RewardModelShape(rm.config, batch_size=1024, max_length=16384, name="rm")
+    report = aot.check(
+        mc, train, 16, Target.parse("v5e:2x2"), only=("reward_model",), reward_models=(huge,), cache=cache
+    )
+    scoring = report["programs"][1]
+    assert not scoring["fits"] and scoring["xla_peak_bytes"] > 16 * GiB and not report["memory"]["fits"]
+    assert "rewards[].batch_size or rewards[].max_length" in report["fix"]
+
+
 @pytest.mark.slow  # end to end: two `grpo check` processes and the text (~55 s; make test runs it)
 def test_grpo_check_target_json_then_cached(tmp_path):
     """`grpo check --target v5e:2x2 --json` compiles every program of the tiny run for 4 v5e chips in

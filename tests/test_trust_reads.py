@@ -220,3 +220,38 @@ def test_a_sharded_index_names_files_of_its_folder_only(tmp_path):
             _files(str(tmp_path))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "m-1.safetensors"}}))
     assert _files(str(tmp_path)) == [str(tmp_path / "m-1.safetensors")]
+
+
+def test_a_reward_models_folder_is_a_place_read(place, monkeypatch, tmp_path):
+    """issue 64: rewards[].model (and eval.rewards[].model) names a folder a deployment run reads,
+    as model.path does: under an allowed root by name, and by what its links resolve to; a Hub id
+    is not a place. Its batch size and length are work within their declared limits; grpo serve
+    allows its own config's reward model folder."""
+    rm = f"{place.runs}/model"
+    c = cfg(f"rewards=[{{model: {rm}}}]")
+    place.policy.check(c)  # the folder's name: under the root
+    with pytest.raises(ConfigError) as err:
+        check_reads(place.policy, c)
+    msg = str(err.value)
+    assert msg.startswith(f"rewards[0].model='{rm}' may not be read in a deployment run: ")
+    assert f"{rm}/tokenizer.json is a link to {place.outside}/tokenizer.json" in msg and "TOPSECRET" not in msg
+    with pytest.raises(ConfigError, match=r"^eval\.rewards\[1\]\.model='.*outside' may not be set .*--allow-root"):
+        place.policy.check(cfg("eval.rewards=[{function: exact_match}, {model: %s}]" % place.outside))
+    place.policy.check(cfg("rewards=[{model: OpenAssistant/reward-model-deberta-v3-large-v2}]"))  # a Hub id
+    with pytest.raises(ConfigError, match=r"^rewards\[0\]\.model=.*\(no other root is allowed\)"):
+        TrustPolicy().check(cfg(f"rewards=[{{model: {place.outside}}}]"))
+    with pytest.raises(ConfigError, match=r"^rewards\[0\]\.batch_size=2000 is more than .*rewards\[\]\.batch_size=N"):
+        place.policy.check(cfg(f"rewards=[{{model: {rm}, batch_size: 2000}}]"))
+    TrustPolicy.from_env({ENV_ROOTS: str(place.runs), "GRPO_LIMITS": "rewards[].batch_size=4096"}).check(
+        cfg(f"rewards=[{{model: {rm}, batch_size: 2000}}]")
+    )
+    from flows.serve import allow_code
+
+    for name in (ENV_ROOTS, "GRPO_REWARD_PATHS", "GRPO_REWARD_MODULES", "GRPO_ALLOW_FIELDS", "GRPO_LIMITS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    os.unlink(place.runs / "model" / "tokenizer.json")
+    allow_code([], [], [], {"rewards": [{"model": rm}]})
+    served = TrustPolicy.from_env()
+    assert os.path.realpath(rm) in served.roots
+    check_reads(served, c)

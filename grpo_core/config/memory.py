@@ -85,6 +85,34 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelShape:
+    """A reward model (rewards[].model) as the plan counts it: its trunk's config (in the run's
+    dtype, grpo_core.config.model.classifier_config) and the batches it scores."""
+
+    config: ModelConfig
+    batch_size: int
+    max_length: int
+    name: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a readiness or AOT request carries it."""
+        return {
+            "model": self.config.to_dict(),
+            "batch_size": self.batch_size,
+            "max_length": self.max_length,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RewardModelShape":
+        if not isinstance(d, dict) or not isinstance(d.get("model"), dict):
+            raise ConfigError(f"a reward model must be a mapping with 'model', 'batch_size', 'max_length', got {d!r}")
+        return cls(
+            ModelConfig.from_dict(d["model"]), int(d["batch_size"]), int(d["max_length"]), str(d.get("name", ""))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Estimate:
     """Bytes per device by term, for one choice of remat and accumulation."""
 
@@ -148,12 +176,14 @@ def estimate(
     backend: str = "cpu",
     runtime_bytes: int = 0,
     separate_reference: bool = False,
+    reward_models: tuple[RewardModelShape, ...] = (),
 ) -> Estimate:
     """The bytes each device needs with these choices. `trainable`: the number of trained
     parameters under LoRA (f32 adapters; the base is frozen and is the reference); None: full
     fine-tuning. `runtime_bytes`: the process before any array exists (CPU: its RSS).
     `separate_reference`: the KL reference is weights of its own (a continual run's base,
-    model.reference: base), a copy even under LoRA."""
+    model.reference: base), a copy even under LoRA. `reward_models`: their weights stay resident
+    (split as the reference's), and scoring a batch is a phase of its own, after the rollout."""
     sh = Shapes.of(train, max_prompt_tokens)
     m, g = model, train.grpo
     n, pb, cb = m.num_params(), _BYTES[m.param_dtype], _BYTES[m.dtype]
@@ -215,8 +245,35 @@ def estimate(
         "backward": t["gradients"] + t["grad_accumulator"] + t["activations"] + t["logprob_chunks"] + t["cpu_upcast"],
         "optimizer": t["gradients"] + t["optimizer_update"],
     }
-    resident = t["params"] + t["optimizer"] + t["reference"] + t["runtime"] + t["programs"]
+    if reward_models:  # absent otherwise: a run without one reports the terms it always did
+        rm = [(r, _BYTES[r.config.param_dtype]) for r in reward_models]
+        t["reward_models"] = sum(per(r.config.num_params() * b) for r, b in rm)
+        # one batch of one model at a time: the largest; on CPU a bfloat16 model's f32 copy beside it
+        t["reward_activations"] = max(
+            rows(_ACT_SCALE.get(backend, 1.0) * reward_forward_bytes(r, backend)) for r, _ in rm
+        )
+        t["reward_upcast"] = max(per(4 * _layer_params(r.config)) if backend == "cpu" and b == 2 else 0 for r, b in rm)
+        phases["rewards"] = t["reward_activations"] + t["reward_upcast"]
+    resident = t["params"] + t["optimizer"] + t["reference"] + t["runtime"] + t["programs"] + t.get("reward_models", 0)
     return Estimate(remat, grad_accum_steps, train.logits_chunk_mib, terms, phases, resident)
+
+
+def reward_forward_bytes(rm: RewardModelShape, backend: str = "cpu") -> int:
+    """What scoring one batch of a reward model holds (grpo_core.nn.reward_model: a forward pass,
+    nothing kept for a backward one) at batch_size x max_length tokens: the larger of the
+    attention's working set (the residual, q/k/v, and its scores and softmax in f32, or a
+    log-sum-exp per query under a fused kernel) and the MLP's; on CPU one layer's weights copied
+    out of the stacked arrays in f32 beside them."""
+    m = rm.config
+    tokens, heads = rm.batch_size * rm.max_length, m.num_attention_heads
+    ab = _act_bytes(backend, _BYTES[m.dtype])
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    k = _FORWARD
+    scores = heads * rm.batch_size * (rm.max_length if flash(backend, m) else rm.max_length**2)
+    attention = tokens * (k["e"] * m.hidden_size + k["qkv"] * (q + kv)) * ab + scores * k["score"]
+    mlp = tokens * (2 * m.hidden_size + 3 * m.intermediate_size) * ab
+    layer = 4 * _layer_params(m) // m.num_hidden_layers if backend == "cpu" else 0
+    return int(max(attention, mlp) + layer)
 
 
 def _layer_params(m: ModelConfig) -> int:
@@ -281,6 +338,14 @@ _ACT_SCALE = {"tpu": 0.57}
 _PER_TOKEN = {"e": 6.0, "qkv": 4.3, "i": 5.6, "score": 10.0}
 
 
+# Elements per token a reward model's attention holds at its peak (the residual, q/k/v) and bytes
+# per attention score (scores and softmax in f32): fitted to XLA's buffer assignment of the scoring
+# program (grpo_core.nn.reward_model, compiled.memory_analysis()), as _PER_TOKEN is to the update's.
+# On XLA:CPU (tiny, small and Qwen2.5-0.5B's layers in f32 and bf16, 256-2048 tokens a batch):
+# 0.99-1.04x its temporaries from 2048 tokens, up to 1.4x below (bench.real_shapes measures the process).
+_FORWARD = {"e": 1.3, "qkv": 0.8, "score": 12.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The chosen settings, their estimate, and what the devices have."""
@@ -328,8 +393,9 @@ class Plan:
             "rollout": ("kv_cache", "sampler_logits"),
             "backward": ("activations", "logprob_chunks"),
             "optimizer": ("gradients",),
+            "rewards": ("reward_activations", "reward_upcast"),
         }[e.peak_phase]
-        resident = ("params", "optimizer", "reference")
+        resident = ("params", "optimizer", "reference") + (("reward_models",) if "reward_models" in e.terms else ())
         big = max(phase_terms + resident, key=e.terms.get)
         head = f"needs {need:.2f} GiB, devices have {have:.2f} GiB; largest term {big}: "
         weights = (
@@ -347,6 +413,10 @@ class Plan:
             "reference": "set train.grpo.beta=0 (no reference copy), use LoRA (model.lora: the base is the "
             "reference), or use a smaller model",
             "optimizer": "set train.optimizer.mu_dtype=bfloat16, or " + weights,
+            "reward_activations": "lower rewards[].batch_size or rewards[].max_length of the reward model",
+            "reward_upcast": "a float32 run (model.dtype): XLA:CPU computes a bfloat16 reward model in float32",
+            "reward_models": "use a smaller reward model, or shard over more devices (train.mesh: fsdp and tensor "
+            "split the reward model as they split the reference)",
         }.get(big, weights)
 
 
@@ -364,7 +434,8 @@ def candidates(train: TrainConfig, backend: str = "cpu") -> list[tuple[RematPoli
 def plan(model: ModelConfig, train: TrainConfig, max_prompt_tokens: int, available: int | None, **kw: Any) -> Plan:
     """The cheapest (remat, accumulation) that fits `available` bytes per device; when nothing
     does, the one that needs least (its Plan says it does not fit). With memory unknown, the
-    cheapest. `kw`: estimate's trainable, layout, backend, runtime_bytes, separate_reference."""
+    cheapest. `kw`: estimate's trainable, layout, backend, runtime_bytes, separate_reference,
+    reward_models."""
     auto = tuple(
         f
         for f, is_auto in (
@@ -395,10 +466,12 @@ def plan_on(
     facts: dict[str, Any],
     lora=None,
     separate_reference: bool = False,
+    reward_models: tuple[RewardModelShape, ...] = (),
 ) -> Plan:
     """`plan` for the devices `device_facts` (or the readiness report) describes: on CPU the run
     counts once against the host (its devices share the memory), elsewhere per device as
-    train.mesh splits it. `lora`: a grpo_core.nn.lora.LoraConfig (only the adapters train)."""
+    train.mesh splits it. `lora`: a grpo_core.nn.lora.LoraConfig (only the adapters train).
+    `reward_models`: the run's (rewards[].model)."""
     trainable = None
     if lora is not None:
         trainable = num_adapter_params(model, lora)
@@ -418,6 +491,7 @@ def plan_on(
         backend=facts["backend"],
         runtime_bytes=facts.get("runtime", 0),
         separate_reference=separate_reference,
+        reward_models=tuple(reward_models),
     )
 
 

@@ -350,6 +350,55 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+# -- reward models: a sequence classifier's config.json ------------------------------------------
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def classifier_labels(hf: dict[str, Any]) -> int:
+    """The labels of a classifier's config.json as transformers counts them: id2label's entries,
+    else num_labels, else transformers' default of 2."""
+    if isinstance(hf.get("id2label"), dict) and hf["id2label"]:
+        return len(hf["id2label"])
+    return int(hf.get("num_labels", 2))
+
+
+def classifier_config(hf: dict[str, Any], where: str = "config.json", **overrides) -> ModelConfig:
+    """The trunk's ModelConfig of a Hugging Face *ForSequenceClassification config.json with one
+    label (a reward model, as TRL loads one: AutoModelForSequenceClassification, num_labels=1), or
+    ConfigError naming `where` and what it is instead."""
+    arch = list(hf.get("architectures") or [])
+    if not arch or not str(arch[0]).endswith(CLASSIFIER_SUFFIX):
+        kind = hf.get("model_type", "qwen2")
+        want = f"{_ARCH.get(kind, 'Qwen2ForCausalLM').removesuffix('ForCausalLM')}{CLASSIFIER_SUFFIX}"
+        raise ConfigError(
+            f"{where}: architectures {arch or 'not given'} is not a sequence classifier; a reward model is a "
+            f"*{CLASSIFIER_SUFFIX} with one label (e.g. {want}, as AutoModelForSequenceClassification saves it)"
+        )
+    labels = classifier_labels(hf)
+    if labels != 1:
+        raise ConfigError(
+            f"{where}: {arch[0]} has {labels} labels; a reward model scores with one (num_labels=1, as TRL's reward "
+            "models are trained)"
+        )
+    # no LM head: its parameters are the trunk's (counted as a tied model's) and the score head's
+    return model_config_from_hf(hf, where, **{"tie_word_embeddings": True, **overrides})
+
+
+def hf_classifier_config(cfg: ModelConfig, pad_token_id: int) -> dict[str, Any]:
+    """config.json of a one-label *ForSequenceClassification of `cfg`'s trunk (a reward model),
+    readable by transformers 4 and 5: no LM head, so no tied embeddings."""
+    out = hf_config(cfg)
+    out.update(
+        architectures=[_ARCH[hf_model_type(cfg)].replace("ForCausalLM", CLASSIFIER_SUFFIX)],
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        pad_token_id=int(pad_token_id),
+        tie_word_embeddings=False,
+    )
+    return out
+
+
 def num_adapter_params(mc, cfg: LoraConfig) -> int:
     """Adapter parameters of ModelConfig `mc` under cfg, without building anything: L * r * (in + out)
     per targeted linear (the readiness stage's memory budget)."""

@@ -23,7 +23,7 @@ import datetime
 import os
 import pathlib
 import posixpath
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -139,12 +139,16 @@ RUN_DOCS = {
     "flow run from its scheduled time (UTC), so a retry of that flow run resumes the same folder",
     "storage.root": "Where runs live: a local folder, gs://bucket/prefix or memory://...",
     "rewards": "Reward functions: a built-in name (char_match, exact_match, math_answer, think_format, integer_answer) "
-    "or path/to/file.py:function or module:function, with their weights (0: reported, not optimised)",
+    "or path/to/file.py:function or module:function, or reward models ({model: ID_OR_FOLDER}: a sequence classifier), "
+    "with their weights (0: reported, not optimised)",
 }
 
 
 # A reward spec whose file part ends so names a callable pickled by value (grpo_core.rewards.by_value)
 PICKLED = ".pkl"
+# A reward model's defaults: texts per call (verl's micro-batch) and tokens per text (TRL's RewardConfig.max_length)
+MODEL_BATCH_SIZE = 8
+MODEL_MAX_LENGTH = 1024
 
 # What the fields outside the sections name, for the trust policy (grpo_core.rewards.trust); the
 # sections' fields say it in their declarations.
@@ -153,27 +157,105 @@ RUN_TRUST = {"run_name": Trust.SAFE, "storage.root": Trust.WRITES}
 
 @section(path="rewards[]")
 class RewardSpec(Section):
-    """A reward function: a built-in name (see grpo_core.rewards.registry.builtin_rewards) or `file.py:fn` /
-    `module:fn`, and its weight in the total (0: reported, not optimised)."""
+    """A reward: a function (a built-in name, see grpo_core.rewards.registry.builtin_rewards, or
+    `file.py:fn` / `module:fn`) or a model (a Hugging Face sequence classifier with one label, as
+    TRL's reward_funcs takes a model id: grpo_core.rewards.reward_model), and its weight in the
+    total (0: reported, not optimised)."""
 
-    function: str = field(
-        doc="built-in name, path/to/file.py:function or module:function", min_length=1, trust=Trust.CODE
+    function: str | None = field(
+        None, doc="built-in name, path/to/file.py:function or module:function", min_length=1, trust=Trust.CODE
+    )
+    model: str | None = field(
+        None,
+        doc="A reward model instead of a function: a Hugging Face *ForSequenceClassification with one label "
+        "(Qwen2, Qwen3, Llama) as a Hub id, a folder or a gs:// folder; it scores the prompt and completion "
+        "through its own tokenizer and chat template, on the run's devices, in the run's dtype",
+        min_length=1,
+        trust=Trust.READS,
     )
     weight: float = field(1.0, doc="weight in the total reward (0: reported, not optimised)")
     # keyword arguments of the call, e.g. soft_overlong's {max_completion_len: 512, soft_punish_cache: 128}
     params: dict | None = field(
         None, doc="keyword arguments the function is called with (a built-in's settings)", trust=Trust.SAFE
     )
+    # a reward model's settings (None: the defaults below; a function takes none of them)
+    batch_size: int | None = field(
+        None,
+        doc=f"With model: texts the reward model scores per call (empty: {MODEL_BATCH_SIZE})",
+        ge=1,
+        api_max=1024,
+    )
+    max_length: int | None = field(
+        None,
+        doc=f"With model: the most tokens of a text it scores (empty: {MODEL_MAX_LENGTH}); a longer text loses its "
+        "first tokens (the end, the completion, is what it scores)",
+        ge=8,
+        api_max=131072,
+    )
+    clip: tuple[float, ...] | None = field(
+        None,
+        doc="With model: [low, high] its scores are clipped to (OpenRLHF's reward_clip_range); empty: none",
+        trust=Trust.SAFE,
+    )
+
+    MODEL_ONLY: ClassVar[tuple[str, ...]] = ("batch_size", "max_length", "clip")
 
     def validate(self) -> None:
         check(
-            isinstance(self.function, str) and bool(self.function),
-            f"rewards[].function must be a name or 'file.py:function', got {self.function!r}",
+            (self.function is None) != (self.model is None),
+            "rewards[] must name a function or a model (one of them), got "
+            + (f"both {self.function!r} and {self.model!r}" if self.function else "neither"),
         )
+        if self.function is not None:
+            check(
+                isinstance(self.function, str) and bool(self.function),
+                f"rewards[].function must be a name or 'file.py:function', got {self.function!r}",
+            )
+            for name in self.MODEL_ONLY:
+                check(
+                    getattr(self, name) is None,
+                    f"rewards[].{name} applies to a reward model (rewards[].model), not to the function "
+                    f"{self.function!r}",
+                )
+        else:
+            check(
+                isinstance(self.model, str) and bool(self.model.strip("/ ")),
+                f"rewards[].model must be a Hugging Face id, folder or URL, got {self.model!r}",
+            )
+            check(
+                not self.params,
+                f"rewards[].params are a function's keywords; the reward model {self.model!r} takes none",
+            )
         check(
             self.params is None or (isinstance(self.params, dict) and all(isinstance(k, str) for k in self.params)),
             f"rewards[].params must map keyword names to values, got {self.params!r}",
         )
+        if self.clip is not None:
+            check(
+                len(self.clip) == 2 and self.clip[0] < self.clip[1],
+                f"rewards[].clip must be [low, high] with low < high, got {list(self.clip)!r}",
+            )
+
+    @property
+    def name(self) -> str:
+        """What it is reported as (rewards/<name>/mean): the function's name, or as TRL names a reward
+        model, the last part of its id or folder."""
+        if self.function is not None:
+            return self.function.rsplit(":", 1)[-1]
+        return self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def model_batch_size(self) -> int:
+        return self.batch_size or MODEL_BATCH_SIZE
+
+    @property
+    def model_max_length(self) -> int:
+        return self.max_length or MODEL_MAX_LENGTH
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields given: a function's spec as before reward models (function, weight, params)."""
+        d = super().to_dict()
+        return {k: v for k, v in d.items() if not (v is None and k in ("function", "model", *self.MODEL_ONLY))}
 
     def hash_dict(self) -> dict[str, Any]:
         """to_dict() without params when there are none: rewards written before it keep their hashes."""
@@ -441,8 +523,8 @@ class RunConfig:
         if "accuracy_reward" not in (d["eval"] if isinstance(d["eval"], dict) else {}):
             specs = cfg.eval_rewards
             first = next((r for r in specs if r.weight > 0), specs[0])
-            cfg = dataclasses.replace(cfg, eval=cfg.eval.replace(accuracy_reward=first.function.rsplit(":", 1)[-1]))
-        names = [r.function.rsplit(":", 1)[-1] for r in cfg.eval_rewards]
+            cfg = dataclasses.replace(cfg, eval=cfg.eval.replace(accuracy_reward=first.name))
+        names = [r.name for r in cfg.eval_rewards]
         check(
             cfg.eval.accuracy_reward in names,
             f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards {names}",
@@ -580,7 +662,8 @@ class RunConfig:
                 **({"model_version": versions["model.path"]} if "model.path" in versions else {}),
                 # the run and step a continual run starts from (model.init_from)
                 **({"init": versions["model.init_from"]} if "model.init_from" in versions else {}),
-                # what the reward files say, not only where they are (absent for built-ins: older hashes hold)
+                # what the reward files and reward models say, not only where they are (versions of
+                # rewards[i].function and rewards[i].model; absent for built-ins: older hashes hold)
                 **({"code": code} if (code := self.code_versions("rewards[", "train.agent.")) else {}),
             }
         )
@@ -615,9 +698,21 @@ class RunConfig:
                 (f"{where}[{i}].function", spec.function)
                 for where, specs in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards))
                 for i, spec in enumerate(specs)
+                if spec.function is not None
             ),
             *((f"train.agent.tools[{i}]", spec) for i, spec in enumerate(agent.tools)),
             *((("train.agent.environment", agent.environment),) if agent.environment else ()),
+        )
+
+    @property
+    def reward_models(self) -> tuple[tuple[str, RewardSpec], ...]:
+        """(field, spec) of each reward model the config names (rewards[i].model, eval.rewards[i].model):
+        places it reads (the trust policy), sources with a version (the run's identity)."""
+        return tuple(
+            (f"{where}[{i}].model", spec)
+            for where, specs in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards))
+            for i, spec in enumerate(specs)
+            if spec.model is not None
         )
 
     def code_versions(self, *prefixes: str) -> dict[str, str]:
@@ -771,9 +866,13 @@ def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     for key in ("rewards", "eval"):
         specs = data.get(key, {}).get("rewards") if key == "eval" and isinstance(data.get(key), dict) else data.get(key)
         for spec in specs if isinstance(specs, list) else []:
-            where = spec.get("function", "").rsplit(":", 1)[0] if isinstance(spec, dict) else ""
+            function = spec.get("function") if isinstance(spec, dict) else None
+            where = function.rsplit(":", 1)[0] if isinstance(function, str) else ""
             if where.endswith(".py") and os.path.exists(where):
-                spec["function"] = f"{os.path.abspath(where)}:{spec['function'].rsplit(':', 1)[1]}"
+                spec["function"] = f"{os.path.abspath(where)}:{function.rsplit(':', 1)[1]}"
+            model = spec.get("model") if isinstance(spec, dict) else None
+            if isinstance(model, str) and os.path.isdir(os.path.expanduser(model)):  # a folder, as model.path's
+                spec["model"] = os.path.abspath(os.path.expanduser(model))
     train = data.get("train")
     agent = train.get("agent") if isinstance(train, dict) else None
     if isinstance(agent, dict):  # tools and the environment: code files as the rewards'

@@ -9,6 +9,7 @@ import hashlib
 import json
 from typing import Any
 
+from grpo_core.rewards.reward_model import config_shapes
 from grpo_core.store.sources import model_config
 
 
@@ -26,6 +27,8 @@ def request_for(cfg, vocab_size: int) -> dict[str, Any]:
         "eval": {k: getattr(cfg.eval, k) for k in ("batch_size", "num_samples", "temperature")},
         "lora": cfg.model.to_dict().get("lora"),
         "separate_reference": cfg.separate_reference,
+        # the reward models' trunks and batches, from their config.json (absent without one)
+        **({"reward_models": [r.to_dict() for r in rms]} if (rms := config_shapes(cfg)) else {}),
     }
 
 
@@ -33,4 +36,6 @@ def programs_key(req: dict[str, Any]) -> str:
     """The programs' identity: the request's configs and target (not the compiler's versions)."""
     keys = ("model", "train", "max_prompt_tokens", "eval", "lora", "separate_reference", "programs")
     body = {k: req.get(k) for k in keys} | {"target": req["target"], "num_slices": req.get("num_slices", 1)}
+    if req.get("reward_models"):  # absent otherwise: the keys of runs without one hold
+        body["reward_models"] = req["reward_models"]
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]

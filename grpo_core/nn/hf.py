@@ -147,6 +147,16 @@ def _check_shape(x: np.ndarray, want: tuple[int, ...], name: str) -> np.ndarray:
     return x
 
 
+def read_hf_config(folder: str) -> tuple[dict[str, Any], str]:
+    """(config.json of a local Hugging Face folder, its path), or ConfigError."""
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f), cfg_path
+    except FileNotFoundError:
+        raise ConfigError(f"{folder} has no config.json: not a Hugging Face model folder") from None
+
+
 def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overrides):
     """The NNX model of a local Hugging Face folder (config.json + safetensors).
 
@@ -154,17 +164,19 @@ def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overr
     the learner's mesh as it is read: no device ever holds a whole parameter the mesh splits,
     and on a multi-host slice each process sends only its own devices' shards."""
 
-    cfg_path = os.path.join(folder, "config.json")
-    try:
-        with open(cfg_path) as f:
-            hf = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{folder} has no config.json: not a Hugging Face model folder") from None
+    hf, cfg_path = read_hf_config(folder)
     if dtype:
         overrides.setdefault("dtype", dtype)
         overrides.setdefault("param_dtype", dtype)
     cfg = model_config_from_hf(hf, cfg_path, **overrides)
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    return load_weights(folder, lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), cfg.num_hidden_layers, placement)
+
+
+def load_weights(folder: str, build, num_layers: int, placement=None, mesh=None):
+    """The module `build()` makes (built as shapes only) with every parameter read from the
+    safetensors of `folder` by its Hugging Face name, streamed one parameter at a time; with a
+    `placement`, each put straight onto its shards on `mesh` (default: the learner's)."""
+    abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     flat = {tuple(str(k.key) for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
@@ -174,11 +186,11 @@ def load_hf_model(folder: str, dtype: str | None = None, placement=None, **overr
     if missing:
         raise ConfigError(f"{folder}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     loaded: dict[tuple, Any] = {}
-    for path, arr in _stream(tensors, flat, cfg.num_hidden_layers):
+    for path, arr in _stream(tensors, flat, num_layers):
         if placement is None:
             loaded[path] = jax.device_put(arr)  # host copy freed when `arr` goes
         else:
-            loaded[path] = put(arr, placement.param_sharding(path, arr.shape))
+            loaded[path] = put(arr, placement.param_sharding(path, arr.shape, mesh))
         tensors.drop_pages()
     nested: dict[str, Any] = {}
     for path, v in loaded.items():

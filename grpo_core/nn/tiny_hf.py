@@ -18,7 +18,7 @@ import string
 import numpy as np
 from safetensors.numpy import save_file
 
-from grpo_core.config.model import DType, ModelConfig, hf_config
+from grpo_core.config.model import DType, ModelConfig, hf_classifier_config, hf_config
 
 CHARS = string.ascii_letters + string.digits + " .,:;?!#=+-*/()<>'\"\n"
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -168,13 +168,26 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def write_tiny_model(folder: str | pathlib.Path, arch: str = "qwen3", seed: int = 0) -> pathlib.Path:
+def write_tiny_model(
+    folder: str | pathlib.Path, arch: str = "qwen3", seed: int = 0, reward_model: bool = False
+) -> pathlib.Path:
     """A small random `arch` model (Qwen3 or Qwen2) with a byte-level BPE tokenizer trained here and a
-    generation config in `folder`: a Hugging Face folder to give as `model.path`."""
+    generation config in `folder`: a Hugging Face folder to give as `model.path`. `reward_model`:
+    a one-label *ForSequenceClassification of the same trunk instead (no LM head, a score head
+    (1, hidden)), to give as a reward's `model`."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = save_bpe_tokenizer(folder, template=TOOLS_CHAT_TEMPLATE)  # Qwen's layout, with tools
     cfg = tiny_config(len(tok), arch)
+    if reward_model:
+        weights = random_weights(cfg, seed)
+        weights["score.weight"] = (np.random.default_rng(seed + 1).standard_normal((1, cfg.hidden_size)) * 0.2).astype(
+            np.float32
+        )
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = hf_classifier_config(cfg, tok.pad_token_id)
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+        return folder
     save_file(random_weights(cfg, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
     ids = tok.convert_tokens_to_ids

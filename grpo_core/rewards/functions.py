@@ -46,6 +46,9 @@ class Reward:
     # A built-in scores an episode's final answer (grpo_core.agent): the text, or for chat data the
     # last assistant message; a user's function reads the whole episode, as TRL passes it
     builtin: bool = False
+    # A reward model (grpo_core.rewards.reward_model.ModelReward): the project's own code on the
+    # run's devices, called in the calling thread without a time limit (its first call compiles)
+    model: bool = False
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -182,6 +185,8 @@ def _call_one(
     except RewardTimeout:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's function: report it with the row that fails
+        if reward.model:  # the project's code: its errors (a config's, a device's) are its own
+            raise
         if timeout_s is not None and _needs_main_thread(exc):
             raise ThreadedRewardError(
                 f"reward function {reward.describe()} raised {type(exc).__name__}: {exc}. Reward functions run in "
@@ -301,7 +306,7 @@ def score(
     for r in rewards:
         cols = {k: v for k, v in columns.items() if k not in PASSED_TO_REWARDS or r.takes(k)}
         seen = completions if episodes is None or r.builtin else episodes
-        vals = _call_one(r, list(prompts), list(seen), cols, timeout_s, batch)
+        vals = _call_one(r, list(prompts), list(seen), cols, None if r.model else timeout_s, batch)
         per[r.name] = vals
         ok = ~np.isnan(vals)
         weighted += np.where(ok, vals * r.weight, 0.0)

@@ -235,16 +235,17 @@ def check_coverage(
     weight above 0 scores some sampled training row and eval.accuracy_reward some evaluation row.
     ConfigError (a signature) or DataError (a reward that scores nothing), naming the reward's
     field, the data and the likely cause; RewardTimeout for a reward that does not return within
-    train.reward_timeout_s. Returns what each probe found (for the log)."""
+    train.reward_timeout_s. Returns what each probe found (for the log). A reward model is not
+    probed: it scores every row, and it runs on the devices (in the training worker)."""
     source = f"data.source {cfg.data.source!r}"
     found = []
     for split, rows, rws, judged in (
-        ("training", sample(train_rows), rewards, [r for r in rewards if r.weight > 0]),
+        ("training", sample(train_rows), rewards, [r for r in rewards if r.weight > 0 and not r.model]),
         (
             "evaluation",
             sample(eval_rows),
             eval_rewards,
-            [r for r in eval_rewards if r.name == cfg.eval.accuracy_reward],
+            [r for r in eval_rewards if r.name == cfg.eval.accuracy_reward and not r.model],
         ),
     ):
         if not rows:
@@ -252,7 +253,8 @@ def check_coverage(
         columns = list(_columns(rows))
         agentic = cfg.train.agent.enabled
         for r in rws:
-            check_signature(r, columns, f"{split} rows of {source}", agentic)
+            if not r.model:  # a reward model takes what TRL gives one
+                check_signature(r, columns, f"{split} rows of {source}", agentic)
         for r in judged:
             c = probe(r, rows, split, cfg.train.reward_timeout_s, agentic)
             found.append(c)

@@ -12,6 +12,7 @@ from grpo_core.data.synthetic import char_match, exact_match
 from grpo_core.errors import ConfigError
 from grpo_core.rewards import math_answer as math_rewards
 from grpo_core.rewards.functions import Reward, RewardFn, load_reward, soft_overlong
+from grpo_core.rewards.reward_model import ModelReward
 
 
 def builtin_rewards() -> dict[str, RewardFn]:
@@ -28,12 +29,22 @@ def builtin_rewards() -> dict[str, RewardFn]:
 
 
 def make_rewards(specs: tuple[RewardSpec, ...], field: str = "rewards", skip_missing: bool = False) -> list[Reward]:
-    """Resolve each spec (a built-in name or `file.py:fn` / `module:fn`), or ConfigError naming it.
-    `skip_missing`: leave out a spec whose file or module cannot be found or imported here (it
-    may exist where the workers run: another host); a missing function or a wrong signature is
-    still an error."""
+    """Resolve each spec (a built-in name, `file.py:fn` / `module:fn`, or a reward model, whose
+    config.json is read: a one-label sequence classifier of a supported architecture), or
+    ConfigError naming it. `skip_missing`: leave out a spec whose file, module or model folder
+    cannot be found or imported here (it may exist where the workers run: another host); a
+    missing function or a wrong signature is still an error."""
     builtins, out = builtin_rewards(), []
     for i, spec in enumerate(specs):
+        if spec.model is not None:
+            model = ModelReward(spec, f"{field}[{i}].model")
+            if skip_missing and model.missing_here():
+                continue
+            model.config()  # its config.json, small files only: not a classifier fails now, naming the field
+            out.append(
+                Reward(model, weight=spec.weight, name=spec.name, field=model.field, spec=spec.model, model=True)
+            )
+            continue
         where = f"{field}[{i}].function"
         builtin = spec.function in builtins
         if builtin:

@@ -99,6 +99,9 @@ def _walk(cls: type, prefix: str) -> Iterator[Declared]:
             yield Declared(f"{prefix}{name}", trust_of(f), api_max_of(f), hint)
 
 
+_REWARD_FIELDS = {f.name: f for f in dataclasses.fields(RewardSpec)}
+
+
 @functools.lru_cache(maxsize=1)
 def declared() -> tuple[Declared, ...]:
     """Every leaf field of the run config, in declaration order, with its trust class and limit."""
@@ -112,6 +115,16 @@ def declared() -> tuple[Declared, ...]:
 
 def fields_of(*kinds: Trust) -> tuple[str, ...]:
     return tuple(d.path for d in declared() if d.trust in kinds)
+
+
+def place_values(cfg: Any, *kinds: Trust) -> list[tuple[str, Any]]:
+    """(field, value) of each place of `kinds` (READS, WRITES) `cfg` (a RunConfig) names: the
+    fields of one value, and each reward model a rewards list names (rewards[i].model,
+    eval.rewards[i].model), which a config holds as a list."""
+    out = [(f, value_of(cfg, f)) for f in fields_of(*kinds) if "[]" not in f]
+    if Trust.READS in kinds:
+        out += [(field, spec.model) for field, spec in cfg.reward_models]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +183,7 @@ class TrustPolicy:
     def place_refusal(self, field: str, value: Any, cwd: str | None = None) -> str | None:
         """Why `field`'s `value` (a READS or WRITES place) may not be used by a deployment's config,
         or None if it may: the default config's, not a place, or under an allowed root."""
-        if value in (None, "") or value == value_of(_default(), field):
+        if value in (None, "") or ("[" not in field and value == value_of(_default(), field)):
             return None
         if not _is_place(field, value):
             return None
@@ -288,6 +301,23 @@ class TrustPolicy:
                         f"{d.path}={value!r} is more than a deployment run may ask for ({most}). An operator "
                         f"raises the limit with `grpo serve --raise-limit {d.path}=N` (or {ENV_LIMITS}="
                         f"{d.path}=N,... in the environment of the process that runs the flow)"
+                    )
+        for field, spec in cfg.reward_models:  # a reward model's folder is a place read, as model.path's
+            why = self.place_refusal(field, spec.model, cwd)
+            if why:
+                raise ConfigError(
+                    f"{field}={spec.model!r} may not be set in a deployment run: {why}. An operator allows a "
+                    f"folder or bucket prefix with `grpo serve --allow-root ROOT` (or {ENV_ROOTS}=ROOT,... in the "
+                    "environment of the process that runs the flow, e.g. a work-pool worker)"
+                )
+            for name in RewardSpec.MODEL_ONLY:  # work: its batch size and length, within their declared limits
+                value, most = getattr(spec, name), api_max_of(_REWARD_FIELDS[name])
+                most = None if most is None else self.limit(f"rewards[].{name}", most)
+                if isinstance(value, int) and most is not None and value > most:
+                    raise ConfigError(
+                        f"{field.rsplit('.', 1)[0]}.{name}={value!r} is more than a deployment run may ask for "
+                        f"({most:g}). An operator raises the limit with `grpo serve --raise-limit rewards[].{name}=N` "
+                        f"(or {ENV_LIMITS}=rewards[].{name}=N,... in the environment of the process that runs the flow)"
                     )
         for total in TOTALS:  # each factor within its limit, the product within its own
             most = self.limit(total.name, total.api_max)
@@ -434,8 +464,9 @@ def check_reads(policy: TrustPolicy, cfg: Any, cwd: str | None = None) -> None:
     folder, a realpath of each link), nothing opened: a data folder of thousands of files is
     walked in milliseconds. A URL (gs://) has no links: its name, checked by policy.check, is all."""
     cwd = cwd or os.getcwd()
+    values = dict(place_values(cfg, Trust.READS))
     for field, path in read_places(cfg, cwd):
-        check_folder(policy, field, value_of(cfg, field), path, cwd)
+        check_folder(policy, field, values[field], path, cwd)
 
 
 def check_folder(policy: TrustPolicy, field: str, value: Any, path: str, cwd: str | None = None) -> None:
@@ -458,15 +489,14 @@ def check_folder(policy: TrustPolicy, field: str, value: Any, path: str, cwd: st
 
 def read_places(cfg: Any, cwd: str | None = None) -> list[tuple[str, str]]:
     """(field, local path) of each READS place `cfg` names other than the default config's: data
-    files and folders, model and tokenizer folders, and model.init_from's run folders (a run name
-    or pattern: those under storage.root it may name)."""
+    files and folders, model, tokenizer and reward model folders, and model.init_from's run
+    folders (a run name or pattern: those under storage.root it may name)."""
     import fnmatch  # here, not with the module's imports: only a deployment run's walk needs it
 
     cwd = cwd or os.getcwd()
     out = []
-    for field in fields_of(Trust.READS):
-        value = value_of(cfg, field)
-        if not isinstance(value, str) or not value or value == value_of(_default(), field):
+    for field, value in place_values(cfg, Trust.READS):
+        if not isinstance(value, str) or not value or ("[" not in field and value == value_of(_default(), field)):
             continue
         ref = value.split("@")[0] if field == "model.init_from" else value
         if _is_place(field, value):

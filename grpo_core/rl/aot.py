@@ -18,6 +18,8 @@ same code with the same meshes (grpo_core.runtime.mesh.Placement) and shardings:
     decode        the sampler's decode loop over that cache
     eval_prefill, eval_decode   evaluation's generate (eval.batch_size prompts x eval.num_samples),
                   over the rollout's mesh as the evaluation worker lays it out
+    reward_model  a reward model's scoring of one batch (rewards[].batch_size x max_length), on the
+                  reference's mesh (reward_model_1, ... for a second one)
 
 XLA's figures are per chip (one SPMD program). A chip also holds, during each program, the run's
 arrays that are not its arguments (the optimizer state while the sampler runs, the reference's
@@ -59,6 +61,7 @@ from grpo_core.errors import ConfigError
 from grpo_core.generate import sampler
 from grpo_core.nn import lora as lora_mod
 from grpo_core.nn.model import create_model
+from grpo_core.nn.reward_model import SequenceClassifier, score_lowered
 from grpo_core.rl import hlo_cost
 from grpo_core.rl.learner import Learner, LossParams
 from grpo_core.rl.types import Batch, TrainState
@@ -322,6 +325,7 @@ class RunPrograms:
         evaluation: EvalShape | None = None,
         lora=None,
         separate_reference: bool = False,
+        reward_models: tuple[memory.RewardModelShape, ...] = (),
     ):
         self.mc, self.train, self.devices = model, train, devices
         self.eval = evaluation or EvalShape()
@@ -357,6 +361,11 @@ class RunPrograms:
                     params if lora is None else frozen,
                 )
                 self.ref_copy = self.ref_params = _laid(cast, pl.param_shardings(cast, pl.reference))
+        # reward models (rewards[].model): their weights on the reference's mesh, as the worker loads them
+        self.reward_models = []
+        for rm in reward_models:
+            rg, rp = nnx.split(nnx.eval_shape(lambda c=rm.config: SequenceClassifier(c, rngs=nnx.Rngs(0))))
+            self.reward_models.append((rm, rg, _laid(rp, pl.param_shardings(rp, pl.reference))))
         # old_logp rescored by the learner: in a program of its own, or inside the update (as GRPOTrainer does)
         self.rescore = train.rollout.learner_logprobs(model.dtype) and not train.rescores_in_update(model.dtype)
         self.is_mode = train.rollout.is_mode(model.dtype) if self.rescore else ISCorrection.OFF
@@ -402,12 +411,15 @@ class RunPrograms:
         """Bytes per chip of the run's long-lived arrays."""
         lr, state = self.learner(RematPolicy.FULL, 1)
         pl = self.placement
+        each = {f"reward_model_{i}": chip_bytes(p) for i, (_, _, p) in enumerate(self.reward_models)}
         return {
             "params": chip_bytes(self.params),
             "optimizer": chip_bytes(state["opt_state"]),
             "frozen": chip_bytes(self.frozen) if self.frozen is not None else 0,
             "reference": chip_bytes(self.ref_copy) if self.ref_copy is not None else 0,
             "rollout_copy": 0 if pl.rollout is pl.train else chip_bytes(self._rollout_params()),
+            "reward_models": sum(each.values()),  # resident through every program (0 without one)
+            **each,
         }
 
     def _rollout_params(self):
@@ -423,7 +435,7 @@ class RunPrograms:
         lr, state = self.learner(remat, accum)
         g = self.train.grpo
         batch = self._batch(g.prompts_per_step // g.minibatches_per_rollout)
-        return (lambda: lr.update.lower(state, batch, self.frozen)), ("reference", "rollout_copy")
+        return (lambda: lr.update.lower(state, batch, self.frozen)), ("reference", "rollout_copy", "reward_models")
 
     def programs(self) -> dict[str, tuple[Callable[[], Any], tuple[str, ...]]]:
         """Every program but the update (which depends on remat and accumulation)."""
@@ -435,20 +447,23 @@ class RunPrograms:
             batch = self._batch(g.prompts_per_step, ref_mesh)
             out["reference"] = (
                 lambda: lr._score.lower(self.ref_params, batch),
-                ("params", "optimizer", "rollout_copy") + (("frozen",) if self.ref_copy is not None else ()),
+                ("params", "optimizer", "rollout_copy", "reward_models")
+                + (("frozen",) if self.ref_copy is not None else ()),
             )
         if self.rescore:
             policy = self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
             rows = self._batch(g.prompts_per_step)
             out["old_logprobs"] = (
                 lambda: lr.score_policy.lower(policy, rows),
-                ("optimizer", "reference", "rollout_copy"),
+                ("optimizer", "reference", "rollout_copy", "reward_models"),
             )
         opts = self.sampler_options()
         prefill, decode = self._generate(
             self._rollout_params(), g.prompts_per_step, g.num_generations, opts, pl.rollout, batch_mesh=pl.rollout
         )
-        others = ("optimizer", "reference") + (("params", "frozen") if pl.rollout is not pl.train else ())
+        others = ("optimizer", "reference", "reward_models") + (
+            ("params", "frozen") if pl.rollout is not pl.train else ()
+        )
         out["prefill"], out["decode"] = (prefill, others), (decode, others)
         e = self.eval
         samples = max(1, e.num_samples)
@@ -462,7 +477,15 @@ class RunPrograms:
             whole = self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
             eparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), whole)
             eprefill, edecode = self._generate(eparams, e.batch_size, samples, eopts, None, single=one)
-        out["eval_prefill"], out["eval_decode"] = (eprefill, ()), (edecode, ())
+        out["eval_prefill"], out["eval_decode"] = (eprefill, ("reward_models",)), (edecode, ("reward_models",))
+        policy = ("params", "optimizer", "frozen", "reference", "rollout_copy")
+        for i, (rm, rg, rp) in enumerate(self.reward_models):  # after the rollout, beside the policy's state
+            others = tuple(f"reward_model_{j}" for j in range(len(self.reward_models)) if j != i)
+            name = "reward_model" if i == 0 else f"reward_model_{i}"
+            out[name] = (
+                lambda rm=rm, rg=rg, rp=rp: score_lowered(rg, rp, rm.batch_size, rm.max_length, pl),
+                policy + others,
+            )
         return out
 
     def sampler_options(self) -> sampler.SamplerOptions:
@@ -527,6 +550,7 @@ def check(
     only: tuple[str, ...] | None = None,
     cache: ProgramCache | None = None,
     threads: int = 2,
+    reward_models: tuple[memory.RewardModelShape, ...] = (),
 ) -> dict[str, Any]:
     """Compile the run's programs for `target`; the report (see grpo_core.stages.aot). train.remat
     and train.grpo.grad_accum_steps at auto are chosen here: candidates cheapest first, the first
@@ -539,7 +563,7 @@ def check(
     t0 = time.perf_counter()
     devices = topology_devices(target)
     t_topo = time.perf_counter() - t0
-    run = RunPrograms(model, train, max_prompt_tokens, devices, evaluation, lora, separate_reference)
+    run = RunPrograms(model, train, max_prompt_tokens, devices, evaluation, lora, separate_reference, reward_models)
     hbm, resident = target.hbm_bytes, run.resident()
     cache = cache or ProgramCache()
     trainable = None if lora is None else lora_mod.num_adapter_params(model, lora)
@@ -687,6 +711,8 @@ def _fix(results, update_fix: str | None, train: TrainConfig, evaluation: EvalSh
         )
     if name.startswith("eval_"):
         return f"lower eval.batch_size (now {evaluation.batch_size}) or eval.num_samples (now {evaluation.num_samples})"
+    if name.startswith("reward_model"):
+        return "lower rewards[].batch_size or rewards[].max_length of the reward model, or split it over more chips"
     if name in ("prefill", "decode"):
         return (
             f"lower train.grpo.prompts_per_step (now {g.prompts_per_step}) or train.sampling.max_new_tokens "

@@ -63,13 +63,15 @@ def choose(
     budget: int | None = None,
     devices: list | None = None,
     cache: aot.ProgramCache | None = None,
+    reward_models: tuple[memory.RewardModelShape, ...] = (),
 ) -> dict[str, Any] | None:
     """The compiler's (remat, accumulation) for the auto fields of `train` on `devices` (default:
     every device of the run), or None when nothing is auto or no budget is known. The report:
     remat, grad_accum_steps, fits, budget_bytes, usable_bytes, backend, seconds, and candidates
     (each with XLA's peak per device, the formula's estimate and its compile time). When none
     fits, the one that needs least, `fits` false. `cache`: XLA's figures per program (a worker
-    that starts again for the next epoch compiles nothing)."""
+    that starts again for the next epoch compiles nothing). `reward_models`: their weights stay
+    on the devices beside the update's (the update's extras count them)."""
     if train.memory_resolved:
         return None
     budget = budget if budget is not None else device_budget()
@@ -77,7 +79,15 @@ def choose(
         return None
     t0 = time.perf_counter()
     devices = devices or jax.devices()
-    run = aot.RunPrograms(model, train, max_prompt_tokens, devices, lora=lora, separate_reference=separate_reference)
+    run = aot.RunPrograms(
+        model,
+        train,
+        max_prompt_tokens,
+        devices,
+        lora=lora,
+        separate_reference=separate_reference,
+        reward_models=reward_models,
+    )
     resident = run.resident()
     backend = devices[0].platform
     layout = memory.Layout() if backend == "cpu" else memory.Layout(*train.mesh.sizes(len(devices)))

@@ -43,6 +43,7 @@ from grpo_core.generate.sampler import (
 from grpo_core.nn import lora
 from grpo_core.nn.model import CausalLM
 from grpo_core.rewards import functions as rw
+from grpo_core.rewards import reward_model
 from grpo_core.rl import algo
 from grpo_core.rl.checkpoint import Checkpointer, SetAside
 from grpo_core.rl.learner import Learner, LossParams, is_shapes
@@ -188,6 +189,9 @@ class GRPOTrainer:
         self.cfg, self.memory_plan = cfg, memory_plan
         # train.mesh: parameters (and the frozen base) laid out over the learner's devices, all hosts'.
         self.placement = placement or Placement.from_config(cfg.mesh)  # the one the model was loaded onto, if any
+        # reward models (rewards[].model) on the reference's mesh in the run's dtype (the worker opened
+        # them onto this placement already: nothing is loaded twice)
+        reward_model.open_all(self.rewards, self.placement, model.config.dtype.value)
         params = self.placement.put_params(params)
         if self.frozen is not None:
             self.frozen = self.placement.put_params(self.frozen)
@@ -267,6 +271,7 @@ class GRPOTrainer:
             layout=layout,
             backend=facts["backend"],
             runtime_bytes=facts["runtime"],
+            reward_models=reward_model.shapes(self.rewards, mc.dtype.value),
         )
 
     @property

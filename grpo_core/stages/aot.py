@@ -35,6 +35,7 @@ import time
 from importlib import metadata
 from typing import Any
 
+from grpo_core.config.memory import RewardModelShape
 from grpo_core.config.model import LoraConfig, ModelConfig
 from grpo_core.config.target import Target
 from grpo_core.config.train import TrainConfig
@@ -137,7 +138,8 @@ def _compiler_env() -> None:
 
 
 def parse_request(req: Any):
-    """(model, train, max_prompt_tokens, target, eval shape, lora, separate_reference), or ConfigError."""
+    """(model, train, max_prompt_tokens, target, eval shape, lora, separate_reference, reward
+    models), or ConfigError."""
     if not isinstance(req, dict):
         raise ConfigError(f"the AOT request must be a JSON object, got {type(req).__name__}")
     for key in ("model", "train", "max_prompt_tokens", "target"):
@@ -160,13 +162,14 @@ def parse_request(req: Any):
         evaluation,
         LoraConfig.from_value(req["lora"]) if req.get("lora") else None,
         bool(req.get("separate_reference")),
+        tuple(RewardModelShape.from_dict(r) for r in req.get("reward_models") or []),
     )
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:
     """The report for `req`, from the cache or from the compiler."""
     t = time.perf_counter()
-    model, train, mpt, target, ev, lora, separate = parse_request(req)  # before the cache: refuse bad input
+    model, train, mpt, target, ev, lora, separate, rms = parse_request(req)  # before the cache: refuse bad input
     key = cache_key(req)
     cached = _read_cache(key)
     if cached is not None:
@@ -182,7 +185,17 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     programs = program_cache(target=target.to_dict())
     threads = int(os.environ.get("GRPO_AOT_THREADS") or min(2, os.cpu_count() or 1))
     report = aot.check(
-        model, train, mpt, target, aot.EvalShape(*ev), lora, separate, only=only, cache=programs, threads=threads
+        model,
+        train,
+        mpt,
+        target,
+        aot.EvalShape(*ev),
+        lora,
+        separate,
+        only=only,
+        cache=programs,
+        threads=threads,
+        reward_models=rms,
     )
     report.update(versions=versions(), cache_key=key, programs_key=programs_key(req))
     _write_cache(key, report)

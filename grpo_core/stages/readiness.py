@@ -25,6 +25,7 @@ from importlib.metadata import version
 from typing import Any
 
 from grpo_core import tpu_chips_here
+from grpo_core.config.memory import RewardModelShape
 from grpo_core.config.model import LoraConfig, ModelConfig
 from grpo_core.config.train import RolloutEngineKind, TrainConfig
 from grpo_core.errors import ConfigError, ExitCode
@@ -377,12 +378,16 @@ def parse_request(req: Any) -> dict[str, Any]:
     lora = None
     if req.get("lora"):
         lora = LoraConfig.from_value(req["lora"])
+    rms = req.get("reward_models") or []
+    if not isinstance(rms, list):
+        raise ConfigError(f"request.reward_models must be a list, got {rms!r}")
     return dict(
         req,
         model=ModelConfig.from_dict(req["model"]),
         train=TrainConfig.from_dict(req["train"]),
         rollout_engine=engine,
         lora=lora,
+        reward_models=tuple(RewardModelShape.from_dict(r) for r in rms),
     )
 
 
@@ -414,7 +419,13 @@ def run_checks(req: dict[str, Any]) -> dict[str, Any]:
             "runtime": _runtime_bytes() if cpu else 0,
         }
         plan = memory.plan_on(
-            model, train, req["max_prompt_tokens"], facts, req["lora"], bool(req.get("separate_reference"))
+            model,
+            train,
+            req["max_prompt_tokens"],
+            facts,
+            req["lora"],
+            bool(req.get("separate_reference")),
+            reward_models=req["reward_models"],
         )
         report["memory"] = plan.report()
         checks.append(check("memory", plan.fits is not False, plan.describe(), plan.lever(train)))

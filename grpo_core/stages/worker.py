@@ -53,6 +53,7 @@ import functools
 import gc
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -174,6 +175,7 @@ def _output_gone() -> None:
 def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
     from grpo_core.config import memory  # worker start: config
     from grpo_core.data.prepare import DatasetPrompts  # worker start: fsspec
+    from grpo_core.rewards import reward_model  # worker start: fsspec
     from grpo_core.rl.checkpoint import Checkpointer  # worker start: JAX
     from grpo_core.rl.trainer import GRPOTrainer  # worker start: JAX
     from grpo_core.runtime.mesh import Placement  # worker start: JAX
@@ -188,6 +190,7 @@ def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
         remat, accum = chosen
         train_cfg = train_cfg.replace(remat=remat, grpo=train_cfg.grpo.replace(grad_accum_steps=accum))
     train_cfg = _local_choice(parts, train_cfg)
+    dtype = cfg.compute_dtype.value  # a reward model's, as the run's
     plan = memory.plan_on(
         parts.model_config(),
         train_cfg,
@@ -195,9 +198,11 @@ def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
         memory.device_facts(),  # before the model exists: the runtime term is this process alone
         cfg.model.lora,
         separate_reference=cfg.separate_reference,
+        reward_models=reward_model.shapes(parts.rewards, dtype),
     )
     _emit("memory", describe=plan.describe(), **plan.report())
     placement = Placement.from_config(cfg.train.mesh)  # checkpoint weights load straight onto it
+    reward_model.open_all(parts.rewards, placement, dtype)  # onto the reference's mesh, as the reference
     if _PRIMARY:  # the run's own copy of model.init_from's policy: it outlives the other run's files
         kept = parts.keep_start()
         if kept is not None:
@@ -301,6 +306,8 @@ def _local_choice(parts, train_cfg):
         return train_cfg
     devices = jax.devices()
     cache = program_cache(backend=devices[0].platform, device_kind=devices[0].device_kind, devices=len(devices))
+    from grpo_core.rewards import reward_model  # worker start: fsspec
+
     choice = compiler_plan.choose(
         parts.model_config(),
         train_cfg,
@@ -308,6 +315,7 @@ def _local_choice(parts, train_cfg):
         cfg.model.lora,
         separate_reference=cfg.separate_reference,
         cache=cache,
+        reward_models=reward_model.shapes(parts.rewards, cfg.compute_dtype.value),
     )
     _emit("memory_xla", **choice)
     return compiler_plan.resolve(train_cfg, choice)
@@ -382,6 +390,7 @@ def _agree(config_hash: str, trainer) -> None:
 
 
 def evaluate_steps(parts, steps: list[int]) -> int:
+    from grpo_core.rewards import reward_model  # worker start: fsspec
     from grpo_core.rewards.functions import TrainerState  # worker start: numpy
     from grpo_core.rl.checkpoint import Checkpointer  # worker start: JAX
     from grpo_core.rl.evaluation import evaluate  # worker start: JAX
@@ -407,6 +416,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
             )
             shown(0)
             placement = placement or _eval_placement(cfg.train.mesh)
+            reward_model.open_all(parts.eval_rewards, placement, cfg.compute_dtype.value)  # once: the same after
             graphdef, params = parts.policy_at(ckpt, step, placement)  # laid out over its rollout mesh
             kw = dict(
                 placement=placement,
@@ -435,7 +445,7 @@ def evaluate_steps(parts, steps: list[int]) -> int:
                 )
                 result["sampled"] = sampled
                 result.update({k: v for k, v in sampled.items() if k.startswith("pass@")})
-            result["examples"] = _examples(parts, graphdef, params, sampling, placement, turns)
+            result["examples"] = _examples(parts, graphdef, params, sampling, placement, turns, kw["state"])
             result["devices"] = placement.rollout.size  # generated over them (the rollout's mesh)
             result["seconds"] = round(time.perf_counter() - t, 3)
             # the programs it compiled or read from the compilation cache (no sampler's where compiled ahead)
@@ -637,22 +647,49 @@ def _eval_placement(mesh):
 _EXAMPLES = 4  # greedy completions an evaluation keeps
 
 
-def _examples(parts, graphdef, params, sampling, placement, turns=None, n: int = _EXAMPLES) -> list[dict[str, Any]]:
-    """A few greedy completions to read next to the numbers (the demo prints them); episodes
-    (train.agent) with their messages: each turn, call and tool result."""
+def _examples(
+    parts, graphdef, params, sampling, placement, turns=None, state=None, n: int = _EXAMPLES
+) -> list[dict[str, Any]]:
+    """A few greedy completions to read next to the numbers (the demo prints them), each with its
+    score by every evaluation reward ("rewards": name -> score, null where one does not apply);
+    episodes (train.agent) with their messages: each turn, call and tool result."""
+    from grpo_core.generate.sampler import completion_ids  # worker start: JAX
+    from grpo_core.rewards import functions as rw  # worker start: numpy
     from grpo_core.rl.evaluation import complete  # worker start: JAX
 
     rows = parts.eval_rows[:n]
     batches = complete(
         graphdef, params, parts.tokenizer, rows, sampling, batch_size=len(rows), placement=placement, turns=turns
     )
-    [(_, texts, _, eps)] = list(batches)
+    [(_, texts, (tokens, lengths, count), eps)] = list(batches)
     keep = lambda r: {k: v for k, v in r.items() if k != "prompt_ids" and isinstance(v, (str, int, float))}
     out = [dict(keep(r), completion=c) for r, c in zip(rows, texts)]
-    if eps is not None:
-        for example, messages in zip(out, eps.messages):
-            example["episode"] = messages
-        eps.close()
+    try:
+        prompts, completions, columns = rw.reward_inputs(
+            rows, texts, completion_ids=completion_ids(tokens, lengths, rows=count), state=state
+        )
+        whole = None
+        if eps is not None:
+            from grpo_core.agent import episodes  # worker start: JAX
+
+            columns.update({k: v[:count] for k, v in episodes.reward_columns(eps).items()})
+            whole = eps.messages[:count] if completions and isinstance(completions[0], list) else texts
+            for example, messages in zip(out, eps.messages):
+                example["episode"] = messages
+        scored = rw.score(
+            parts.eval_rewards,
+            prompts,
+            completions,
+            columns,
+            timeout_s=parts.cfg.train.reward_timeout_s,
+            batch="the evaluation's examples",
+            episodes=whole,
+        )
+    finally:
+        if eps is not None:
+            eps.close()
+    for i, example in enumerate(out):
+        example["rewards"] = {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in scored.per_function.items()}
     return out
 
 

@@ -57,9 +57,10 @@ def looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(path))
 
 
-def resolve(path: str, revision: str | None = None, weights: bool = True) -> str:
-    """A local folder holding the model at `path` (see the module docstring)."""
-    return _resolve(path, revision, weights, MODEL_FILES)
+def resolve(path: str, revision: str | None = None, weights: bool = True, field: str = "model.path") -> str:
+    """A local folder holding the model at `path` (see the module docstring); errors name `field`."""
+    need = MODEL_FILES if field == MODEL_FILES.field else MODEL_FILES._replace(field=field)
+    return _resolve(path, revision, weights, need)
 
 
 def resolve_tokenizer(path: str, revision: str | None = None, field: str = "model.tokenizer") -> str:
@@ -187,15 +188,15 @@ def _fetch_url(url: str, weights: bool, need: _Need = MODEL_FILES) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def read_config(path: str, revision: str | None = None) -> dict[str, Any]:
-    """The model's config.json (fetching only the small files of a remote model)."""
-    folder = resolve(path, revision, weights=False)
+def read_config(path: str, revision: str | None = None, field: str = "model.path") -> dict[str, Any]:
+    """The model's config.json (fetching only the small files of a remote model); errors name `field`."""
+    folder = resolve(path, revision, weights=False, field=field)
     where = os.path.join(folder, "config.json")
     try:
         with open(where) as f:
             return json.load(f)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"model.path {path!r}: config.json is not valid JSON: {exc}") from None
+        raise ConfigError(f"{field} {path!r}: config.json is not valid JSON: {exc}") from None
 
 
 def model_config(cfg, vocab_size: int | None = None):

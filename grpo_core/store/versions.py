@@ -10,6 +10,7 @@ Hub repository that moved on is a new input, not yesterday's.
   where it cannot be resolved (offline, HF_HUB_OFFLINE), `unresolved@<revision>` and a warning:
   an upload to that repository will not be noticed until a revision is pinned
 
+- a reward model (rewards[i].model): as model.path, so a rebuilt classifier folder is a new run
 - model.init_from: the run and step it resolves to (grpo_core.store.startpoint)
 - code a config names (a reward's `file.py:fn`, a module's file): a digest of the file's content,
   so an edited reward is a new run (or, under a fixed run_name, a refusal naming the file), never
@@ -152,6 +153,8 @@ def source_versions(cfg, warn: Callable[[str], None] | None = None) -> dict[str,
         named["model.path"] = (cfg.model.path, cfg.model.revision, "model")
     if cfg.model.tokenizer not in ("char", "auto"):
         named["model.tokenizer"] = (cfg.model.tokenizer, None, "model")
+    for field, spec in cfg.reward_models:  # a rebuilt reward model folder is a new run, as model.path is
+        named[field] = (spec.model, None, "model")
     out = code_versions(cfg)
     for field, (source, revision, kind) in named.items():
         check_reachable(source, field=field)  # seconds, not minutes of gcsfs retries, without network
