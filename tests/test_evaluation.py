@@ -79,7 +79,7 @@ def eval_child(out: str) -> None:
             batches = evaluation.complete(
                 graphdef, params, run.tokenizer, rows, sampling, batch_size=4, num_samples=samples, placement=placement
             )
-            texts[samples] = [t for _, ts, _ in batches for t in ts]
+            texts[samples] = [t for _, ts, _, _ in batches for t in ts]  # (rows, texts, arrays, episodes)
         result[name] = {"texts": texts, "devices": used[:]}
         used.clear()
     with open(out, "w") as f:

@@ -397,6 +397,7 @@ def test_a_pickled_reward_is_never_allowed_in_a_deployment_run(project, monkeypa
     # where the flow calls the policy: a deployment's run (its id set) is refused and not retried;
     # a direct call (the notebook's, the CLI's) is the local user's
     monkeypatch.setattr(pipeline, "_job_variables", lambda log: {"env": {}})
+    monkeypatch.setattr(pipeline, "pool_record_refusal", lambda deployment_id: None)  # no server here
     monkeypatch.setattr(pipeline, "_no_flow_retry", lambda log: None)
     monkeypatch.setattr(pipeline, "deployment", types.SimpleNamespace(id=None))
     assert pipeline._allowed(lambda: c, log=None) is c

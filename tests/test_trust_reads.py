@@ -158,6 +158,7 @@ def _flow_run(monkeypatch, params, deployment_id):
     monkeypatch.setattr(pipeline, "deployment", types.SimpleNamespace(id=deployment_id))
     monkeypatch.setattr(pipeline, "flow_run", types.SimpleNamespace(name=None, parameters=params, id=None))
     monkeypatch.setattr(pipeline, "_job_variables", lambda log: {"env": {}})  # the API's answer: none set
+    monkeypatch.setattr(pipeline, "pool_record_refusal", lambda deployment_id: None)  # a served one: no pool
     monkeypatch.setattr(pipeline, "_no_flow_retry", lambda log: None)
 
 
