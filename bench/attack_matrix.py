@@ -248,6 +248,14 @@ CASES = [
         "not followed",
         refused=False,
     ),
+    # a reward model's folder is a place read (issue 64), its batches work within limits
+    Case("reward model outside", PIPE, _cfg(rewards=lambda p: [{"model": str(p.outside)}]), "rewards[0].model"),
+    Case(
+        "reward model batch 1e5 (readiness)",
+        READY,
+        _cfg(rewards=lambda p: [{"model": str(p.root / "model"), "batch_size": 100_000}]),
+        "--raise-limit rewards[].batch_size",
+    ),
     # tools are code, as rewards are (issue 62)
     Case("tool outside", PIPE, _cfg(train__agent=lambda p: {"tools": [f"{p.tool}:lookup"]}), "train.agent.tools[0]"),
     Case(
