@@ -57,6 +57,7 @@ def _check_run(url: str) -> None:
         assert examples and all(isinstance(e["rewards"]["tiny-rm"], float) for e in examples)
 
 
+@pytest.mark.slow  # a whole run (~30 s with its setup): make test runs it, the edit loop does not
 def test_a_reward_model_run_from_the_cli(folders, tmp_path):
     from flows.cli import main
 
@@ -99,3 +100,38 @@ def test_a_reward_model_run_from_a_notebook(folders, tmp_path):
     )
     assert run.summary["status"] == "completed"
     _check_run(run.url)
+
+
+@pytest.mark.slow  # a grpo serve and a run through its pipeline deployment (~60 s)
+def test_a_reward_model_run_from_the_pipeline_deployment(folders, server, tmp_path):
+    """The same run from the API, as the UI's Run would start it: `grpo serve` allowing the folder
+    the policy, the reward model and the data lie in (a reward model's folder is a place read)."""
+    from tests.prefect_server import BIN, _stop, api_client, client_env
+    from tests.test_deployments import _wait
+    from tests.test_serve_ownership import registered
+    from tests.test_serve_record import start
+
+    url, home = server
+    policy, rm, data = folders
+    log = tmp_path / "serve.log"
+    allow = ["--allow-root", str(policy.parent), "--allow-root", str(tmp_path)]
+    proc = start([f"{BIN}/grpo", "serve", "--limit", "1", *allow], client_env(home, url), log)
+    try:
+        with api_client(url) as client:
+            registered(client, proc, log)
+            dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
+            config = {"storage": {"root": str(tmp_path / "runs")}, "run_name": "rm-deployment"}
+            config |= {"model": {"path": str(policy)}, "data": {"source": str(data)}, "rewards": [{"model": str(rm)}]}
+            for dotted, value in SETTINGS.items():
+                section, key = dotted.split(".", 1)
+                node = config.setdefault(section, {})
+                *inner, last = key.split(".")
+                for k in inner:
+                    node = node.setdefault(k, {})
+                node[last] = value
+            run = client.create_flow_run_from_deployment(dep.id, parameters={"config": config})
+            run = _wait(client, run.id, timeout=600)
+            assert run.state.is_completed(), (run.state.message, log.read_text()[-3000:])
+    finally:
+        _stop(proc)
+    _check_run(f"{tmp_path}/runs/rm-deployment")
