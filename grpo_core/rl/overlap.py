@@ -304,11 +304,13 @@ class Split(_Ahead):
     learner restores), is handed the starting version at `start` and every later one by `publish`
     (`to_host`: the learner's parameters as numpy, LoRA merged), and sends its batches back.
 
-    It is a worker like any other: in the worker's process group (a stage's stop reaches it),
-    ended when this process ends however it ends (PR_SET_PDEATHSIG, and its socket's end), stopped
-    by `close`; a failure is raised here as the same error (a reward function's error is not retried),
-    or as RolloutError naming the process and its log (a crash or a kill: retried, and the retry
-    resumes from the checkpoint)."""
+    It is a worker like any other, whose one owner is the learner: in a session of its own (a Ctrl-C
+    or a stage's stop reaches the worker, which saves a checkpoint with this process's batches and
+    then stops it), ended by the kernel when the thread that started it ends however it ends
+    (PR_SET_PDEATHSIG: build the trainer in the thread that trains), ended by its socket's end,
+    stopped by `close`. A failure is raised here as the same error (a reward function's error is
+    not retried), or as RolloutError naming the process and its log (a crash or a kill: retried,
+    and the retry resumes from the checkpoint)."""
 
     def __init__(
         self,
@@ -339,6 +341,7 @@ class Split(_Ahead):
                 stderr=subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),),
                 env=env,
+                start_new_session=True,
             )
         theirs.close()
         self.conn = Connection(os.dup(ours.fileno()))

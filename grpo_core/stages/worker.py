@@ -237,7 +237,7 @@ def train(parts, until_step: int, then_eval: list[int] | None = None, config_fil
             shown = {k: m[k] for k in ("step", *_STEP_KEYS) if k in m}
             shown.update({k: v for k, v in m.items() if k.startswith("async/")})  # asynchronous rollouts
             _emit("step", **shown, **memory.peak_bytes())
-            _test_hook("step", step=trainer.step, root_url=root.url)
+            _test_hook("step", step=trainer.step, root_url=root.url, rollout_pid=_rollout_pid(trainer))
             stop = _STOP.is_set()
             if trainer.step % every == 0 or trainer.step == until_step or stop:
                 if _PRIMARY:
@@ -257,6 +257,11 @@ def train(parts, until_step: int, then_eval: list[int] | None = None, config_fil
                 return ExitCode.INTERRUPTED
     _emit("done", step=trainer.step, steps_run=trainer.step - start)
     return 0
+
+
+def _rollout_pid(trainer) -> int | None:
+    proc = getattr(trainer.source, "proc", None)
+    return None if proc is None else proc.pid
 
 
 def _rollout_side(trainer) -> dict[str, Any]:

@@ -1,0 +1,219 @@
+"""Asynchronous rollouts (grpo_core.rl.overlap): train.max_staleness k and train.rollout.layout.
+
+k = 0 is the run as it was before (pinned to the base commit's bytes); with k >= 1 the batch of
+step s is drawn by version max(0, s - k), in a thread (colocated) or a second process (split), and
+a worker SIGKILLed with rollouts in flight resumes to the bytes of an uninterrupted run. The split
+layout's process never outlives its worker: a kill, a Ctrl-C, a failure of either side."""
+
+import hashlib
+import json
+import os
+import platform
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_core.config.fields import config_hash
+from grpo_core.config.run import DEFAULT, RunConfig
+from grpo_core.config.train import TrainConfig
+from grpo_core.errors import ConfigError
+from grpo_core.generate.types import Completions
+from grpo_core.rl import overlap
+from grpo_core.rl.checkpoint import AHEAD, Checkpointer
+from grpo_core.rl.rollouts import Rollout
+from grpo_core.store.root import RunRoot
+from tests.faults import HOOK
+from tests.test_worker import make_run, worker
+
+PINNED = os.path.join(os.path.dirname(__file__), "pinned", "sync_run_base.json")
+
+
+def train_section(k: int, layout: str = "colocated", **grpo) -> dict:
+    return {
+        "num_steps": 6,
+        "max_staleness": k,
+        "rollout": {"layout": layout},
+        "grpo": {"prompts_per_step": 4, **grpo},
+        "optimizer": {"learning_rate": 1e-2},
+    }
+
+
+def digest(root: str, step: int = 6) -> dict:
+    """A run's metrics (every value but timings and memory, as exact hex floats) and the sha256 of
+    its parameters at `step`: equal digests are the same bytes."""
+    rows = RunRoot(root).read_metrics()
+    keep = lambda k: not k.startswith(("time/", "async/")) and k != "rollout_tokens_per_s" and "peak" not in k
+    rows = [{k: float(v).hex() for k, v in sorted(r.items()) if keep(k)} for r in rows]
+    with Checkpointer(RunRoot(root).uri("checkpoints")) as ckpt:
+        state, _ = ckpt.restore(step)
+    h = hashlib.sha256()
+    leaves = jax.tree_util.tree_leaves_with_path(state["params"])
+    for path, leaf in sorted(leaves, key=lambda x: jax.tree_util.keystr(x[0])):
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(np.asarray(leaf).tobytes())
+    return {"metrics": rows, "params_sha256": h.hexdigest()}
+
+
+def run_events(proc, code: int = 0) -> tuple[list[dict], str]:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, err[-3000:]
+    return [json.loads(line) for line in out.splitlines()], err
+
+
+def gone(pid: int, within_s: float = 60) -> bool:
+    """Whether process `pid` has ended (or is a zombie) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# -- the schedule, the config, the saved batches ---------------------------------------------------
+
+
+def test_the_lag_is_fixed_and_k0_hashes_as_before():
+    assert [overlap.version_of(s, 2) for s in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [overlap.version_of(s, 0) for s in range(3)] == [0, 1, 2]
+    # hashes recorded on the base commit, before the fields existed: k = 0 keeps them
+    d = dict(DEFAULT, storage={"root": "/tmp/x"})
+    assert RunConfig.from_dict(d).train_hash == "ecc6c5c954ea"
+    assert config_hash(TrainConfig().hash_fields()) == "49e94e2e8b84"
+    one = TrainConfig(max_staleness=1)
+    assert config_hash(one.hash_fields()) != "49e94e2e8b84"
+    # where the rollout runs changes no result: a run may resume in the other layout
+    split = TrainConfig(max_staleness=1, rollout={"layout": "split", "devices": 1})
+    assert config_hash(split.hash_fields()) == config_hash(one.hash_fields())
+
+
+def test_other_engines_and_bad_values_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="train.max_staleness must be >= 0, got -1"):
+        TrainConfig(max_staleness=-1)
+    with pytest.raises(ConfigError, match="train.rollout.layout must be one of colocated, split"):
+        TrainConfig(rollout={"layout": "remote"})
+    with pytest.raises(ConfigError, match=r"max_staleness=1 .*\(train.rollout.engine=jax\) for now, got engine=http"):
+        TrainConfig(max_staleness=1, rollout={"engine": "http", "server": "sglang-jax"})
+    with pytest.raises(ConfigError, match="layout=split .*got engine=sglang"):
+        TrainConfig(rollout={"engine": "sglang", "layout": "split"})
+
+
+def made(step: int, version: int, episode: bool) -> overlap.Made:
+    rng = np.random.default_rng(step)
+    b, n = 4, 3
+    c = Completions(
+        tokens=rng.integers(0, 9, (b, n)).astype(np.int32),
+        logprobs=rng.normal(size=(b, n)).astype(np.float32),
+        lengths=np.asarray([3, 1, 2, 3], np.int32),
+        truncated=np.asarray([True, False, False, True]),
+        trained=(rng.random((b, n)) > 0.5) if episode else None,
+    )
+    ro = Rollout(
+        rows=[{"prompt": "ab", "prompt_ids": [1, 2]}, {"prompt": "c", "answer": 3}],
+        prompt_tokens=np.asarray([[1, 2], [0, 3]], np.int32),
+        prompt_valid=np.asarray([[True, True], [False, True]]),
+        completions=c,
+        texts=["x", "y", "", "é"],
+        rewards=np.asarray([0.5, np.nan, 1.0, 0.0]),
+        per_function={"char/match": np.asarray([0.5, np.nan, 1.0, 0.0]), "b": np.float32([1, 2, 3, 4])},
+        episode={"turns": np.ones(b), "tools/look up/calls": np.arange(b, dtype=np.float64)} if episode else None,
+        tool_seconds=0.25 if episode else 0.0,
+    )
+    info = {"sampling_rounds": 2.0, "frac_reward_zero_std": 0.1 + step, "rollout_tokens": 9.0}
+    seconds = {"rollout": 0.1, "rewards": 0.2, "score": 0.0, "wait": 1 / 3}
+    return overlap.Made(
+        step, version, ro, info, seconds, rng.normal(size=(b, n)).astype(np.float32) if episode else None
+    )
+
+
+def test_batches_ahead_round_trip_through_a_checkpoint_exactly(tmp_path):
+    batches = [made(4, 2, episode=True), made(5, 3, episode=False)]
+    with Checkpointer(str(tmp_path / "ck")) as ckpt:
+        ckpt.save(4, {"w": np.ones(2, np.float32)}, {"seed": 0}, ahead=overlap.to_saved(batches))
+        ckpt.save(6, {"w": np.ones(2, np.float32)}, {"seed": 0})
+        ckpt.wait()
+        _, meta = ckpt.restore(4, {"w": np.ones(2, np.float32)})
+        _, plain = ckpt.restore(6, {"w": np.ones(2, np.float32)})
+    assert AHEAD not in plain  # a checkpoint without batches ahead (every synchronous one) restores as before
+    back = overlap.from_saved(*meta[AHEAD])
+    for a, b in zip(batches, back):
+        assert (a.step, a.version, a.info, a.seconds) == (b.step, b.version, b.info, b.seconds)
+        x, y = a.rollout, b.rollout
+        assert (x.texts, x.rows, x.tool_seconds) == (y.texts, y.rows, y.tool_seconds)
+        same = lambda p, q: (p is None and q is None) or (p.dtype == q.dtype and p.tobytes() == q.tobytes())
+        assert all(same(p, q) for p, q in zip(x.completions, y.completions))
+        assert same(x.prompt_tokens, y.prompt_tokens) and same(x.prompt_valid, y.prompt_valid)
+        assert same(x.rewards, y.rewards) and same(a.behaviour_logp, b.behaviour_logp)
+        assert list(x.per_function) == list(y.per_function)
+        assert all(same(x.per_function[k], y.per_function[k]) for k in x.per_function)
+        assert (x.episode is None) == (y.episode is None)
+        assert x.episode is None or all(same(x.episode[k], y.episode[k]) for k in x.episode)
+
+
+def test_a_checkpoint_without_the_batches_ahead_is_refused():
+    side = overlap.Colocated.__new__(overlap.Colocated)
+    overlap._Ahead.__init__(side, 2)
+    assert side.first_to_draw(0, [], end=6) == 0  # step 0: version 0 draws steps 0 and 1
+    side.inbox = overlap.Inbox()
+    assert side.first_to_draw(3, [made(3, 1, False), made(4, 2, False)], end=6) == 5
+    with pytest.raises(ValueError, match=r"holds the batches drawn ahead of steps \[\], but .* steps \[3, 4\]"):
+        side.first_to_draw(3, [], end=6)
+    assert side.first_to_draw(6, [], end=6) == 6  # the run's end: nothing ahead
+
+
+# -- runs of the worker ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_k0_is_the_base_commits_run_to_the_byte(tmp_path):
+    """The synchronous run (k = 0, colocated: the default) gives the metrics and parameters the
+    base commit gave, bit for bit (tests/pinned: recorded there with the tests' XLA flags)."""
+    pinned = json.load(open(PINNED))
+    rec = pinned["recorded_with"]
+    here = {"jax": jax.__version__, "machine": platform.machine(), "avx512f": "avx512f" in open("/proc/cpuinfo").read()}
+    if any(rec[k] != v for k, v in here.items()):  # XLA:CPU's code and its bits follow the host's vector units
+        pytest.skip(f"the pinned bytes were recorded with {rec}, this host is {here}: record them again on the base")
+    variants = {"plain": {}, "dynamic_iter2": {"dynamic_sampling": True, "num_iterations": 2}}
+    for name, grpo in variants.items():
+        train = train_section(0, **grpo)
+        del train["max_staleness"], train["rollout"]  # the config as the base commit wrote it
+        root = make_run(str(tmp_path), name, train=train)
+        run_events(worker(root, 6))
+        assert digest(root) == pinned["runs"][name], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,k", [("split", 2), ("colocated", 1)])
+def test_kill_with_rollouts_in_flight_resumes_to_the_same_bytes(tmp_path, layout, k):
+    """SIGKILL after steps 0..3 ran, with rollouts in flight (the checkpoint at 2 holds the batches of
+    steps 2 .. 2+k-1, drawn by versions it does not hold), resumed: the bytes of the uninterrupted
+    run with the same k. The batch of step s comes from version max(0, s - k), and the split
+    process dies with its worker."""
+    straight = make_run(str(tmp_path), "straight", train=train_section(k, layout))
+    ev, _ = run_events(worker(straight, 6))
+    steps = [e for e in ev if e["event"] == "step"]
+    assert [e["async/version"] for e in steps] == [max(0, s - k) for s in range(6)]
+    assert [e["async/staleness"] for e in steps] == [min(s, k) for s in range(6)]
+    side = next(e for e in ev if e["event"] == "rollout_side")
+    assert (side["layout"], side["max_staleness"]) == (layout, k)
+
+    killed = make_run(str(tmp_path), "killed", train=train_section(k, layout))
+    env = {"GRPO_TEST_HOOK": HOOK, "GRPO_FAULT": f"step:4:{tmp_path / 'fired'}"}  # 4 steps done, no checkpoint
+    ev, _ = run_events(worker(killed, 6, env=env), code=-signal.SIGKILL)
+    assert [e["step"] for e in ev if e["event"] == "checkpoint"] == [2]
+    assert "ahead" in RunRoot(killed).list("checkpoints/2")  # the batches of steps 2 .. 2+k-1, with it
+    if layout == "split":
+        pid = next(e["pid"] for e in ev if e["event"] == "rollout_side")
+        assert gone(pid), "the rollout process outlived its SIGKILLed worker"
+    ev, _ = run_events(worker(killed, 6, env=env))
+    assert ev[1]["event"] == "resumed" and ev[1]["step"] == 2
+    resumed = [e for e in ev if e["event"] == "step"]
+    assert [e["async/version"] for e in resumed] == [max(0, s - k) for s in range(2, 6)]
+    assert digest(killed) == digest(straight)
