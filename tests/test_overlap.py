@@ -19,7 +19,7 @@ import pytest
 from grpo_core.config.fields import config_hash
 from grpo_core.config.run import DEFAULT, RunConfig
 from grpo_core.config.train import TrainConfig
-from grpo_core.errors import ConfigError
+from grpo_core.errors import ConfigError, ExitCode
 from grpo_core.generate.types import Completions
 from grpo_core.rl import overlap
 from grpo_core.rl.checkpoint import AHEAD, Checkpointer
@@ -217,3 +217,116 @@ def test_kill_with_rollouts_in_flight_resumes_to_the_same_bytes(tmp_path, layout
     resumed = [e for e in ev if e["event"] == "step"]
     assert [e["async/version"] for e in resumed] == [max(0, s - k) for s in range(2, 6)]
     assert digest(killed) == digest(straight)
+
+
+def first_step_then(proc, step: int, act) -> list[dict]:
+    """Read the worker's events until step `step`'s, then `act(events)`; the events read."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(json.loads(line))
+        if seen[-1]["event"] == "step" and seen[-1]["step"] == step:
+            act(seen)
+            break
+    return seen
+
+
+@pytest.mark.slow
+def test_the_split_process_never_outlives_a_stop_or_a_failure(tmp_path):
+    """Ctrl-C (SIGINT to the worker): a checkpoint at the step boundary with the batches the
+    rollout process drew, the process stopped, and the run resumes to the uninterrupted bytes. The
+    rollout process SIGKILLed: the worker fails with exit 7 (retried) naming it, and a retry resumes
+    to the same bytes. A reward function that raises in the rollout process: exit 3 (not retried),
+    the message names the function and the process. In every case no rollout process is left."""
+    train = train_section(1, "split")
+    straight = make_run(str(tmp_path), "straight", train=train)
+    run_events(worker(straight, 6))
+
+    stopped = make_run(str(tmp_path), "stopped", train=train)
+    proc = worker(stopped, 6)
+    seen = first_step_then(proc, 1, lambda _: os.kill(proc.pid, signal.SIGINT))
+    rest, _ = run_events(proc, code=ExitCode.INTERRUPTED)
+    ev = seen + rest
+    pid = next(e["pid"] for e in ev if e["event"] == "rollout_side")
+    saved = [e["step"] for e in ev if e["event"] == "checkpoint"]
+    assert saved and saved[-1] < 6 and gone(pid)
+    assert "ahead" in RunRoot(stopped).list(f"checkpoints/{saved[-1]}")
+    ev, _ = run_events(worker(stopped, 6))
+    assert ev[1] == {"event": "resumed", "step": saved[-1], "until": 6}
+    assert digest(stopped) == digest(straight)
+
+    lost = make_run(str(tmp_path), "lost", train=train)
+    env = {"GRPO_TEST_HOOK": HOOK, "GRPO_FAULT": f"rollout:3:{tmp_path / 'rollout-killed'}"}
+    ev, _ = run_events(worker(lost, 6, env=env), code=ExitCode.ROLLOUT)
+    pid = next(e["pid"] for e in ev if e["event"] == "rollout_side")
+    error = ev[-1]
+    assert error["event"] == "error" and error["kind"] == "rollout"
+    assert f"the rollout process (pid {pid}, python -m grpo_core.stages.rollout" in error["message"]
+    assert "was killed by SIGKILL" in error["message"]
+    ev, _ = run_events(worker(lost, 6, env=env))  # the retry resumes
+    assert ev[1]["event"] == "resumed" and digest(lost) == digest(straight)
+
+    boom = tmp_path / "boom.py"
+    boom.write_text(
+        "def boom(prompts, completions, trainer_state, **kw):\n"
+        "    if trainer_state.global_step == 3:\n"
+        "        raise ValueError('no reward at step 3')\n"
+        "    return [float(len(c)) for c in completions]\n"
+    )
+    failing = make_run(str(tmp_path), "failing", train=train, rewards=[{"function": f"{boom}:boom"}])
+    ev, _ = run_events(worker(failing, 6), code=ExitCode.REWARD)
+    pid = next(e["pid"] for e in ev if e["event"] == "rollout_side")
+    assert ev[-1]["kind"] == "reward" and "'boom' raised ValueError" in ev[-1]["message"]
+    assert "(in the rollout process (pid" in ev[-1]["message"] and gone(pid)
+
+
+def rollout_processes(run_url: str) -> list[int]:
+    """Live rollout processes reading this run (their command line names it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"grpo_core.stages.rollout" in argv and run_url.encode() in argv and not gone(int(pid), 0.1):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_the_pipeline_retries_a_failed_rollout_process_and_resumes(tmp_path, monkeypatch):
+    """The pipeline with the split layout (k = 1) over two epochs: its rollout process SIGKILLed after
+    step 2 fails the epoch's task with exit 7 naming the process, the retry resumes; the worker
+    SIGKILLed after step 5 (rollouts in flight) is retried and resumes too. The run ends with the
+    bytes of an uninterrupted worker's, the rollout side in its logs and artifacts, and no rollout
+    process left."""
+    from prefect.client.orchestration import get_client
+
+    from flows.pipeline import grpo_pipeline
+    from tests.test_deployments import wait_logs
+    from tests.test_pipeline import artifacts, small_config, task_runs
+
+    train = train_section(1, "split")
+    straight = make_run(str(tmp_path), "straight", train=train)
+    run_events(worker(straight, 6))
+
+    monkeypatch.setenv("GRPO_TEST_HOOK", HOOK)
+    monkeypatch.setenv("GRPO_FAULT", f"rollout:2:{tmp_path}/f1,step:5:{tmp_path}/f2")
+    cfg = small_config(str(tmp_path), "faulty", train=train)
+    state = grpo_pipeline.with_options(retries=0)(cfg, return_state=True)
+    assert state.is_completed() and all(os.path.exists(tmp_path / f) for f in ("f1", "f2"))
+    run = RunRoot(str(tmp_path / "faulty"))
+    assert digest(run.url) == digest(straight)
+    assert task_runs(state)["train-epoch-0"] == 2 and task_runs(state)["train-epoch-1"] == 2
+    assert rollout_processes(run.url) == []
+    with get_client(sync_client=True) as client:
+        started = lambda ls: sum("the rollout runs in a process" in x.message for x in ls) >= 4  # 2 epochs, 2 tries
+        logs = wait_logs(client, state.state_details.flow_run_id, started)
+    text = "\n".join(x.message for x in logs)
+    assert "the rollout runs in a process of its own (pid" in text
+    assert "the rollout process (pid" in text and "was killed by SIGKILL" in text  # the failed attempt's reason
+    assert "rollout v0 (staleness 0)" in text and "rollout v1 (staleness 1)" in text
+    tables = artifacts("rollout-faulty-epoch-1")
+    row = json.loads(tables[-1].data)[0]
+    assert (row["layout"], row["max_staleness"], row["staleness_max"], row["last_version"]) == ("split", 1, 1.0, 4)
