@@ -10,6 +10,8 @@ import json
 import os
 import platform
 import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -330,3 +332,56 @@ def test_the_pipeline_retries_a_failed_rollout_process_and_resumes(tmp_path, mon
     tables = artifacts("rollout-faulty-epoch-1")
     row = json.loads(tables[-1].data)[0]
     assert (row["layout"], row["max_staleness"], row["staleness_max"], row["last_version"]) == ("split", 1, 1.0, 4)
+
+
+@pytest.mark.slow  # compiles the tiny run's programs for v5e:2x2 three ways (~1-2 min on 2 cores)
+def test_grpo_check_target_estimates_the_split_step(tmp_path):
+    """`grpo check --target v5e:2x2 --json` with the split layout: the learner's programs compiled
+    for 2 chips, the rollout's for the other 2, and the asynchronous step (the slower side) beside
+    the synchronous ones (the split's sum, and every chip's), each from the compiler's figures."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, GRPO_AOT_CACHE_DIR=str(tmp_path / "aot"), PREFECT_HOME=str(tmp_path / "pf"), PYTHONPATH=root)
+    cmd = [sys.executable, "-m", "flows.cli", "check", "--target", "v5e:2x2", "--json"]
+    for s in (f"storage.root={tmp_path / 'runs'}", "eval.batch_size=8", "train.rollout.layout=split"):
+        cmd += ["--set", s]
+    cmd += ["--set", "train.max_staleness=1"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    est = json.loads(proc.stdout)["estimate"]
+    split = est["split"]
+    assert (split["learner_chips"], split["rollout_chips"], split["max_staleness"]) == (2, 2, 1)
+    assert split["fits"] and not split["missing"] and split["learner_s"] > 0 and split["rollout_s"] > 0
+    assert split["sync_step_s"] == pytest.approx(split["learner_s"] + split["rollout_s"])
+    assert split["async_step_s"] == max(split["learner_s"], split["rollout_s"]) == split["step_s"]
+    assert split["slower_side"] in ("learner", "rollout") and split["colocated_step_s"] == est["step_s"]
+    assert {r["program"] for r in split["programs"]["learner"]} == {"update"}  # beta 0: no reference
+    assert {r["program"] for r in split["programs"]["rollout"]} == {"prefill", "decode"}
+    # the rollout on 2 chips reads its weights split 2 ways, not 4: more bytes a chip than on all 4
+    on4 = {r["program"]: r for r in est["programs"]}
+    on2 = {r["program"]: r for r in split["programs"]["rollout"]}
+    assert on2["decode"]["bytes"] > on4["decode"]["bytes"]
+    text = subprocess.run(
+        [c for c in cmd if c != "--json"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    ).stdout
+    assert "split   learner 2 chips >= " in text and "asynchronous (max_staleness >= 1, the " in text
+
+
+@pytest.mark.slow  # four short runs of the worker (~1 min)
+def test_the_benchmark_writes_its_table_and_json(tmp_path):
+    """bench.async_rollout as its docs run it, cut to a few steps: the four runs of a workload, each
+    with its rate, both sides' busy fractions, its accuracy and the load it ran under."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "async.json"
+    cmd = [sys.executable, "-m", "bench.async_rollout", "--workload", "demo", "--steps", "8", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    from bench.async_rollout import CONFIGS
+
+    assert CONFIGS == [("colocated", 0), ("split", 0), ("split", 1), ("split", 2)]
+    assert [(r["layout"], r["max_staleness"]) for r in runs] == CONFIGS
+    for r in runs:
+        assert r["steps_per_s"] > 0 and 0 < r["slow_side_busy"] <= 1.05 and 0 <= r["accuracy"] <= 1
+        assert r["slow_side"] in ("learner", "rollout") and r["load_before"] >= 0
+    assert [r["staleness_mean"] for r in runs] == [0.0, 0.0, 1.0, 2.0]  # steps 5..7: past the first k
+    assert "split k=1" in proc.stdout and "steps/s" in proc.stdout

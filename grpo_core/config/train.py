@@ -451,6 +451,17 @@ class RolloutConfig(Section):
                 "train.rollout.server=sglang-jax",
             )
 
+    def split_counts(self, available: int, what: str = "CPU cores") -> tuple[int, int]:
+        """(the learner's, the rollout's) share of `available` devices or cores under layout=split:
+        train.rollout.devices for the rollout (by default half), the rest for the learner."""
+        rollout = self.devices if self.devices is not None else max(1, available // 2)
+        check(
+            available >= 2 and rollout < available,
+            f"train.rollout.layout=split gives the rollout {rollout} of {available} {what} and the learner the rest, "
+            "which leaves the learner none: set train.rollout.devices lower, or use train.rollout.layout=colocated",
+        )
+        return available - rollout, rollout
+
     def check_overlap(self, max_staleness: int) -> None:
         """What the asynchronous rollout (train.max_staleness >= 1) and the split layout support so far."""
         moved = self.layout is RolloutLayout.SPLIT or max_staleness > 0

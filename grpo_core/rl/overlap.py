@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from grpo_core import errors
-from grpo_core.errors import ConfigError, RolloutError
+from grpo_core.errors import RolloutError
 from grpo_core.generate.types import Completions
 from grpo_core.rl.rollouts import Rollout, RolloutMaker
 
@@ -209,7 +209,7 @@ class _Ahead:
         """The first step to draw after the `held` batches, which must be the promised ones."""
         self.end = end
         want, got = self.promised(step), [m.step for m in held]
-        if got != want[: len(got)] or (len(got) < len(want) and step + len(got) < end):
+        if got != want:
             raise ValueError(
                 f"the checkpoint at step {step} holds the batches drawn ahead of steps {got}, but "
                 f"train.max_staleness={self.k} needs those of steps {want}"
@@ -254,18 +254,12 @@ class Colocated(_Ahead):
         self.versions.close()  # the thread ends at its next wait (a rollout in flight runs out first)
 
 
-def learner_and_rollout_cores(devices: int | None) -> tuple[list[int], list[int]]:
-    """This process's CPU cores split in two: (the learner's, the rollout process's); `devices` the
-    rollout's count (train.rollout.devices), by default half."""
+def learner_and_rollout_cores(rollout_cfg) -> tuple[list[int], list[int]]:
+    """This process's CPU cores split in two: (the learner's, the rollout process's), as
+    train.rollout.devices says (RolloutConfig.split_counts)."""
     cores = sorted(os.sched_getaffinity(0))
-    rollout = devices if devices is not None else max(1, len(cores) // 2)
-    if len(cores) < 2 or rollout >= len(cores):
-        raise ConfigError(
-            f"train.rollout.layout=split gives the rollout process {rollout} of this process's {len(cores)} CPU "
-            f"core(s) and the learner the rest, which leaves the learner none: set train.rollout.devices lower, or "
-            "use train.rollout.layout=colocated"
-        )
-    return cores[: len(cores) - rollout], cores[len(cores) - rollout :]
+    learner, _ = rollout_cfg.split_counts(len(cores), "CPU cores this process may use")
+    return cores[:learner], cores[learner:]
 
 
 def pin_process(cores: list[int]) -> list[int]:
@@ -319,11 +313,11 @@ class Split(_Ahead):
         to_host: Callable,
         on_shape: Callable[[tuple[int, ...]], None],
         model_config,
-        devices: int | None = None,
+        rollout_cfg,
     ):
         super().__init__(k)
         self.to_host, self.on_shape, self.model_config = to_host, on_shape, model_config
-        self.learner_cores, self.rollout_cores = learner_and_rollout_cores(devices)
+        self.learner_cores, self.rollout_cores = learner_and_rollout_cores(rollout_cfg)
         self._affinity = pin_process(self.learner_cores)
         ours, theirs = socket.socketpair()
         fd, self.log_path = tempfile.mkstemp(prefix="grpo-rollout-", suffix=".log")

@@ -200,7 +200,7 @@ class GRPOTrainer:
                 self._host_policy,
                 self._compile_learner,
                 self.model_config,
-                devices=cfg.rollout.devices,
+                cfg.rollout,
             )
         slot: list = [None]
         timers = {"rewards": 0.0}

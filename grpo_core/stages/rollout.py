@@ -82,18 +82,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(conn: Connection, args) -> None:
     import jax  # rollout start: JAX
-    from flax import nnx
+    from flax import nnx  # rollout start: JAX
 
-    from grpo_core.data.prepare import DatasetPrompts
-    from grpo_core.engines import make_engine
-    from grpo_core.errors import ConfigError
+    from grpo_core.data.prepare import DatasetPrompts  # rollout start: JAX
+    from grpo_core.engines import make_engine  # rollout start: JAX
+    from grpo_core.errors import ConfigError  # rollout start: JAX
     from grpo_core.generate.sampler import step_key  # noqa: F401 - imported before the first round
-    from grpo_core.nn.model import create_model
-    from grpo_core.rl import overlap
-    from grpo_core.rl.learner import score_completions
-    from grpo_core.rl.rollouts import RolloutMaker, sampling_setup
-    from grpo_core.runtime.mesh import Placement
-    from grpo_core.stages.worker import _compilation_cache, _load
+    from grpo_core.nn.model import create_model  # rollout start: JAX
+    from grpo_core.rl import overlap  # rollout start: JAX
+    from grpo_core.rl.learner import score_completions  # rollout start: JAX
+    from grpo_core.rl.rollouts import RolloutMaker, sampling_setup  # rollout start: JAX
+    from grpo_core.runtime.mesh import Placement  # rollout start: JAX
+    from grpo_core.stages.worker import _compilation_cache, _load  # rollout start: JAX
 
     _compilation_cache()
     parts = _load(args)
@@ -178,7 +178,7 @@ def serve(conn: Connection, args) -> None:
 def _read(conn: Connection, versions, on_device) -> None:
     """The learner's versions, as they come (each laid out here while the main thread draws); the
     process ends at "stop" or when the learner's end closes."""
-    from grpo_core.rl import overlap
+    from grpo_core.rl import overlap  # rollout start: JAX
 
     while True:
         try:

@@ -18,7 +18,8 @@ programs while it trains.
 Progress goes to stdout as JSON lines, one object per event:
 
     {"event": "start" | "resumed", "step": s, "until": N}
-    {"event": "step", "step": s, "reward": ..., ...}          # after each step
+    {"event": "rollout_side", "layout": ..., "max_staleness": k, ...}  # k >= 1 or split: where the rollout runs
+    {"event": "step", "step": s, "reward": ..., ...}          # after each step (async/*: its batch's version, waits)
     {"event": "checkpoint", "step": s, "uri": ...}            # durable: safe to be killed now
     {"event": "done", "step": N, "steps_run": n}
     {"event": "eval", "step": s, "uri": ..., "cached": bool, "accuracy": ..., ...}
