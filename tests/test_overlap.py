@@ -255,6 +255,10 @@ def test_the_split_process_never_outlives_a_stop_or_a_failure(tmp_path):
     ev, _ = run_events(worker(stopped, 6))
     assert ev[1] == {"event": "resumed", "step": saved[-1], "until": 6}
     assert digest(stopped) == digest(straight)
+    ev, _ = run_events(worker(stopped, 6))  # finished: its rollout process starts and stops, drawing nothing
+    side = next(e for e in ev if e["event"] == "rollout_side")
+    assert ev[-1] == {"event": "done", "step": 6, "steps_run": 0} and gone(side["pid"])
+    assert not os.path.exists(side["log"]) and rollout_processes(stopped) == []  # a clean end keeps no log
 
     lost = make_run(str(tmp_path), "lost", train=train)
     env = {"GRPO_TEST_HOOK": HOOK, "GRPO_FAULT": f"rollout:3:{tmp_path / 'rollout-killed'}"}
@@ -385,3 +389,26 @@ def test_the_benchmark_writes_its_table_and_json(tmp_path):
         assert r["slow_side"] in ("learner", "rollout") and r["load_before"] >= 0
     assert [r["staleness_mean"] for r in runs] == [0.0, 0.0, 1.0, 2.0]  # steps 5..7: past the first k
     assert "split k=1" in proc.stdout and "steps/s" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["split", "colocated"])
+def test_bf16_and_lora_runs_draw_ahead_with_their_corrections(tmp_path, layout):
+    """bfloat16 (the learner rescores the sampler's numbers) with LoRA, k = 1: the side that holds
+    the drawing version scores the batch in the learner's numerics (the split process merges the
+    adapters it is sent), the mismatch correction weighs it as in a synchronous run, and the run
+    trains; steps 0 and 1, both drawn by version 0, are the same batches in both layouts."""
+    model = {"dtype": "bfloat16", "lora": {"rank": 4, "alpha": 8}}
+    root = make_run(str(tmp_path), layout, model=model, train={**train_section(1, layout), "num_steps": 4})
+    ev, _ = run_events(worker(root, 4))
+    steps = [e for e in ev if e["event"] == "step"]
+    assert [e["async/staleness"] for e in steps] == [0, 1, 1, 1]
+    rows = sorted(RunRoot(root).read_metrics(), key=lambda r: r["step"])
+    assert all(np.isfinite(r["rollout_is/mismatch_kl"]) and 0 < r["rollout_is/weight_mean"] <= 2 for r in rows)
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    _FIRST_TWO[layout] = [(r["reward"], r["completions/mean_length"]) for r in rows[:2]]
+    if len(_FIRST_TWO) == 2:  # the second layout's run (both in this session): the same first batches
+        assert _FIRST_TWO["split"] == _FIRST_TWO["colocated"]
+
+
+_FIRST_TWO: dict[str, list] = {}

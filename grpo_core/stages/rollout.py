@@ -99,9 +99,12 @@ def serve(conn: Connection, args) -> None:
     parts = _load(args)
     cfg = parts.cfg.train
     t = time.perf_counter()
-    kind, hello = overlap.receive(conn)  # the learner's first version comes right after
+    kind, *body = overlap.receive(conn)  # the learner's first version comes right after
+    if kind == "stop":  # the stage ended before its first step (nothing left to train)
+        return
     if kind != "start":
         raise RuntimeError(f"the learner's first message is {kind!r}, not 'start'")
+    hello = body[0]
     mc = hello["model_config"]  # the learner's policy's (a model.init_from run's is the other run's)
     kind, version, weights = overlap.receive(conn)
     graphdef, shapes = nnx.split(nnx.eval_shape(lambda: create_model(mc, 0)))
