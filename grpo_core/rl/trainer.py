@@ -36,7 +36,7 @@ from grpo_core.generate.sampler import spec_of, step_key
 from grpo_core.nn import lora
 from grpo_core.nn.model import CausalLM
 from grpo_core.rewards import functions as rw
-from grpo_core.rl import algo, overlap
+from grpo_core.rl import algo, overlap, split
 from grpo_core.rl.checkpoint import AHEAD, Checkpointer, SetAside
 from grpo_core.rl.learner import Learner, LossParams, is_shapes
 from grpo_core.rl.rollouts import PromptSource, Rollout, RolloutMaker, Tokenizer, sampling_setup
@@ -157,6 +157,7 @@ class GRPOTrainer:
         # (k = 0, colocated: the synchronous run), or ahead by a thread or a process of its own.
         self.until = cfg.num_steps  # the last step this process trains (the worker sets its epoch's end)
         self._held: list[overlap.Made] = []  # the batches ahead a restored checkpoint kept
+        self._state_spec = None  # the state's shapes, for compiling the learner from the rollout side's thread
         self.source = self._source(rollout_argv)
 
     def _engine(self, params_fn):
@@ -194,7 +195,7 @@ class GRPOTrainer:
                     "train.rollout.layout=split needs a run root for its rollout process to read: run it through "
                     "the worker (grpo run, grpo train), not a trainer built in this process"
                 )
-            return overlap.Split(
+            return split.Split(
                 list(rollout_argv),
                 k,
                 self._host_policy,

@@ -3,7 +3,7 @@ ahead of the learner with the built-in sampler, on CPU cores of its own (grpo_co
 
     python -m grpo_core.stages.rollout --root RUN_URL [--config FILE] --fd N
 
-The training worker starts it (overlap.Split) and talks to it over the socket `--fd`, pickled
+The training worker starts it (grpo_core.rl.split.Split) and talks to it over the socket `--fd`, pickled
 messages both ways: the learner sends ("start", {first, end, k, version}), then ("version", v,
 numpy weights) after each update, and ("stop",); this process answers ("ready", info), ("shape",
 (P, Tp)) when a prompt shape first appears (the learner compiles its update for it meanwhile),
@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True, help="the socket to the learner")
     args = ap.parse_args(argv)
     conn = Connection(args.fd)
-    from grpo_core.rl import overlap  # rollout start: JAX
+    from grpo_core.rl import split  # rollout start: JAX
 
     try:
         serve(conn, args)
     except Exception as exc:  # noqa: BLE001 - sent to the learner, which fails (or retries) the stage
         failure = classify(exc)
         try:
-            overlap.send(conn, ("error", overlap.error_report(exc)))
+            split.send(conn, ("error", split.error_report(exc)))
         except OSError:
             pass
         print(f"the rollout process failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -89,7 +89,7 @@ def serve(conn: Connection, args) -> None:
     from grpo_core.errors import ConfigError  # rollout start: JAX
     from grpo_core.generate.sampler import step_key  # noqa: F401 - imported before the first round
     from grpo_core.nn.model import create_model  # rollout start: JAX
-    from grpo_core.rl import overlap  # rollout start: JAX
+    from grpo_core.rl import overlap, split  # rollout start: JAX
     from grpo_core.rl.learner import score_completions  # rollout start: JAX
     from grpo_core.rl.rollouts import RolloutMaker, sampling_setup  # rollout start: JAX
     from grpo_core.runtime.mesh import Placement  # rollout start: JAX
@@ -99,14 +99,14 @@ def serve(conn: Connection, args) -> None:
     parts = _load(args)
     cfg = parts.cfg.train
     t = time.perf_counter()
-    kind, *body = overlap.receive(conn)  # the learner's first version comes right after
+    kind, *body = split.receive(conn)  # the learner's first version comes right after
     if kind == "stop":  # the stage ended before its first step (nothing left to train)
         return
     if kind != "start":
         raise RuntimeError(f"the learner's first message is {kind!r}, not 'start'")
     hello = body[0]
     mc = hello["model_config"]  # the learner's policy's (a model.init_from run's is the other run's)
-    kind, version, weights = overlap.receive(conn)
+    kind, version, weights = split.receive(conn)
     graphdef, shapes = nnx.split(nnx.eval_shape(lambda: create_model(mc, 0)))
     try:
         placement = Placement.from_config(cfg.mesh)
@@ -140,7 +140,7 @@ def serve(conn: Connection, args) -> None:
         if ptok.shape in shapes_seen:
             return
         shapes_seen.add(ptok.shape)
-        overlap.send(conn, ("shape", ptok.shape))  # the learner compiles its update for it meanwhile
+        split.send(conn, ("shape", ptok.shape))  # the learner compiles its update for it meanwhile
         for job in engine.compile_jobs(ptok, pval, key, cfg.grpo.num_generations):
             job()
 
@@ -169,23 +169,23 @@ def serve(conn: Connection, args) -> None:
                 scorer(params, dict(prompt_tokens=ro.prompt_tokens, prompt_valid=ro.prompt_valid, targets=c.tokens))
             )
 
-    overlap.send(
+    split.send(
         conn,
         ("ready", {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)), "start_s": time.perf_counter() - t}),
     )
     side = overlap.RolloutSide(maker, slot, hello["k"], score)
-    side.run(hello["first"], hello["end"], versions, lambda made: overlap.send(conn, ("made", made)))
+    side.run(hello["first"], hello["end"], versions, lambda made: split.send(conn, ("made", made)))
     threading.Event().wait()  # every batch sent: the learner stops this process (the reader exits it)
 
 
 def _read(conn: Connection, versions, on_device) -> None:
     """The learner's versions, as they come (each laid out here while the main thread draws); the
     process ends at "stop" or when the learner's end closes."""
-    from grpo_core.rl import overlap  # rollout start: JAX
+    from grpo_core.rl import split  # rollout start: JAX
 
     while True:
         try:
-            kind, *body = overlap.receive(conn)
+            kind, *body = split.receive(conn)
         except (EOFError, OSError):
             os._exit(0)
         if kind == "stop":
@@ -194,7 +194,7 @@ def _read(conn: Connection, versions, on_device) -> None:
             try:
                 versions.put(body[0], on_device(body[1]))
             except Exception as exc:  # noqa: BLE001 - the main thread would wait for it for ever
-                overlap.send(conn, ("error", overlap.error_report(exc)))
+                split.send(conn, ("error", split.error_report(exc)))
                 print(f"the rollout process could not take version {body[0]}: {exc!r}", file=sys.stderr, flush=True)
                 os._exit(ExitCode.ROLLOUT)
 
