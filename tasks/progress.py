@@ -138,8 +138,6 @@ class RolloutLog:
             f"{e['learner_cores']}; its log {e['log']})"
             if e["layout"] == "split"
             else "in a thread of the learner's process"
-            if e["max_staleness"]
-            else "in the learner's process, between its updates"
         )
         return f"the rollout runs {where}, at most {e['max_staleness']} policy version(s) behind the learner"
 

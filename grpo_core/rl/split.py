@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from grpo_core import errors
 from grpo_core.errors import RolloutError
+from grpo_core.launch.processes import ENV_ROLLOUT_CORES, ENV_ROLLOUT_PARENT
 from grpo_core.rl.overlap import Made, _Ahead
 
 
@@ -40,8 +41,6 @@ def pin_process(cores: list[int]) -> list[int]:
     return before
 
 
-ENV_CORES = "GRPO_ROLLOUT_CORES"  # the split rollout process's CPU cores, set before its JAX starts
-ENV_PARENT = "GRPO_ROLLOUT_PARENT"  # the learner's pid: the rollout process ends when it is gone
 ROLLOUT_MODULE = "grpo_core.stages.rollout"
 
 
@@ -89,8 +88,8 @@ class Split(_Ahead):
         fd, self.log_path = tempfile.mkstemp(prefix="grpo-rollout-", suffix=".log")
         env = {
             **os.environ,
-            ENV_CORES: ",".join(map(str, self.rollout_cores)),
-            ENV_PARENT: str(os.getpid()),
+            ENV_ROLLOUT_CORES: ",".join(map(str, self.rollout_cores)),
+            ENV_ROLLOUT_PARENT: str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
         }
         with os.fdopen(fd, "w") as out:
