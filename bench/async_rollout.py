@@ -115,13 +115,15 @@ def measure(workload: str, layout: str, k: int, steps: int, root: str) -> dict:
 
 
 def busy(rows: list[dict], window: float, layout: str, k: int) -> dict[str, float]:
-    """Each side's working seconds over the window, as a fraction of it."""
-    total = lambda key: sum(r.get(key, 0.0) for r in rows)
+    """Each side's working seconds over the window, as a fraction of it. The rollout side draws
+    the batch of step s + k during step s: the batches it drew in the window are the rows' from
+    the k-th on (the first k it drew before; after the last step it has nothing left to draw)."""
+    total = lambda key, rs=rows: sum(r.get(key, 0.0) for r in rs)
     if layout == "colocated" and k == 0:  # one process in turn: the step's own split
         rollout = total("time/rollout") + total("time/rewards")
         learner = sum(total(f"time/{p}") for p in ("update", "reference", "rescore", "sync"))
     else:
-        rollout = total("async/rollout_busy_s")
+        rollout = total("async/rollout_busy_s", rows[k:])
         learner = window - total("async/learner_wait_s")
     return {"learner": learner / window, "rollout": rollout / window}
 

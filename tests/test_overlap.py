@@ -384,9 +384,9 @@ def test_the_benchmark_writes_its_table_and_json(tmp_path):
 
     assert CONFIGS == [("colocated", 0), ("split", 0), ("split", 1), ("split", 2)]
     assert [(r["layout"], r["max_staleness"]) for r in runs] == CONFIGS
-    for r in runs:
-        assert r["steps_per_s"] > 0 and 0 < r["slow_side_busy"] <= 1.05 and 0 <= r["accuracy"] <= 1
-        assert r["slow_side"] in ("learner", "rollout") and r["load_before"] >= 0
+    for r in runs:  # timings are this machine's: their relations are checked, not their values
+        assert r["steps_per_s"] > 0 and 0 <= r["accuracy"] <= 1 and r["load_before"] >= 0
+        assert r["slow_side_busy"] == r[f"{r['slow_side']}_busy"] == max(r["learner_busy"], r["rollout_busy"]) > 0
     assert [r["staleness_mean"] for r in runs] == [0.0, 0.0, 1.0, 2.0]  # steps 5..7: past the first k
     assert "split k=1" in proc.stdout and "steps/s" in proc.stdout
 
