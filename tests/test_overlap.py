@@ -268,8 +268,11 @@ def test_the_split_process_never_outlives_a_stop_or_a_failure(tmp_path):
     assert error["event"] == "error" and error["kind"] == "rollout"
     assert f"the rollout process (pid {pid}, python -m grpo_core.stages.rollout" in error["message"]
     assert "was killed by SIGKILL" in error["message"]
+    log = error["message"].split("its log ", 1)[1].split(")", 1)[0]
+    assert os.path.exists(log)  # kept: its learner failed
     ev, _ = run_events(worker(lost, 6, env=env))  # the retry resumes
     assert ev[1]["event"] == "resumed" and digest(lost) == digest(straight)
+    assert not os.path.exists(log)  # the next split stage swept the log of a learner that is gone
 
     boom = tmp_path / "boom.py"
     boom.write_text(

@@ -42,6 +42,36 @@ def pin_process(cores: list[int]) -> list[int]:
 
 
 ROLLOUT_MODULE = "grpo_core.stages.rollout"
+# The rollout process's log in the system's temp folder, grpo-rollout-{learner pid}-xxxx.log: deleted
+# when it ends well; kept when it fails (its tail is in the error), until a later split stage finds
+# its learner gone (a retry, a SIGKILLed worker's next run)
+LOG_PREFIX = "grpo-rollout-"
+
+
+def remove_dead_logs(temp_dir: str | None = None) -> list[str]:
+    """Delete the rollout logs whose learner process is gone; the files deleted."""
+    removed = []
+    base = temp_dir or tempfile.gettempdir()
+    for name in os.listdir(base):
+        pid = name[len(LOG_PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(LOG_PREFIX) and name.endswith(".log") and pid.isdigit()) or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(base, name))
+            removed.append(os.path.join(base, name))
+        except OSError:  # another stage's sweep took it first
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 _SENDING = threading.Lock()  # a process's messages go out whole, whichever thread sends
@@ -85,7 +115,8 @@ class Split(_Ahead):
         self.learner_cores, self.rollout_cores = learner_and_rollout_cores(rollout_cfg)
         self._affinity = pin_process(self.learner_cores)
         ours, theirs = socket.socketpair()
-        fd, self.log_path = tempfile.mkstemp(prefix="grpo-rollout-", suffix=".log")
+        remove_dead_logs()
+        fd, self.log_path = tempfile.mkstemp(prefix=f"{LOG_PREFIX}{os.getpid()}-", suffix=".log")
         env = {
             **os.environ,
             ENV_ROLLOUT_CORES: ",".join(map(str, self.rollout_cores)),
