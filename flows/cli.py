@@ -482,6 +482,15 @@ def _print_estimate(e: dict) -> None:
         )
         print(f"  run     >= {_duration(e['run_s'])} = {e['num_steps']} steps x {_duration(e['step_s'])}{evals}")
     print(f"  ignores: {'; '.join(e['ignores'])}")
+    split = e.get("split")
+    if split is not None and split["async_step_s"] is not None:  # train.rollout.layout=split
+        print(
+            f"  split   learner {split['learner_chips']} chips >= {_duration(split['learner_s'])}, rollout "
+            f"{split['rollout_chips']} chips >= {_duration(split['rollout_s'])}: synchronous step >= "
+            f"{_duration(split['sync_step_s'])}, asynchronous (max_staleness >= 1, the {split['slower_side']}) >= "
+            f"{_duration(split['async_step_s'])}; every chip synchronous >= {_duration(split['colocated_step_s'])}"
+            + ("" if split["fits"] else " (a side does not fit its chips)")
+        )
     for line in e.get("advice") or []:
         print(f"  advice:  {line}")
 

@@ -122,6 +122,60 @@ class TrainLog:
         return f"  run ETA in {left:.0f} s" if left < 120 else f"  run ETA {_clock_time(left)}"
 
 
+class RolloutLog:
+    """The rollout side of an asynchronous run (train.max_staleness, train.rollout.layout), from a
+    training worker's events: where it runs, the version each step's batch came from, and the
+    seconds each side waited, summed over the worker's steps for the epoch's artifact."""
+
+    def __init__(self):
+        self.side: dict | None = None  # the rollout_side event: layout, max_staleness, pid and cores (split)
+        self.steps = 0
+        self.staleness_sum = self.staleness_max = 0.0
+        self.waits = {"learner_wait_s": 0.0, "rollout_wait_s": 0.0, "rollout_busy_s": 0.0}
+        self.version: int | None = None
+
+    def started(self, e: dict) -> str:
+        self.side = e
+        where = (
+            f"in a process of its own (pid {e['pid']}, cores {e['rollout_cores']}; the learner's "
+            f"{e['learner_cores']}; its log {e['log']})"
+            if e["layout"] == "split"
+            else "in a thread of the learner's process"
+        )
+        return f"the rollout runs {where}, at most {e['max_staleness']} policy version(s) behind the learner"
+
+    def step(self, e: dict) -> str:
+        """A step event's rollout part: its batch's version and staleness, and the waits (empty when synchronous)."""
+        if "async/version" not in e:
+            return ""
+        self.steps += 1
+        self.version = int(e["async/version"])
+        self.staleness_sum += e["async/staleness"]
+        self.staleness_max = max(self.staleness_max, e["async/staleness"])
+        for k in self.waits:
+            self.waits[k] += e[f"async/{k}"]
+        return (
+            f"  rollout v{self.version} (staleness {e['async/staleness']:.0f}), waited: learner "
+            f"{1000 * e['async/learner_wait_s']:.0f} ms, rollout {1000 * e['async/rollout_wait_s']:.0f} ms"
+        )
+
+    def row(self, epoch: int) -> dict | None:
+        """The epoch's row of the rollout artifact; None when no step was asynchronous."""
+        if not self.steps or self.side is None:
+            return None
+        return {
+            "epoch": epoch,
+            "layout": self.side["layout"],
+            "max_staleness": self.side["max_staleness"],
+            "steps": self.steps,
+            "last_version": self.version,
+            "staleness_mean": round(self.staleness_sum / self.steps, 3),
+            "staleness_max": self.staleness_max,
+            **{k: round(v, 3) for k, v in self.waits.items()},
+            "pid": self.side.get("pid"),
+        }
+
+
 def checkpoint_line(uri: str, unsaid: list[int]) -> str:
     if not unsaid:
         return f"checkpoint {uri}"

@@ -266,6 +266,7 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
     every = shown_progress.step_every(cfg.train.num_steps, cfg.train.log_every)  # ~50 step lines a run
     lines = shown_progress.TrainLog(epoch, cfg.train.num_steps, until, every)
     evals = shown_progress.EvalLog()
+    rollout = shown_progress.RolloutLog()  # the rollout side of an asynchronous run
     trackers = _trackers(cfg, root, log)
     shown = {"step": resumed_at, "t": time.monotonic()}
     # eval_s: seconds of the evaluations this worker ran after training
@@ -282,6 +283,8 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
         kind = e["event"]
         if kind in ("start", "resumed"):
             log.info("epoch %d: %s at step %d, training until %d", epoch, kind, e["step"], e["until"])
+        elif kind == "rollout_side":
+            log.info("epoch %d: %s", epoch, rollout.started(e))
         elif kind == "step":
             state["last"] = e
             # at the steps done after it (a step event's "step" counts from 0), as checkpoints and evaluations
@@ -291,15 +294,17 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
             if state["first_step_s"] is None:  # the first step of a process includes compilation
                 state["first_step_s"] = e["time/step"]
             s = int(e["step"]) + 1
+            side = rollout.step(e)
             if lines.step(s):
                 log.info(
-                    "step %d/%d  reward %.3f  kl %.4f  entropy %.3f  %.0f ms/step%s",
+                    "step %d/%d  reward %.3f  kl %.4f  entropy %.3f  %.0f ms/step%s%s",
                     s,
                     cfg.train.num_steps,
                     e["reward"],
                     e["kl"],
                     e["entropy"],
                     1000 * e["time/step"],
+                    side,
                     lines.step_suffix(s),
                 )
             if (eta := lines.eta(s)) is not None:
@@ -365,6 +370,7 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
         )
     finally:
         trackers.close()
+        _rollout_artifact(cfg, epoch, rollout)
     done = state["done"]
     if done is None:
         raise StageError(f"training epoch {epoch} ended without saying it was done", retryable=True)
@@ -384,6 +390,22 @@ def train_epoch(run_url: str, epoch: int, eval_steps: list[int] | None = None, e
     pct = 100.0 * min(1.0, until / total)
     update_progress_artifact(progress, pct, description=described(pct))
     return dict(info, skipped=False, eval_compute_s=round(state["eval_s"], 3))
+
+
+def _rollout_artifact(cfg: RunConfig, epoch: int, rollout: shown_progress.RolloutLog) -> None:
+    """An asynchronous epoch's rollout side as a table artifact (its version, staleness and waits),
+    failed attempts included: a failed rollout process shows where it stopped."""
+    row = rollout.row(epoch)
+    if row is None:
+        return
+    try:
+        create_table_artifact(
+            [row],
+            key=_key(f"rollout-{cfg.name}-epoch-{epoch}"),
+            description=f"The rollout side of epoch {epoch}: versions, staleness, the seconds each side waited",
+        )
+    except Exception as exc:  # noqa: BLE001 - reported after the stage's outcome, never instead of it
+        get_run_logger().warning("the rollout side's artifact of epoch %d was not written: %s", epoch, exc)
 
 
 def _trackers(cfg: RunConfig, root: RunRoot, log) -> Trackers:

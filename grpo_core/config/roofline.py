@@ -114,6 +114,54 @@ def step(
     }
 
 
+SPLIT_IGNORES = (
+    "the weights' copy from the learner's chips to the rollout's after each update (weight_bytes, not timed)",
+    "a side's waits when the two sides' times vary from step to step (the bound takes each side's as fixed)",
+)
+
+
+def split_step(
+    colocated: dict[str, Any],
+    learner: dict[str, Any],
+    rollout: dict[str, Any],
+    *,
+    max_staleness: int,
+    learner_chips: int,
+    rollout_chips: int,
+    weight_bytes: int,
+) -> dict[str, Any]:
+    """A step on a split of the chips (train.rollout.layout=split), from each side's own bound
+    (`step`'s, its programs compiled for its chips): synchronous (k = 0) each side waits for the
+    other, so the step is their sum; asynchronous (k >= 1) they overlap, so the step is the slower
+    side's. `colocated`: the synchronous step on every chip (the same programs on all of them)."""
+    side = {"learner": learner["step_s"], "rollout": rollout["step_s"]}
+    known = None not in side.values()
+    slower = max(side, key=lambda k: side[k]) if known else None
+    sync_s = sum(side.values()) if known else None
+    async_s = max(side.values()) if known else None
+    colo = colocated.get("step_s")
+    return {
+        "basis": "each side's roofline bound on its own chips; synchronous: their sum, asynchronous: the slower",
+        "learner_chips": learner_chips,
+        "rollout_chips": rollout_chips,
+        "max_staleness": max_staleness,
+        "learner_s": side["learner"],
+        "rollout_s": side["rollout"],
+        "learner_split_s": learner["split_s"],
+        "rollout_split_s": rollout["split_s"],
+        "slower_side": slower,
+        "sync_step_s": sync_s,
+        "async_step_s": async_s,
+        "step_s": async_s if max_staleness > 0 else sync_s,  # what this config's step is bound by
+        "colocated_step_s": colo,
+        "async_vs_colocated": colo / async_s if known and colo and async_s else None,
+        "weight_bytes": weight_bytes,
+        "missing": learner["missing"] + rollout["missing"],
+        "ignores": list(SPLIT_IGNORES),
+        "programs": {"learner": learner["programs"], "rollout": rollout["programs"]},
+    }
+
+
 def run(
     est: dict[str, Any],
     *,

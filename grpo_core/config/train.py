@@ -295,6 +295,13 @@ class RolloutEngineKind(enum.Enum):
         return cls.SGLANG if value == "sglang-jax" else None
 
 
+class RolloutLayout(enum.Enum):
+    """Where the rollout runs relative to the learner (grpo_core.rl.overlap)."""
+
+    COLOCATED = "colocated"  # in the learner's process, on its devices (with max_staleness >= 1: in a thread)
+    SPLIT = "split"  # a second local JAX process on devices (CPU cores) of its own, sent the weights each step
+
+
 class HttpApi(enum.Enum):
     OPENAI = "openai"  # POST /v1/completions, token-id prompts, logprobs=1
     SGLANG = "sglang"  # POST /generate with input_ids (SGLang / sglang-jax): exact token ids back
@@ -394,6 +401,20 @@ class RolloutConfig(Section):
         None, doc="http: where exports go (must be readable by the server); null: a temp folder", trust=Trust.WRITES
     )
     request_retries: int = field(2, doc="http: retries of a failed or timed-out request", ge=0, api_max=10)
+    # Where the rollout runs (grpo_core.rl.overlap). Neither changes what a step computes (each
+    # batch comes from the policy version train.max_staleness names, with the same PRNG keys and
+    # prompts): not in the training hash, like the mesh, and a run may resume in another layout.
+    layout: RolloutLayout = field(
+        RolloutLayout.COLOCATED,
+        doc="colocated: the rollout in the learner's process and devices; split: a second local process on cores of "
+        "its own (CPU backend), sent the weights after every update",
+    )
+    devices: int | None = field(
+        None,
+        doc="split: the CPU cores the rollout process takes (the learner keeps the rest; grpo check --target: the "
+        "chips); empty: half",
+        ge=1,
+    )
 
     def validate(self) -> None:
         check(
@@ -429,6 +450,27 @@ class RolloutConfig(Section):
                 "(SGLang: /update_weights_from_disk) so it serves each exported policy, or use "
                 "train.rollout.server=sglang-jax",
             )
+
+    def split_counts(self, available: int, what: str = "CPU cores") -> tuple[int, int]:
+        """(the learner's, the rollout's) share of `available` devices or cores under layout=split:
+        train.rollout.devices for the rollout (by default half), the rest for the learner."""
+        rollout = self.devices if self.devices is not None else max(1, available // 2)
+        check(
+            available >= 2 and rollout < available,
+            f"train.rollout.layout=split gives the rollout {rollout} of {available} {what} and the learner the rest, "
+            "which leaves the learner none: set train.rollout.devices lower, or use train.rollout.layout=colocated",
+        )
+        return available - rollout, rollout
+
+    def check_overlap(self, max_staleness: int) -> None:
+        """What the asynchronous rollout (train.max_staleness >= 1) and the split layout support so far."""
+        moved = self.layout is RolloutLayout.SPLIT or max_staleness > 0
+        check(
+            not moved or self.engine is RolloutEngineKind.JAX,
+            f"train.max_staleness={max_staleness} with train.rollout.layout={self.layout.value} runs the built-in "
+            f"sampler (train.rollout.engine=jax) for now, got engine={self.engine.value}: the sglang and http engines "
+            "already draw in a server of their own; use max_staleness: 0 and layout: colocated with them",
+        )
 
     def is_mode(self, compute_dtype: DType = DType.FLOAT32) -> ISCorrection:
         """The mismatch correction in force: `auto` resolved (on where the learner rescores)."""
@@ -566,6 +608,16 @@ class TrainConfig(Section):
         api_max=1000,
     )
     seed: int = field(0, doc="Seed of every step's sampling", ge=0)
+    # AReaL's max_head_offpolicyness, prime-rl's async level: the batch of step s is drawn by the
+    # policy after max(0, s - k) updates while the learner updates (grpo_core.rl.overlap); 0 is the
+    # synchronous run, the same code with no lag. Each batch keeps its version; none older is trained.
+    max_staleness: int = field(
+        0,
+        doc="Asynchronous rollout: the batch of step s is drawn by the policy of step max(0, s - k) while earlier "
+        "steps update (k policy versions of lag at most); 0: synchronous",
+        ge=0,
+        api_max=8,
+    )
     log_every: int | None = field(
         None, doc="Steps between the training task's step log lines; empty: about 50 a run (ceil(num_steps / 50))", ge=1
     )
@@ -598,6 +650,7 @@ class TrainConfig(Section):
     )
 
     def validate(self) -> None:
+        self.rollout.check_overlap(self.max_staleness)
         check(
             not self.sampling.greedy,
             "train.sampling.temperature must be > 0 for training: greedy decoding gives all "
@@ -622,6 +675,8 @@ class TrainConfig(Section):
         else:
             out["agent"] = agent
         del out["mesh"]  # where arrays live changes results only within float tolerance
+        if self.max_staleness == 0:  # synchronous: hashed as before the field existed
+            del out["max_staleness"]
         del out["remat"], out["logits_chunk_mib"]  # how memory is spent: the same numbers
         del out["reward_timeout_s"]  # a time limit: a run that finishes computes the same numbers
         out["log_every"] = 1  # how often the task logs changes no result; 1 is what runs before it was read hashed
@@ -653,7 +708,11 @@ class TrainConfig(Section):
         differentiates, so old_logp is its own log-probs held constant (stop_gradient), as TRL takes
         them when num_iterations is 1. The same numbers, one forward pass and one program fewer."""
         g = self.grpo
-        return self.rollout.learner_logprobs(compute_dtype) and g.num_iterations == 1 and g.minibatches_per_rollout == 1
+        # lagging batches (max_staleness >= 1): the update's policy is not the one that drew them, so
+        # its forward cannot stand for theirs (the ratio would be 1 and the lag hidden); the rollout
+        # side scores them with the policy that drew them (grpo_core.rl.overlap)
+        one = g.num_iterations == 1 and g.minibatches_per_rollout == 1 and self.max_staleness == 0
+        return self.rollout.learner_logprobs(compute_dtype) and one
 
     @property
     def memory_resolved(self) -> bool:

@@ -23,6 +23,10 @@ from typing import Iterator, Sequence
 # Set in a local worker's environment by the launcher: the worker stops when the process that
 # started it ends, however it ends (kill -9 included), i.e. when the worker is re-parented.
 ENV_WATCH_PARENT = "GRPO_STOP_WHEN_PARENT_EXITS"
+# Set by the learner in the split layout's rollout process (grpo_core.rl.split, grpo_core.stages.rollout),
+# read there before JAX loads: the CPU cores it runs on, and the learner's pid (it ends when that is gone)
+ENV_ROLLOUT_CORES = "GRPO_ROLLOUT_CORES"
+ENV_ROLLOUT_PARENT = "GRPO_ROLLOUT_PARENT"
 
 
 @contextlib.contextmanager

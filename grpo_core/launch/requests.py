@@ -16,11 +16,20 @@ from grpo_core.store.sources import model_config
 def request_for(cfg, vocab_size: int) -> dict[str, Any]:
     """The request for a run config's programs (grpo_core.config.run.RunConfig), for
     pipeline.readiness.target; `vocab_size`: the tokenizer's."""
+    train = cfg.train.replace(num_steps=1).to_dict()
+    # a synchronous, colocated, single-turn run's request as it was before these fields existed: its key holds
+    if train["max_staleness"] == 0:
+        del train["max_staleness"]
+    for name, default in (("layout", "colocated"), ("devices", None)):
+        if train["rollout"][name] == default:
+            del train["rollout"][name]
+    if not cfg.train.agent.enabled:
+        del train["agent"]
     return {
         "model": model_config(cfg, vocab_size=vocab_size).to_dict(),
         # num_steps (maybe still auto before the data is prepared) only sets the learning-rate
         # schedule's length: no program's shape or memory, so neither the key nor the compile sees it
-        "train": cfg.train.replace(num_steps=1).to_dict(),
+        "train": train,
         "max_prompt_tokens": cfg.data.max_prompt_tokens,
         "target": cfg.pipeline.readiness.target,
         "num_slices": cfg.pipeline.readiness.num_slices,

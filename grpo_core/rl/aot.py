@@ -56,7 +56,7 @@ from jax.sharding import SingleDeviceSharding
 from grpo_core.config import memory, roofline
 from grpo_core.config.model import DType, ModelConfig
 from grpo_core.config.target import MEGACORE, Target
-from grpo_core.config.train import ISCorrection, RematPolicy, TrainConfig
+from grpo_core.config.train import ISCorrection, MeshConfig, RematPolicy, RolloutLayout, TrainConfig
 from grpo_core.errors import ConfigError
 from grpo_core.generate import sampler
 from grpo_core.nn import lora as lora_mod
@@ -328,6 +328,7 @@ class RunPrograms:
         reward_models: tuple[memory.RewardModelShape, ...] = (),
     ):
         self.mc, self.train, self.devices = model, train, devices
+        self.max_prompt_tokens, self.lora, self.separate_reference = max_prompt_tokens, lora, separate_reference
         self.eval = evaluation or EvalShape()
         self.shapes = memory.Shapes.of(train, max_prompt_tokens)
         self.placement = pl = Placement.from_config(train.mesh, devices)
@@ -566,30 +567,9 @@ def check(
     run = RunPrograms(model, train, max_prompt_tokens, devices, evaluation, lora, separate_reference, reward_models)
     hbm, resident = target.hbm_bytes, run.resident()
     cache = cache or ProgramCache()
-    trainable = None if lora is None else lora_mod.num_adapter_params(model, lora)
-    layout = memory.Layout(*train.mesh.sizes(len(devices)))
-
-    formula = memory.update_bytes(
-        model,
-        train,
-        max_prompt_tokens,
-        trainable=trainable,
-        layout=layout,
-        backend="tpu",
-        separate_reference=separate_reference,
-    )
-
-    def try_update(remat, accum) -> dict[str, Any]:
-        compile_, extra = run.update(remat, accum)
-        r = analyse("update", compile_, sum(resident[k] for k in extra), hbm, cache)
-        r.update(remat=remat.value, grad_accum_steps=accum, formula_bytes=formula(remat, accum))
-        return r
-
+    try_update, hopeless = _update_trial(run, hbm, cache, resident)
     auto = train.remat is RematPolicy.AUTO or train.grpo.grad_accum_steps == "auto"
     cands = memory.candidates(train, backend="tpu")
-    # The formula chooses nothing here; it only skips what it says needs FORMULA_SKIP x the usable
-    # HBM (XLA refuses those anyway)
-    hopeless = lambda c: formula(*c) > FORMULA_SKIP * HEADROOM * hbm
     tried, fix = [], None
     pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="aot")
     programs = run.programs()
@@ -605,6 +585,8 @@ def check(
         pool.shutdown(cancel_futures=True)
     worst = max(results, key=lambda r: r["peak_bytes"] or math.inf)
     estimate = _estimate(run, results, target, ("update", *programs))
+    if train.rollout.layout is RolloutLayout.SPLIT:  # the same step with the chips split between the sides
+        estimate["split"] = _split(run, devices, target, estimate, cache)
     fits = all(r["fits"] for r in results)
     return {
         "target": target.to_dict(),
@@ -672,6 +654,80 @@ def _estimate(run: RunPrograms, results: list[dict[str, Any]], target: Target, n
             else sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(whole)),
         },
     )
+
+
+def _update_trial(run: RunPrograms, hbm: int, cache, resident: dict[str, int]):
+    """(try_update, hopeless) for `run`'s chips: try_update(remat, accum) compiles that update and
+    reports it; hopeless(candidate) says the formula puts it past FORMULA_SKIP x the usable HBM
+    (the formula chooses nothing; it only skips what XLA would refuse anyway)."""
+    trainable = None if run.lora is None else lora_mod.num_adapter_params(run.mc, run.lora)
+    formula = memory.update_bytes(
+        run.mc,
+        run.train,
+        run.max_prompt_tokens,
+        trainable=trainable,
+        layout=memory.Layout(*run.train.mesh.sizes(len(run.devices))),
+        backend="tpu",
+        separate_reference=run.separate_reference,
+    )
+
+    def try_update(remat, accum) -> dict[str, Any]:
+        compile_, extra = run.update(remat, accum)
+        r = analyse("update", compile_, sum(resident[k] for k in extra), hbm, cache)
+        r.update(remat=remat.value, grad_accum_steps=accum, formula_bytes=formula(remat, accum))
+        return r
+
+    return try_update, lambda c: formula(*c) > FORMULA_SKIP * HEADROOM * hbm
+
+
+def _split(run: RunPrograms, devices: list, target: Target, colocated: dict[str, Any], cache) -> dict:
+    """The step with the chips split (train.rollout.layout=split): the learner's programs (the
+    update, its remat and accumulation chosen for its chips as `check` chooses them, the
+    reference) compiled for the first chips, the rollout's (prefill, decode; with max_staleness >= 1 also the drawing
+    policy's log-probs where the learner would rescore them: the rollout side holds that version)
+    for the others (train.rollout.devices of them), each side on a mesh of its own chips. Its
+    `programs` say whether each fits there."""
+    train, k = run.train, run.train.max_staleness
+    learner_n, rollout_n = train.rollout.split_counts(len(devices), f"chips of {target.name}")
+    sides = {}
+    for name, chips in (("learner", devices[:learner_n]), ("rollout", devices[learner_n:])):
+        try:
+            part = RunPrograms(run.mc, train, run.max_prompt_tokens, chips, None, run.lora, run.separate_reference)
+        except ConfigError:  # train.mesh names sizes for every chip: the default mesh over this side's
+            part = RunPrograms(
+                run.mc, train.replace(mesh=MeshConfig()), run.max_prompt_tokens, chips, None, run.lora,
+                run.separate_reference,
+            )  # fmt: skip
+        resident = dict(part.resident(), rollout_copy=0)  # the rollout's weights are on its own chips
+        programs = part.programs()
+        results = []
+        if name == "learner":  # remat and accumulation chosen again for these chips, as check chooses them
+            try_update, hopeless = _update_trial(part, target.hbm_bytes, cache, resident)
+            cands = memory.candidates(part.train, backend="tpu")
+            results.append(_choose_update(part.train, cands, hopeless, try_update, [], max_extra=0)[0])
+            wanted = ("reference",) + (("old_logprobs",) if k == 0 else ())
+        else:  # its chips hold its weights (arguments) and nothing of the learner's
+            wanted = ("prefill", "decode") + (("old_logprobs",) if k > 0 else ())
+            resident = dict.fromkeys(resident, 0)
+        for program in (p for p in wanted if p in programs):
+            compile_, extra = programs[program]
+            results.append(analyse(program, compile_, sum(resident[r] for r in extra), target.hbm_bytes, cache))
+        names = tuple(r["program"] for r in results)
+        sides[name] = (_estimate(part, results, target, names), results)
+    whole = run.params if run.frozen is None else nnx.merge_state(run.frozen, run.params)
+    out = roofline.split_step(
+        colocated,
+        sides["learner"][0],
+        sides["rollout"][0],
+        max_staleness=k,
+        learner_chips=learner_n,
+        rollout_chips=rollout_n,
+        weight_bytes=sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(whole)),
+    )
+    out["fits"] = all(r["fits"] for _, results in sides.values() for r in results)
+    keep = ("program", "peak_bytes", "fits", "compile_s", "cached", "remat", "grad_accum_steps")
+    out["memory"] = {side: [{f: r[f] for f in keep if f in r} for r in rs] for side, (_, rs) in sides.items()}
+    return out
 
 
 def _choose_update(train: TrainConfig, cands, hopeless, try_update, tried: list, max_extra: int):

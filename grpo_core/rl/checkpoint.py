@@ -55,6 +55,11 @@ SET_ASIDE = "_set_aside"
 # Checkpointer.restore(..., layout=HOST): the arrays as numpy, in this process's memory
 HOST = "host"
 
+# An asynchronous run's batches drawn but not yet trained (grpo_core.rl.overlap.to_saved): two more
+# items of the checkpoint, its arrays and their record, written and finalised with it (the marker
+# covers them); `restore(step, like)` hands them back in the meta under this key.
+AHEAD = "ahead"
+
 
 class UnreadableCheckpointError(StorageError):
     """A finalised checkpoint that cannot be restored: its files are truncated, missing or not
@@ -132,7 +137,12 @@ class Checkpointer:
                 create=True,
                 cleanup_tmp_directories=cleanup_tmp,
             )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+            AHEAD: ocp.StandardCheckpointHandler(),
+            f"{AHEAD}_record": ocp.JsonCheckpointHandler(),
+        }
         self._mngr = ocp.CheckpointManager(directory, options=opts, item_handlers=handlers)
         if cleanup_tmp:  # Orbax deletes them in a thread of its own, awaited only by a save: wait now
             getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", lambda: None)()
@@ -141,16 +151,15 @@ class Checkpointer:
         """The folder of checkpoint `step` (Orbax's default step name: the number itself)."""
         return posixpath.join(self.directory.rstrip("/"), str(step))
 
-    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Start saving `state` as checkpoint `step` (the number of steps done). StorageError when
-        the folder no longer takes writes (this save's, or the one before it, which Orbax waits for)."""
+    def save(self, step: int, state: Any, meta: dict[str, Any], ahead: tuple[Any, dict] | None = None) -> None:
+        """Start saving `state` as checkpoint `step` (the number of steps done), and `ahead`, an
+        asynchronous run's batches drawn but not yet trained ((numpy arrays, JSON record)). StorageError
+        when the folder no longer takes writes (this save's, or the one before it, which Orbax waits for)."""
+        items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta, step=step)))
+        if ahead is not None:
+            items.update({AHEAD: ocp.args.StandardSave(ahead[0]), f"{AHEAD}_record": ocp.args.JsonSave(ahead[1])})
         with self._writable(step):
-            self._mngr.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta, step=step))
-                ),
-            )
+            self._mngr.save(step, args=ocp.args.Composite(**items))
         self._saving = step
 
     def wait(self) -> None:
@@ -223,10 +232,14 @@ class Checkpointer:
                     return self._restore_part(step, part), self._restore_meta(step)
             else:
                 abstract = jax.tree.map(_abstract, like)
-            out = self._mngr.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-            )
-            return out["state"], dict(out["meta"])
+            items = dict(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+            if like is not None and AHEAD in self._mngr.item_metadata(step):  # a run that resumes reads them too
+                items.update({AHEAD: ocp.args.StandardRestore(), f"{AHEAD}_record": ocp.args.JsonRestore()})
+            out = self._mngr.restore(step, args=ocp.args.Composite(**items))
+            meta = dict(out["meta"])
+            if AHEAD in items:
+                meta[AHEAD] = (out[AHEAD], dict(out[f"{AHEAD}_record"]))
+            return out["state"], meta
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise

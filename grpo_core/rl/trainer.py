@@ -6,127 +6,45 @@ the reward functions) and the step's metrics at the end.
 
 Determinism for resume: step s draws its prompts from `PromptSource.sample(s, round, n)` and its
 PRNG key from (seed, s, round), so a run restored at step s continues exactly as it would have.
+With train.max_staleness = k >= 1 the batch of step s is drawn by the policy after max(0, s - k)
+updates, ahead of the learner (grpo_core.rl.overlap); the batches a checkpoint's versions cannot
+draw again are saved in it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_core.agent import episodes
-from grpo_core.agent.episodes import Turns
-from grpo_core.agent.tools import Toolbox, load_toolbox
+from grpo_core.agent.tools import Toolbox
 from grpo_core.config import memory as mem
 from grpo_core.config.model import DType
-from grpo_core.config.train import ISCorrection, RewardAggregation, TrainConfig
+from grpo_core.config.train import ISCorrection, RewardAggregation, RolloutLayout, TrainConfig
 from grpo_core.engines import make_engine
-from grpo_core.errors import NonFiniteError
-from grpo_core.generate.sampler import (
-    SamplerOptions,
-    completion_ids,
-    completion_texts,
-    pad_prompts,
-    spec_of,
-    step_key,
-    stop_ids,
-)
+from grpo_core.errors import ConfigError, NonFiniteError
+from grpo_core.generate.sampler import spec_of, step_key
 from grpo_core.nn import lora
 from grpo_core.nn.model import CausalLM
 from grpo_core.rewards import functions as rw
 from grpo_core.rewards import reward_model
-from grpo_core.rl import algo
-from grpo_core.rl.checkpoint import Checkpointer, SetAside
+from grpo_core.rl import algo, overlap, split
+from grpo_core.rl.checkpoint import AHEAD, Checkpointer, SetAside
 from grpo_core.rl.learner import Learner, LossParams, is_shapes
-from grpo_core.rl.types import Batch, Completions, TrainState
+from grpo_core.rl.rollouts import PromptSource, Rollout, RolloutMaker, Tokenizer, sampling_setup
+from grpo_core.rl.types import Batch, TrainState
 from grpo_core.runtime.mesh import Placement
 
 log = logging.getLogger(__name__)
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int
-    pad_token_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class PromptSource(Protocol):
-    def sample(self, step: int, round_: int, n: int) -> list[dict[str, Any]]:
-        """n rows, each {"prompt": str, **columns}; a pure function of (step, round_)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Rollout:
-    """One step's completions on the host, P groups of G rows, with their prompts and rewards."""
-
-    rows: list[dict[str, Any]]  # the P prompt rows
-    prompt_tokens: np.ndarray  # (P, Tp) left-padded, one row per group
-    prompt_valid: np.ndarray  # (P, Tp)
-    completions: Completions  # the B = P * G rows the engine drew (numpy)
-    texts: list[str]  # the completions decoded, what the reward functions read
-    rewards: np.ndarray  # (B,) NaN = excluded
-    per_function: dict[str, np.ndarray]
-    # episodes (train.agent): per row, the turns taken and the calls made, failed and made of each
-    # tool ("turns", "calls", "errors", "tools/<name>/calls"); and the tool calls' wall time
-    episode: dict[str, np.ndarray] | None = None
-    tool_seconds: float = 0.0
-
-
-def _episode_rows(eps: "episodes.Episodes", tool_names) -> dict[str, np.ndarray]:
-    """Per row: turns, calls, errors and each tool's calls (Rollout.episode)."""
-    out = {
-        "turns": np.asarray(eps.turns, np.float64),
-        "calls": np.asarray([len(c) for c in eps.calls], np.float64),
-        "errors": np.asarray([sum(x.error for x in c) for c in eps.calls], np.float64),
-    }
-    for name in tool_names:
-        out[f"tools/{name}/calls"] = np.asarray([sum(x.name == name for x in c) for c in eps.calls], np.float64)
-    return out
-
-
-def _repad(x: np.ndarray, width: int, fill) -> np.ndarray:
-    """Left-pad (B, T) to (B, width): prompts of different buckets share one batch."""
-    if x.shape[1] == width:
-        return x
-    out = np.full((x.shape[0], width), fill, x.dtype)
-    out[:, width - x.shape[1] :] = x
-    return out
-
-
-def _select_groups(parts: list[Rollout], g: int, idx: list[tuple[int, int]], pad: int) -> Rollout:
-    """Concatenate groups (part index, group index) from several sampling rounds."""
-    width = max(p.prompt_tokens.shape[1] for p in parts)
-    cat = lambda f: np.concatenate([f(parts[p], slice(j * g, (j + 1) * g)) for p, j in idx])
-    one = lambda f: np.concatenate([f(parts[p], slice(j, j + 1)) for p, j in idx])
-    groups = lambda *xs: np.concatenate([xs[p][j * g : (j + 1) * g] for p, j in idx])  # one field of every part
-    return Rollout(
-        rows=[parts[p].rows[j] for p, j in idx],
-        prompt_tokens=one(lambda r, s: _repad(r.prompt_tokens[s], width, pad)),
-        prompt_valid=one(lambda r, s: _repad(r.prompt_valid[s], width, False)),
-        completions=jax.tree.map(groups, *(part.completions for part in parts)),
-        texts=[c for p, j in idx for c in parts[p].texts[j * g : (j + 1) * g]],
-        rewards=cat(lambda r, s: r.rewards[s]),
-        per_function={
-            k: np.concatenate([parts[p].per_function[k][j * g : (j + 1) * g] for p, j in idx])
-            for k in parts[0].per_function
-        },
-        episode=None
-        if parts[0].episode is None
-        else {k: np.concatenate([parts[p].episode[k][j * g : (j + 1) * g] for p, j in idx]) for k in parts[0].episode},
-        tool_seconds=sum(pt.tool_seconds for pt in parts),
-    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -157,6 +75,7 @@ class GRPOTrainer:
         memory_plan: "mem.Plan | None" = None,
         reference: CausalLM | None = None,
         toolbox: "Toolbox | None" = None,
+        rollout_argv: Sequence[str] | None = None,
     ):
         """`memory_plan` (grpo_core.config.memory.plan) chooses train.remat and grad_accum_steps where the
         config says auto; without one they are chosen here from this process's devices (the worker
@@ -164,6 +83,8 @@ class GRPOTrainer:
         is not `model` as given (a continual run's original base, model.reference: base), a model
         of the same architecture without adapters. `toolbox`: the tools and environment of
         train.agent, loaded (grpo_core.agent.tools.load_toolbox; loaded here when not given).
+        `rollout_argv`: with train.rollout.layout=split, the arguments that tell the rollout process
+        (grpo_core.stages.rollout) which run to read (`--root URL [--config FILE]`: the worker's own).
 
         `model` may be shapes only (nnx.eval_shape, no LoRA, no reference kept): a trainer that
         resumes, whose state a checkpoint fills (`restore`), so the starting policy is never
@@ -196,9 +117,6 @@ class GRPOTrainer:
         if self.frozen is not None:
             self.frozen = self.placement.put_params(self.frozen)
         g = cfg.grpo
-        self.opts = SamplerOptions.from_config(
-            cfg.sampling, eos_ids if eos_ids is not None else stop_ids(tokenizer), tokenizer.pad_token_id
-        )
         hp = LossParams.from_train(cfg, model.config.dtype)
         total_updates = cfg.num_steps * g.num_iterations * g.minibatches_per_rollout
         self.learner = _learner(self.graphdef, cfg.optimizer, hp, total_updates, ref_graphdef, self.placement)
@@ -226,35 +144,78 @@ class GRPOTrainer:
         self.state: TrainState = self.learner.init_state(params)
         self.step = 0  # the next step to run
         self._compiled: dict[tuple[int, int], list] = {}  # prompt shape -> learner compile futures
+        self._compile_lock = threading.Lock()  # the rollout side asks for the learner's programs too
         self._t = dict.fromkeys(
             ("rollout", "rewards", "reference", "update", "sync", "rescore"), 0.0
         )  # this step's split
         # The rollout engine (train.rollout): the built-in sampler reads self.params at each call;
         # sglang / http engines hold their own copy, sent by _sync_engine after every update.
         # train.agent: each row an episode of turns and tool calls (grpo_core.agent.episodes)
-        self.turns = None
-        if cfg.agent.enabled:
-            self.turns = Turns.of(
-                cfg.agent,
-                tokenizer,
-                toolbox if toolbox is not None else load_toolbox(cfg.agent),
-                self.opts.eos_ids,
-                self.opts.pad_id,
-                cfg.sampling.prompt_buckets,
-                cfg.sampling.max_new_tokens,
-            )
-            self.opts = dataclasses.replace(self.opts, eos_ids=self.turns.eos_ids)  # a call ends a turn too
-        self.engine = make_engine(
-            cfg.rollout,
+        self.opts, self.turns = sampling_setup(cfg, tokenizer, eos_ids, toolbox)
+        self.model_config = model.config
+        self.engine = self._engine(lambda: self.params)
+        self.maker = RolloutMaker(
+            cfg, tokenizer, rewards, prompts, self.engine, self.opts, self.turns, self._t, self._before_round
+        )
+        # Where each step's batch comes from (grpo_core.rl.overlap): drawn when the step asks for it
+        # (k = 0, colocated: the synchronous run), or ahead by a thread or a process of its own.
+        self.until = cfg.num_steps  # the last step this process trains (the worker sets its epoch's end)
+        self._held: list[overlap.Made] = []  # the batches ahead a restored checkpoint kept
+        self._state_spec = None  # the state's shapes, for compiling the learner from the rollout side's thread
+        self.source = self._source(rollout_argv)
+
+    def _engine(self, params_fn):
+        return make_engine(
+            self.cfg.rollout,
             graphdef=self.graphdef,
-            params_fn=lambda: self.params,
-            model_config=model.config,
+            params_fn=params_fn,
+            model_config=self.model_config,
             opts=self.opts,
-            batch_size=g.batch_size,
-            tokenizer=tokenizer,
-            seed=cfg.seed,
+            batch_size=self.cfg.grpo.batch_size,
+            tokenizer=self.tokenizer,
+            seed=self.cfg.seed,
             placement=self.placement,
         )
+
+    def _source(self, rollout_argv):
+        """The rollout side train.max_staleness and train.rollout.layout ask for (grpo_core.rl.overlap)."""
+        cfg, k = self.cfg, self.cfg.max_staleness
+        if cfg.rollout.layout is RolloutLayout.COLOCATED and k == 0:
+            return overlap.Inline(self.maker)
+        if jax.process_count() > 1:
+            raise ConfigError(
+                f"train.max_staleness={k} / train.rollout.layout={cfg.rollout.layout.value} runs on one host for now; "
+                f"this run has {jax.process_count()} processes: use max_staleness 0 and layout colocated"
+            )
+        if cfg.rollout.layout is RolloutLayout.SPLIT:
+            if jax.default_backend() != "cpu":
+                raise ConfigError(
+                    "train.rollout.layout=split starts a second process on CPU cores of its own, on the CPU backend "
+                    f"only for now (this one is {jax.default_backend()}): use layout colocated here; grpo check "
+                    "--target estimates a split of a TPU's chips"
+                )
+            if rollout_argv is None:
+                raise ConfigError(
+                    "train.rollout.layout=split needs a run root for its rollout process to read: run it through "
+                    "the worker (grpo run, grpo train), not a trainer built in this process"
+                )
+            return split.Split(
+                list(rollout_argv),
+                k,
+                self._host_policy,
+                self._compile_learner,
+                self.model_config,
+                cfg.rollout,
+            )
+        slot: list = [None]
+        timers = {"rewards": 0.0}
+        engine = self._engine(lambda: slot[0])
+        maker = RolloutMaker(
+            cfg, self.tokenizer, self.rewards, self.prompts, engine, self.opts, self.turns, timers,
+            lambda ptok, pval, key: self._before_round_ahead(engine, ptok, pval, key),
+        )  # fmt: skip
+        score = self._score_behaviour if self.rescore else None
+        return overlap.Colocated(maker, slot, k, self._snapshot, score)
 
     def _plan(self, mc, cfg: TrainConfig, params) -> "mem.Plan":
         """A memory plan from this process's devices, for prompts of up to 64 tokens (the worker
@@ -292,13 +253,23 @@ class GRPOTrainer:
         another). The sampler's compilation is waited for here; the learner's in `_wait_compiled`."""
         if ptok.shape in self._compiled:
             return
+        sampler_jobs = self.engine.compile_jobs(ptok, pval, key, self.cfg.grpo.num_generations)
+        learner_jobs = self._learner_jobs(ptok.shape, self.state)
+        pool = ThreadPoolExecutor(max_workers=len(sampler_jobs) + len(learner_jobs))
+        self._compiled[ptok.shape] = [pool.submit(job) for job in learner_jobs]  # the longest first
+        for f in [pool.submit(job) for job in sampler_jobs]:
+            f.result()
+        pool.shutdown(wait=False)  # its threads finish the learner's jobs, then exit
+
+    def _learner_jobs(self, shape: tuple[int, int], state) -> list:
+        """The learner's compilations (update, reference) for batches of prompts of `shape` (P, Tp)."""
         g_cfg, n = self.cfg.grpo, self.opts.max_new_tokens
         b = g_cfg.batch_size
         per_token = lambda dtype: jax.ShapeDtypeStruct((b, n), dtype)
         batch_spec = spec_of(
             Batch(
-                prompt_tokens=ptok,
-                prompt_valid=pval,
+                prompt_tokens=jax.ShapeDtypeStruct(shape, jnp.int32),
+                prompt_valid=jax.ShapeDtypeStruct(shape, jnp.bool_),
                 targets=per_token(jnp.int32),
                 mask=per_token(jnp.float32),
                 advantages=jax.ShapeDtypeStruct((b,), jnp.float32),
@@ -307,113 +278,68 @@ class GRPOTrainer:
                 rollout_weight=per_token(jnp.float32) if self._weighs_batch else None,
             )
         )
-        sampler_jobs = self.engine.compile_jobs(ptok, pval, key, g_cfg.num_generations)
-        learner_jobs = self.learner.compile_jobs(
-            self.state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference, self.frozen, self.ref_params
+        return self.learner.compile_jobs(
+            state, batch_spec, g_cfg.minibatches_per_rollout, g_cfg.needs_reference, self.frozen, self.ref_params
         )
-        pool = ThreadPoolExecutor(max_workers=len(sampler_jobs) + len(learner_jobs))
-        self._compiled[ptok.shape] = [pool.submit(job) for job in learner_jobs]  # the longest first
-        for f in [pool.submit(job) for job in sampler_jobs]:
-            f.result()
-        pool.shutdown(wait=False)  # its threads finish the learner's jobs, then exit
+
+    def _compile_learner(self, shape: tuple[int, ...]) -> None:
+        """Start compiling the learner's programs for a prompt shape the rollout side met first
+        (called from its thread, or the split process's reader), unless done or under way."""
+        with self._compile_lock:
+            if tuple(shape) in self._compiled:
+                return
+            jobs = self._learner_jobs(tuple(shape), self._state_spec)
+            pool = ThreadPoolExecutor(max_workers=len(jobs))
+            self._compiled[tuple(shape)] = [pool.submit(job) for job in jobs]
+            pool.shutdown(wait=False)
 
     def _wait_compiled(self) -> None:
         """Block until background compilation is done (a call before it would compile again)."""
-        for futures in self._compiled.values():
+        with self._compile_lock:
+            pending = list(self._compiled.values())
+        for futures in pending:
             for f in futures:
                 f.result()  # raises what compilation raised
 
     # -- rollout ---------------------------------------------------------------------------
 
-    def _sample_round(self, step: int, round_: int) -> Rollout:
-        g, p = self.cfg.grpo.num_generations, self.cfg.grpo.prompts_per_step
-        rows = self.prompts.sample(step, round_, p)
-        encoded = [r["prompt_ids"] if "prompt_ids" in r else self.tokenizer.encode(r["prompt"]) for r in rows]
-        ptok, pval = pad_prompts(encoded, self.cfg.sampling.prompt_buckets, self.opts.pad_id)
-        self._precompile(ptok, pval, step_key(self.cfg.seed, step, round_))
+    def _before_round(self, ptok: np.ndarray, pval: np.ndarray, key) -> None:
+        """Before each sampling round of a synchronous step: its programs, and the current policy served."""
+        self._precompile(ptok, pval, key)
         if self.engine.synced_step != self.step:  # a new trainer or a restored checkpoint
             self._sync_engine(self.step)
-        key = step_key(self.cfg.seed, step, round_)
-        eps = None
-        if self.turns is None:
-            out = self.engine.generate(ptok, pval, key, g)  # host arrays
-            texts = completion_texts(self.tokenizer, out.tokens, out.lengths, self.opts.eos_ids)
-        else:  # episodes: turns of the engine's generate, tool calls between them
-            eps, ptok, pval = episodes.run(
-                self.engine.generate, self.turns, rows, ptok, pval, key, g, self._prompt_with
-            )
-            out, texts = eps.completions, eps.finals
-        try:
-            scored = self._score(step, round_, rows, out, texts, eps)
-        finally:
-            if eps is not None:
-                eps.close()  # after the rewards: an environment's get_reward reads its instance
-        return Rollout(
-            rows=rows,
-            prompt_tokens=ptok,
-            prompt_valid=pval,
-            completions=out,
-            texts=texts,
-            rewards=scored.total,
-            per_function=scored.per_function,
-            episode=None if eps is None else _episode_rows(eps, self.turns.toolbox.names),
-            tool_seconds=0.0 if eps is None else eps.tool_seconds,
-        )
 
-    def _score(self, step: int, round_: int, rows, out: Completions, texts, eps) -> rw.RewardResult:
-        """The rewards of one round's completions (or episodes: the built-ins score each final
-        answer, a user's function the whole episode, with its tool calls and environment)."""
-        prompts, completions, columns = rw.reward_inputs(
-            rows,
-            texts,
-            repeat=self.cfg.grpo.num_generations,
-            completion_ids=completion_ids(out.tokens, out.lengths),
-            state=rw.TrainerState(global_step=step, max_steps=self.cfg.num_steps),
-        )
-        whole = None
-        if eps is not None:
-            columns.update(episodes.reward_columns(eps))
-            whole = eps.messages if completions and isinstance(completions[0], list) else texts
-        t_rew = time.perf_counter()
-        scored = rw.score(
-            self.rewards,
-            prompts,
-            completions,
-            columns,
-            timeout_s=self.cfg.reward_timeout_s,  # each function's call; RewardTimeout past it
-            batch=f"the batch of step {step}" + (f" (sampling round {round_})" if round_ else ""),
-            episodes=whole,
-        )
-        self._t["rewards"] += time.perf_counter() - t_rew
-        return scored
-
-    def _prompt_with(self, row: dict[str, Any], observation: str) -> list[int]:
-        """A row's prompt tokens with an environment's first observation added (episodes.run)."""
-        return episodes.prompt_with(self.tokenizer, row, observation)
+    def _before_round_ahead(self, engine, ptok: np.ndarray, pval: np.ndarray, key) -> None:
+        """Before each round the colocated thread draws: the sampler's programs compiled there, the
+        learner's started beside them."""
+        if ptok.shape in self._compiled:
+            return
+        self._compile_learner(ptok.shape)
+        for job in engine.compile_jobs(ptok, pval, key, self.cfg.grpo.num_generations):
+            job()
 
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
-        """Sample P groups; with dynamic sampling keep only groups whose rewards differ, drawing
-        more rounds (at most max_sampling_rounds) and topping up with zero-variance groups last."""
-        g_cfg = self.cfg.grpo
-        g, p = g_cfg.num_generations, g_cfg.prompts_per_step
-        parts, keep, spare = [], [], []
-        for round_ in range(g_cfg.max_sampling_rounds if g_cfg.dynamic_sampling else 1):
-            part = self._sample_round(step, round_)
-            parts.append(part)
-            zero = algo.zero_std_groups(np.asarray(part.rewards, np.float32), g)
-            if round_ == 0:
-                first_zero = float(zero.mean())
-            for j in range(p):
-                (spare if g_cfg.dynamic_sampling and zero[j] else keep).append((round_, j))
-            if len(keep) >= p:
-                break
-        chosen = (keep + spare)[:p]
-        info = {
-            "sampling_rounds": float(len(parts)),
-            "frac_reward_zero_std": first_zero,
-            "rollout_tokens": float(sum(int(pt.completions.lengths.sum()) for pt in parts)),
-        }
-        return (_select_groups(parts, g, chosen, self.opts.pad_id) if len(parts) > 1 else parts[0]), info
+        """Step `step`'s batch drawn now by the current policy (RolloutMaker.rollout)."""
+        return self.maker.rollout(step)
+
+    def _snapshot(self, trainable):
+        """A copy of the policy for the colocated thread (each update donates the learner's arrays)."""
+        copy = jax.tree.map(jnp.copy, trainable)
+        return copy if self.frozen is None else nnx.merge_state(self.frozen, copy)
+
+    def _host_policy(self, trainable):
+        """The policy as numpy, for the split rollout process: a plain model (LoRA merged), as the
+        other engines are sent it."""
+        params = trainable
+        if self.frozen is not None:
+            params = nnx.state(lora.merge(nnx.merge(self.graphdef, self.frozen, trainable)), nnx.Param)
+        return jax.device_get(nnx.to_pure_dict(params))
+
+    def _score_behaviour(self, params, ro: Rollout) -> np.ndarray:
+        """The drawing policy's log-probs of a batch in the learner's numerics (the colocated thread,
+        which holds that version): old_logp where the learner would rescore the sampler's."""
+        batch = {"prompt_tokens": ro.prompt_tokens, "prompt_valid": ro.prompt_valid, "targets": ro.completions.tokens}
+        return np.asarray(jax.device_get(self.learner.score_policy(params, self.placement.put_batch(batch))))
 
     # -- learning --------------------------------------------------------------------------
 
@@ -475,15 +401,28 @@ class GRPOTrainer:
         if is_shapes(self.state):  # built from shapes: a checkpoint, or start_from, fills it first
             raise RuntimeError("this trainer was built from shapes: restore a checkpoint, or start_from a model, first")
         step = self.step
-        self._t = dict.fromkeys(self._t, 0.0)
+        for k in self._t:
+            self._t[k] = 0.0
         t0 = time.perf_counter()
-        ro, info = self.rollout(step)
-        self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"] - self._t["sync"]
+        if not self.source.started:
+            self._state_spec = spec_of(self.state)
+            end = min(self.cfg.num_steps, self.until + self.cfg.max_staleness)
+            self.source.start(step, self.state["params"], self._held, end)
+        made, waited = self.source.take(step)  # the batch of this step, drawn by version made.version
+        ro, info = made.rollout, made.info
+        if self.source.inline:
+            self._t["rollout"] = time.perf_counter() - t0 - self._t["rewards"] - self._t["sync"]
+        else:
+            self._t.update(rollout=made.seconds["rollout"], rewards=made.seconds["rewards"])
+            self._compile_learner(ro.prompt_tokens.shape)  # rounds of several prompt widths make a wider batch
         batch = self._batch(ro)
         self._wait_compiled()
         if self.rescore and not self.rescore_in_update:
             t = time.perf_counter()
-            behaviour = self.learner.score_policy(self.params, batch).block_until_ready()  # the current policy's
+            if made.behaviour_logp is None:  # drawn by the current policy: scored here
+                behaviour = self.learner.score_policy(self.params, batch).block_until_ready()
+            else:  # drawn by an older one: scored by the side that held it
+                behaviour = self.placement.put_batch(np.asarray(made.behaviour_logp, np.float32))
             weights, mismatch = _rollout_weights(
                 behaviour, batch.old_logp, batch.mask, self.is_mode, self.cfg.rollout.is_cap
             )
@@ -497,8 +436,23 @@ class GRPOTrainer:
         t = time.perf_counter()
         learner_metrics = jax.device_get(self._update(step, batch))  # host sync: the step's end
         self._t["update"] = time.perf_counter() - t
-        self._sync_engine(step + 1)  # the engine serves the updated policy from the next rollout on
+        if self.source.inline:
+            self._sync_engine(step + 1)  # the engine serves the updated policy from the next rollout on
+        else:
+            t = time.perf_counter()
+            self.source.publish(step + 1, self.state["params"])  # the rollout side draws with it from now on
+            self._t["sync"] = time.perf_counter() - t
         metrics = self._metrics(step, ro, info, learner_metrics)
+        if not self.source.inline:
+            metrics.update(
+                {
+                    "async/version": float(made.version),
+                    "async/staleness": float(step - made.version),  # versions behind the policy it updates
+                    "async/learner_wait_s": waited,  # the learner waiting for this batch
+                    "async/rollout_wait_s": made.seconds["wait"],  # the rollout side waiting for its version
+                    "async/rollout_busy_s": made.seconds["rollout"] + made.seconds["rewards"] + made.seconds["score"],
+                }
+            )
         metrics["time/step"] = time.perf_counter() - t0
         self.step += 1
         return metrics
@@ -520,8 +474,12 @@ class GRPOTrainer:
         self._t["sync"] += time.perf_counter() - t
 
     def close(self) -> None:
-        """Stop the rollout engine (an in-process engine's threads, or a server this run started)."""
-        self.engine.close()
+        """Stop the rollout side (a thread, or the split layout's process) and the rollout engine (an
+        in-process engine's threads, or a server this run started)."""
+        try:
+            self.source.close()
+        finally:
+            self.engine.close()
 
     def _metrics(self, step, ro: Rollout, info, lm) -> dict[str, float]:
         r = ro.rewards[~np.isnan(ro.rewards)]
@@ -574,7 +532,11 @@ class GRPOTrainer:
         """Checkpoint after `self.step` steps. The reference policy is not saved: it is the model
         this trainer was built from, which a resumed run builds again from the same source; with
         LoRA neither is the base (the state holds the adapters only)."""
-        ckpt.save(self.step, self.state, {"seed": self.cfg.seed, "config_hash": config_hash})
+        ahead = None
+        if not self.source.inline:  # drawn by versions before this step, which the checkpoint does not hold
+            batches = self.source.ahead(self.step) if self.source.started else self._held
+            ahead = overlap.to_saved(batches) if batches else None
+        ckpt.save(self.step, self.state, {"seed": self.cfg.seed, "config_hash": config_hash}, ahead=ahead)
 
     def restore(
         self,
@@ -610,6 +572,7 @@ class GRPOTrainer:
                 return False
             _, state, meta = found
         self.state, self.step = state, int(meta["step"])
+        self._held = overlap.from_saved(*meta[AHEAD]) if AHEAD in meta else []
         return True
 
     def start_from(self, model: CausalLM) -> None:

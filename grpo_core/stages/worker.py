@@ -18,7 +18,8 @@ programs while it trains.
 Progress goes to stdout as JSON lines, one object per event:
 
     {"event": "start" | "resumed", "step": s, "until": N}
-    {"event": "step", "step": s, "reward": ..., ...}          # after each step
+    {"event": "rollout_side", "layout": ..., "max_staleness": k, ...}  # k >= 1 or split: where the rollout runs
+    {"event": "step", "step": s, "reward": ..., ...}          # after each step (async/*: its batch's version, waits)
     {"event": "checkpoint", "step": s, "uri": ...}            # durable: safe to be killed now
     {"event": "done", "step": N, "steps_run": n}
     {"event": "eval", "step": s, "uri": ..., "cached": bool, "accuracy": ..., ...}
@@ -172,7 +173,7 @@ def _output_gone() -> None:
     _request_stop("the process that read its output is gone")
 
 
-def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
+def train(parts, until_step: int, then_eval: list[int] | None = None, config_file: str | None = None) -> int:
     from grpo_core.config import memory  # worker start: config
     from grpo_core.data.prepare import DatasetPrompts  # worker start: fsspec
     from grpo_core.rewards import reward_model  # worker start: fsspec
@@ -225,8 +226,11 @@ def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
             placement=placement,
             memory_plan=plan,
             reference=parts.reference_policy(placement) if needs_reference else None,
+            # train.rollout.layout=split: the rollout process reads this same run (grpo_core.stages.rollout)
+            rollout_argv=["--root", root.url] + (["--config", config_file] if config_file else []),
         )
         stack.enter_context(contextlib.closing(trainer))
+        trainer.until = until_step  # the rollout side draws no batch past what this stage's checkpoints keep
         # A newest checkpoint that fails to restore is set aside (moved, not deleted) and the next
         # older one tried; each one says so: step, uri, moved_to, error, next_step and a message.
         resumed = trainer.restore(
@@ -239,6 +243,8 @@ def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
         if then_eval and start < until_step:
             _eval_ahead(parts, trainer)
         _emit("resumed" if resumed else "start", step=start, until=until_step)
+        if not trainer.source.inline:  # the rollout side: where it runs and how far it may lag
+            _emit("rollout_side", **_rollout_side(trainer))
         pending: list[dict[str, Any]] = []
         flat = 0  # steps in a row on which every group's rewards were all equal
         while trainer.step < until_step:
@@ -246,8 +252,10 @@ def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
             pending.append(m)
             flat = flat + 1 if m.get("frac_reward_zero_std", 0.0) >= 1.0 else 0
             no_signal(flat, trainer.step, cfg.pipeline, [r.describe() for r in parts.rewards])
-            _emit("step", **{k: m[k] for k in ("step", *_STEP_KEYS) if k in m}, **memory.peak_bytes())
-            _test_hook("step", step=trainer.step, root_url=root.url)
+            shown = {k: m[k] for k in ("step", *_STEP_KEYS) if k in m}
+            shown.update({k: v for k, v in m.items() if k.startswith("async/")})  # asynchronous rollouts
+            _emit("step", **shown, **memory.peak_bytes())
+            _test_hook("step", step=trainer.step, root_url=root.url, rollout_pid=_rollout_pid(trainer))
             stop = _STOP.is_set()
             if trainer.step % every == 0 or trainer.step == until_step or stop:
                 if _PRIMARY:
@@ -267,6 +275,26 @@ def train(parts, until_step: int, then_eval: list[int] | None = None) -> int:
                 return ExitCode.INTERRUPTED
     _emit("done", step=trainer.step, steps_run=trainer.step - start)
     return 0
+
+
+def _rollout_pid(trainer) -> int | None:
+    proc = getattr(trainer.source, "proc", None)
+    return None if proc is None else proc.pid
+
+
+def _rollout_side(trainer) -> dict[str, Any]:
+    """The rollout_side event: the layout, the staleness bound, and the split process's pid and cores."""
+    cfg = trainer.cfg
+    out: dict[str, Any] = {"layout": cfg.rollout.layout.value, "max_staleness": cfg.max_staleness}
+    proc = getattr(trainer.source, "proc", None)
+    if proc is not None:
+        out.update(
+            pid=proc.pid,
+            rollout_cores=trainer.source.rollout_cores,
+            learner_cores=trainer.source.learner_cores,
+            log=trainer.source.log_path,
+        )
+    return out
 
 
 def _compiler_choice(parts):
@@ -779,7 +807,7 @@ def _run(args) -> int:
             if args.until_step < 0:
                 raise ConfigError(f"--until-step must be >= 0, got {args.until_step}")
             then_eval = _steps(args.then_eval, "--then-eval")
-            rc = train(parts, args.until_step, then_eval)
+            rc = train(parts, args.until_step, then_eval, config_file=args.config)
             if rc or _STOP.is_set():
                 return rc
             # The stages after training, in this process (tasks.stages.train_epoch asks for them):
