@@ -140,3 +140,14 @@ def test_grpo_check_names_each_reward_model(rm, tmp_path):
         not bad["ok"] and bad["detail"].startswith("rewards[1].model") and "not a sequence classifier" in bad["detail"]
     )
     assert "ForSequenceClassification" in bad["fix"]
+
+
+def test_a_reward_model_is_refused_with_the_split_layout():
+    """The split layout's rollout process scores the rewards, and a reward model lives on the
+    learner's devices: refused when the config is read, naming the way out."""
+    from grpo_core.config.run import load_config
+    from grpo_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rewards\[\]\.model is scored on the learner's devices.*layout: colocated"):
+        load_config(None, ["rewards=[{model: /tmp/rm}]", "train.rollout.layout=split"])
+    load_config(None, ["rewards=[{model: /tmp/rm}]", "train.max_staleness=1"])  # colocated: allowed

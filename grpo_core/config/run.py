@@ -50,7 +50,7 @@ from grpo_core.config.model import (
 )
 from grpo_core.config.presets import get_preset
 from grpo_core.config.target import Target
-from grpo_core.config.train import ISCorrection, TrainConfig
+from grpo_core.config.train import ISCorrection, RolloutLayout, TrainConfig
 from grpo_core.errors import ConfigError
 
 DEFAULT_STORAGE_ROOT = "runs"  # relative to the folder the flow runs in
@@ -528,6 +528,12 @@ class RunConfig:
         check(
             cfg.eval.accuracy_reward in names,
             f"eval.accuracy_reward {cfg.eval.accuracy_reward!r} is not one of the eval rewards {names}",
+        )
+        check(
+            cfg.train.rollout.layout is not RolloutLayout.SPLIT or not any(r.model for r in cfg.rewards),
+            "rewards[].model is scored on the learner's devices, which train.rollout.layout=split's rollout process "
+            "does not hold: use layout: colocated (train.max_staleness still overlaps the rollout with the update) "
+            "or a reward function",
         )
         compute = cfg.compute_dtype  # validates the model section now, not in a worker
         ro = cfg.train.rollout
