@@ -256,6 +256,8 @@ CASES = [
         _cfg(rewards=lambda p: [{"model": str(p.root / "model"), "batch_size": 100_000}]),
         "--raise-limit rewards[].batch_size",
     ),
+    # asynchrony is bounded work too (issue 63)
+    Case("max_staleness 9", PIPE, _cfg(train__max_staleness=9), "--raise-limit train.max_staleness"),
     # tools are code, as rewards are (issue 62)
     Case("tool outside", PIPE, _cfg(train__agent=lambda p: {"tools": [f"{p.tool}:lookup"]}), "train.agent.tools[0]"),
     Case(
