@@ -19,6 +19,7 @@ from grpo_core import errors
 from grpo_core.errors import RolloutError
 from grpo_core.launch.processes import ENV_ROLLOUT_CORES, ENV_ROLLOUT_PARENT
 from grpo_core.rl.overlap import Made, _Ahead
+from grpo_core.store.lease import process_alive
 
 
 def learner_and_rollout_cores(rollout_cfg) -> tuple[list[int], list[int]]:
@@ -65,13 +66,7 @@ def remove_dead_logs(temp_dir: str | None = None) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+    return process_alive(pid, None)  # a zombie (killed, not yet reaped) is gone too
 
 
 _SENDING = threading.Lock()  # a process's messages go out whole, whichever thread sends

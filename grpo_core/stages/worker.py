@@ -76,6 +76,7 @@ from grpo_core.errors import (
     classify,
 )
 from grpo_core.launch.processes import ENV_WATCH_PARENT, imports_without_gc
+from grpo_core.store.lease import process_alive
 
 # What a stage needs (JAX, the run's storage and config, numpy) is imported in the function that
 # needs it, marked `# worker start`: this module imports in ~0.1 s, so `--help` and a bad argument
@@ -555,13 +556,7 @@ def remove_dead_staging(temp_dir: str | None = None) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+    return process_alive(pid, None)  # a zombie (killed, not yet reaped) is gone too
 
 
 def _generation_config(parts, stops: list[int]) -> dict[str, Any]:
