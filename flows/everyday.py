@@ -220,6 +220,6 @@ def grpo_train(
     log = get_run_logger()
     try:
         cfg = _allowed(lambda: everyday_config(values), log)  # before anything runs or is written
-    except Refused as refused:
+        return run_pipeline(cfg, log)
+    except Refused as refused:  # the config, or the run folder it names (check_run_root)
         return refused.state
-    return run_pipeline(cfg, log)

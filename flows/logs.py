@@ -16,8 +16,9 @@ loggers, so the UI's log and the console read the same), and who stopped a run:
   "Stopped: <who stopped it>" and "Finished: interrupted", at INFO after a cancel and at WARNING
   after another SIGTERM (stop_level).
 - "Engine execution exited with unexpected exception" and a traceback, at ERROR, after a deployment
-  run whose config was refused (flows.pipeline.Refused): the flow logged one line saying why and
-  its Failed state holds the message; the traceback of Prefect re-raising that state is dropped.
+  run whose config was refused (flows.pipeline.Refused) or a readiness run that found the run not
+  ready: the flow logged one line saying why and its Failed state holds the message; the traceback
+  of Prefect re-raising that state is dropped.
 
 The filter is attached when flows.pipeline is imported (every flow-run process: grpo run, grpo
 serve, a work-pool worker); the first line comes before that import, so `grpo serve` gives its
@@ -165,11 +166,15 @@ class EngineLines(logging.Filter):
         return True
 
 
+ANSWERS = ("ConfigError: ", "not ready: ")  # the Failed states a flow returns after logging why
+
+
 def _refused(exc_info) -> bool:
-    """Whether a record's exception is the engine re-raising a refused deployment run's Failed state
-    (flows.pipeline.Refused: its message starts 'ConfigError: '), nothing the run did."""
+    """Whether a record's exception is the engine re-raising a Failed state the flow returned after
+    logging why: a refused deployment run (flows.pipeline.Refused: 'ConfigError: ...') or a
+    readiness run's 'not ready: ...', nothing the run did wrong."""
     exc = exc_info[1] if exc_info else None
-    return type(exc).__name__ == "FailedRun" and str(exc).startswith("ConfigError: ")
+    return type(exc).__name__ == "FailedRun" and str(exc).startswith(ANSWERS)
 
 
 def attach() -> None:

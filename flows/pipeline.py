@@ -41,7 +41,7 @@ from grpo_core.store.report import build_summary, checkpoint_steps, plot_curve
 from grpo_core.store.root import RunRoot, check_reachable, remove_stale_temp
 from grpo_core.store.runs import check_run_root
 from tasks.artifacts import flow_run_artifact
-from tasks.process import ahead_scope
+from tasks.process import StageError, ahead_scope
 from tasks.readiness import readiness_report
 from tasks.stages import (
     _key,
@@ -223,11 +223,17 @@ def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
         return make_config()
     except ConfigError as exc:
         _no_flow_retry(log)
-        if deployment.id is not None:  # one clear line in the run's log, not a traceback
-            if log is not None:
-                log.error("refused before any task ran: ConfigError: %s", exc)
-            raise Refused(Failed(message=f"ConfigError: {exc}")) from None
-        raise
+        raise _refusal(exc, log) from None
+
+
+def _refusal(exc: ConfigError, log: Any) -> ConfigError:
+    """What a flow raises for a config refused before any task ran: in a deployment run, Refused
+    (one clear line in the run's log, not a traceback); in a direct call (the CLI), `exc` itself."""
+    if deployment.id is None:
+        return exc
+    if log is not None:
+        log.error("refused before any task ran: ConfigError: %s", exc)
+    return Refused(Failed(message=f"ConfigError: {exc}"))
 
 
 class Refused(ConfigError):  # noqa: N818 - not an error of the run: the caller's input refused
@@ -355,9 +361,9 @@ def grpo_pipeline(config: RunParams = RunParams()) -> dict[str, Any]:
     log = get_run_logger()
     try:
         cfg = _allowed(lambda: _config(config), log)  # before anything runs or is written
+        return run_pipeline(cfg, log)
     except Refused as refused:
         return refused.state
-    return run_pipeline(cfg, log)
 
 
 def run_pipeline(cfg: RunConfig, log: Any) -> dict[str, Any]:
@@ -393,6 +399,10 @@ def _pipeline(cfg: RunConfig, log: Any, lease: RunLease) -> dict[str, Any]:
         # reads only: a run folder that holds another config's run (an edited reward file, new data
         # under a fixed run_name) is refused before any task, naming what differs
         check_run_root(cfg)
+    except ConfigError as exc:
+        _no_flow_retry(log)
+        raise _refusal(exc, log) from None
+    try:
         run_url = init_run.with_options(**opts)(cfg.to_dict())
     except BaseException as exc:  # a reward that cannot load, another config's root, a damaged config.json
         if not can_retry(exc):
@@ -501,5 +511,9 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
         return refused.state
     cfg = _fill_run_name(cfg)
     report = readiness_report(cfg, data=True)
-    publish_readiness(report, cfg.name)
+    try:
+        publish_readiness(report, cfg.name)
+    except StageError as exc:  # an answer, not a crash: one line in the log, the state holds it
+        get_run_logger().error("%s", exc)
+        return Failed(message=str(exc))
     return {k: report.get(k) for k in ("ready", "backend", "device_kind", "device_count", "process_count")}

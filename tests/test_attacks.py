@@ -43,6 +43,7 @@ def test_every_deployment_is_covered_by_every_class():
     train = " | ".join(c.name for c in CASES if c.deployment == "grpo-pipeline/train")
     assert [what for what in ("reward", "data outside", "storage.root", "1e") if what not in train] == []
     assert [c.name for c in CASES if c.deployment == "grpo-evaluate/evaluate"] == [
+        "PATCH entrypoint and path",
         "evaluate outside",
         "evaluate a served run",
     ]

@@ -79,7 +79,7 @@ def test_math_answer_on_data_without_ground_truth_fails_the_data_stage(tmp_path)
 
 def test_a_renamed_answer_column_is_named_as_the_likely_cause(tmp_path):
     source = gsm8k_file(tmp_path / "gsm.jsonl")
-    data = {"source": source, "prompt_column": "question", "rename": {"answer": "solution"}}
+    data = {"source": source, "prompt_column": "question", "rename": {"answer": "target"}}
     cfg, root = prepared(tmp_path, data, [{"function": "math_answer"}])
     with pytest.raises(DataError, match=r"read as plain\).*data.format=auto found no gsm8k.*data.rename"):
         check_prepared(cfg, root)

@@ -157,7 +157,12 @@ def _execute(nb, cwd: pathlib.Path):
 
 
 def _run_folders(runs: pathlib.Path) -> list[pathlib.Path]:
-    return [p for p in runs.iterdir() if p.is_dir() and not p.name.startswith("_")]
+    """The run folders of the notebook's runs without tools (the agent's cell has one of its own)."""
+    return [p for p in runs.iterdir() if p.is_dir() and not p.name.startswith("_") and not _agentic(p)]
+
+
+def _agentic(run: pathlib.Path) -> bool:
+    return bool(json.loads((run / "config.json").read_text())["train"].get("agent", {}).get("tools"))
 
 
 def _trained(run: pathlib.Path) -> dict[str, int]:
@@ -202,6 +207,8 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
     assert "same run: True | trained again: False" in _outputs(nb, "again = train(")
     # the agent's cell: a tool function from the cell, and episodes evaluated (their figures in the table)
     assert "tool_calls_per_episode" in _outputs(nb, "agent = train(")
+    [agentic] = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith("_") and _agentic(p)]
+    assert json.loads((agentic / "summary.json").read_text())["status"] == "completed"
     trained = _trained(run)
 
     edited = nbformat.read(tmp_path / NOTEBOOK.name, as_version=4)

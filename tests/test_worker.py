@@ -296,7 +296,7 @@ def test_the_first_stage_trains_in_the_process_that_checked_its_devices(tmp_path
 
     report = readiness.readiness_report(cfg, handover=True)
     assert report["ready"] and report["backend"] == "cpu", report
-    assert [c["name"] for c in report["checks"]][:3] == ["tokenizer", "storage", "tpu_lockfile"]
+    assert [c["name"] for c in report["checks"]][:4] == ["tokenizer", "storage", "run", "tpu_lockfile"]
     [(_, checked)] = launchers._AHEAD.values()
     assert started == [checked] and checked.poll() is None  # ready: waits for its stage, backend up
     running = []
