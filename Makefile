@@ -91,7 +91,6 @@ bench: $(STAMP) bytecode $(SGL_DEP)  # one after another: each measures this mac
 	$(BIN)/python -m bench.rescore
 	$(BIN)/python -m bench.decode_bytes
 	$(BIN)/python -m bench.agent_turns
-	$(BIN)/python -m bench.async_rollout
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) *.egg-info
