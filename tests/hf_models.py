@@ -36,20 +36,11 @@ def build_hf_model(
     """Save a tiny random `arch` model (qwen3, qwen2, llama), its tokenizer (character-level, or
     with `bpe` a byte-level BPE trained here) and a generation config in `folder`.
     Returns (the torch model, the tokenizer)."""
-    import torch
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = save_bpe_tokenizer(folder) if bpe else save_tokenizer(folder, llama=llama_tokenizer)
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    common = _shape(tok)
     if arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
         model_cls = transformers.Qwen3ForCausalLM
@@ -61,11 +52,7 @@ def build_hf_model(
         model_cls = transformers.LlamaForCausalLM
     else:
         raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # spread the near-uniform init so logits differ between tokens
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = _seeded(model_cls, cfg, seed)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), **kw)
     ids = tok.convert_tokens_to_ids
@@ -101,14 +88,26 @@ def build_hf_classifier(
     """Save a tiny random one-label `arch` *ForSequenceClassification (qwen2, qwen3, llama: a reward
     model, as AutoModelForSequenceClassification(num_labels=1) saves one) and its character-level
     tokenizer (Llama-like for llama) in `folder`. Returns (the torch model, the tokenizer)."""
-    import torch
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     llama = arch == "llama"
     tok = save_tokenizer(folder, llama=llama)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    common = dict(
+    common = dict(_shape(tok), num_labels=1, pad_token_id=pad, **(extra or {}))
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
+    if arch not in names:
+        raise ValueError(arch)
+    cfg = getattr(transformers, f"{names[arch]}Config")(**common)
+    model = _seeded(getattr(transformers, f"{names[arch]}ForSequenceClassification"), cfg, seed)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(folder), **kw)
+    return model, tok
+
+
+def _shape(tok) -> dict:
+    """The tiny models' shape: 2 layers, hidden 64, grouped-query attention (4 heads, 2 KV heads)."""
+    return dict(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
@@ -116,19 +115,17 @@ def build_hf_classifier(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        num_labels=1,
-        pad_token_id=pad,
-        **(extra or {}),
     )
-    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
-    if arch not in names:
-        raise ValueError(arch)
-    cfg = getattr(transformers, f"{names[arch]}Config")(**common)
+
+
+def _seeded(model_cls, cfg, seed: int):
+    """`model_cls(cfg)` initialised from `seed`, its near-uniform init spread so that logits and
+    scores differ between inputs."""
+    import torch
+
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{names[arch]}ForSequenceClassification")(cfg).eval()
-    with torch.no_grad():  # spread the near-uniform init so scores differ between texts
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(folder), **kw)
-    return model, tok
+    return model

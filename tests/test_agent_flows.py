@@ -18,6 +18,7 @@ from grpo_core.config.run import DEMO_TASKS, RunConfig, load_config
 from grpo_core.errors import ConfigError
 from grpo_core.rewards.by_value import digest, save_code
 from grpo_core.rewards.trust import TrustPolicy
+from tests.test_notebook import _trained
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -278,15 +279,6 @@ def test_the_everyday_forms_tools_field_sets_train_agent_tools_through_the_trust
 
 
 # -- flows.train, end to end ---------------------------------------------------------------------
-
-
-def _trained(run: pathlib.Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(run)): p.stat().st_mtime_ns
-        for sub in ("checkpoints", "metrics", "eval", "export")
-        for p in (run / sub).rglob("*")
-        if p.is_file()
-    }
 
 
 @pytest.mark.slow
