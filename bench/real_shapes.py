@@ -55,24 +55,10 @@ WORKLOADS = {
         new_tokens=128,
         steps=2,
     ),
-    "a-rm": dict(
-        preset="small",
-        over={"vocab_size": 151936, "dtype": "float32", "param_dtype": "float32"},
-        prompts=4,
-        generations=8,
-        new_tokens=128,
-        steps=2,
-        reward_model=(8, 512),
-    ),
-    "a-rm-long": dict(
-        preset="small",
-        over={"vocab_size": 151936, "dtype": "float32", "param_dtype": "float32"},
-        prompts=4,
-        generations=8,
-        new_tokens=128,
-        steps=2,
-        reward_model=(8, 2048),
-    ),
+}
+WORKLOADS |= {  # "a" with a reward model of the policy's shape: texts of 512 and 2048 tokens, 8 a batch
+    "a-rm": dict(WORKLOADS["a"], reward_model=(8, 512)),
+    "a-rm-long": dict(WORKLOADS["a"], reward_model=(8, 2048)),
     "b": dict(preset="qwen3-0.6b", over={}, prompts=2, generations=8, new_tokens=256, steps=1),
     "gpu-0.5b": dict(preset="qwen2.5-0.5b", over={}, prompts=8, generations=8, new_tokens=512, steps=3, gpu=True),
     "gpu-1.5b": dict(preset="qwen2.5-1.5b", over={}, prompts=8, generations=8, new_tokens=512, steps=3, gpu=True),
