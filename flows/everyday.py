@@ -38,9 +38,10 @@ from grpo_core.config.run import RunConfig
 # default filled in: a default that is the same for every config; the others are empty, and an
 # empty field is the default for this config, as in the full form and on the command line).
 # In the order they change: what a run trains on, from and for (data, model, rewards), how long,
-# where it lands; the tools its episodes may call; then what a user tunes; last what is detected
-# or set once (the data's format, a preset, used only without a model path, and the operator's
-# storage root).
+# where it lands; the tools its episodes may call; then what a user tunes (the learning rate, how
+# long a completion may be, epochs, LoRA); last what is set once (a preset, used only without a
+# model path, and the operator's storage root). The data's format is detected (data.format: auto);
+# the full form sets it.
 EVERYDAY: dict[str, tuple[str, str, bool]] = {
     "data_source": ("data.source", "Data source", False),
     "model_path": ("model.path", "Model path", False),
@@ -49,9 +50,9 @@ EVERYDAY: dict[str, tuple[str, str, bool]] = {
     "run_name": ("run_name", "Run folder (run_name)", False),
     "tools": ("train.agent.tools", "Tools", False),
     "learning_rate": ("train.optimizer.learning_rate", "Learning rate", False),
+    "new_tokens": ("train.sampling.max_new_tokens", "New tokens per completion", False),
     "epochs": ("epochs", "Epochs", True),
     "lora": ("model.lora", "LoRA", True),
-    "data_format": ("data.format", "Data format", True),
     "model_preset": ("model.preset", "Model preset", False),
     "storage_root": ("storage.root", "Storage root", True),
 }
@@ -207,9 +208,9 @@ def grpo_train(
     run_name: T.run_name = everyday("run_name"),
     tools: T.tools = everyday("tools"),
     learning_rate: T.learning_rate = everyday("learning_rate"),
+    new_tokens: T.new_tokens = everyday("new_tokens"),
     epochs: T.epochs = everyday("epochs"),
     lora: T.lora = everyday("lora"),
-    data_format: T.data_format = everyday("data_format"),
     model_preset: T.model_preset = everyday("model_preset"),
     storage_root: T.storage_root = everyday("storage_root"),
 ) -> dict[str, Any]:

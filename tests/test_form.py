@@ -243,13 +243,12 @@ def test_the_everyday_form_is_a_dozen_fields_of_the_full_form(prompts, tmp_path)
     assert {k: p["default"] for k, p in props.items() if "default" in p} == {
         "epochs": 4,
         "lora": False,
-        "data_format": "auto",
         "storage_root": "runs",
     }
     assert 'Empty: the default for this config ("tiny")' in props["model_preset"]["description"]
     root = str(tmp_path / "runs")
     cases = [
-        ({"data_source": prompts, "data_format": "plain"}, [f"data.source={prompts}", "data.format=plain"]),
+        ({"data_source": prompts, "new_tokens": 48}, [f"data.source={prompts}", "train.sampling.max_new_tokens=48"]),
         ({"model_path": "Qwen/Qwen3-0.6B"}, ["model.path=Qwen/Qwen3-0.6B"]),
         ({"model_preset": "small"}, ["model.preset=small"]),
         ({"rewards": [{"function": "math_answer", "weight": 1.0}]}, ['rewards=[{"function": "math_answer"}]']),
@@ -260,13 +259,13 @@ def test_the_everyday_form_is_a_dozen_fields_of_the_full_form(prompts, tmp_path)
     ]
     for values, sets in cases:
         # what the form submits: the fields shown filled in, as they are, and the ones changed
-        form = everyday_config({"epochs": 4, "lora": False, "data_format": "auto", "storage_root": root, **values})
+        form = everyday_config({"epochs": 4, "lora": False, "storage_root": root, **values})
         assert form.to_dict() == load_config(None, [f"storage.root={root}", *sets]).to_dict(), values
     assert everyday_config({}).name == load_config(None, []).name == "tiny-ecc6c5c9"  # the demo, as grpo demo
     # the server's check (enforce_parameter_schema): the full form's bounds and choices, null is empty
     assert validate({}, schema, raise_on_error=False) == []
     assert validate({"data_source": None, "num_steps": 3}, schema, raise_on_error=False) == []
-    for bad in ({"num_steps": 0}, {"learning_rate": 0}, {"model_preset": "huge"}, {"epochs": 0}, {"lora": "x"}):
+    for bad in ({"num_steps": 0}, {"learning_rate": 0}, {"new_tokens": 0}, {"model_preset": "huge"}, {"lora": "x"}):
         assert validate(bad, schema, raise_on_error=False), bad
 
 
