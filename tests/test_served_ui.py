@@ -259,7 +259,8 @@ def test_the_everyday_form_is_short_and_its_run_is_the_clis(serving, tmp_path):
         )
         browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", add)
         add.click()
-        xpath = "//*[normalize-space(text())='Function']/following::textarea[1]"
+        # a reward is a function or a model: both optional in the form
+        xpath = "//*[normalize-space(text())='Function (Optional)']/following::textarea[1]"
         wait.until(ec.presence_of_element_located((By.XPATH, xpath))).send_keys("char_match")
         fill("Steps", "input", 2)
         fill("Run folder (run_name)", "textarea", "everyday")

@@ -138,9 +138,8 @@ RUN_DOCS = {
     "config resumes its own run. A template like nightly-{date} ({date}, {time}, {datetime}) is filled in once per "
     "flow run from its scheduled time (UTC), so a retry of that flow run resumes the same folder",
     "storage.root": "Where runs live: a local folder, gs://bucket/prefix or memory://...",
-    "rewards": "Reward functions: a built-in name (char_match, exact_match, math_answer, think_format, integer_answer) "
-    "or path/to/file.py:function or module:function, or reward models ({model: ID_OR_FOLDER}: a sequence classifier), "
-    "with their weights (0: reported, not optimised)",
+    "rewards": "Built-in rewards (char_match, exact_match, math_answer, think_format, integer_answer), file.py:fn, "
+    "module:fn or a reward model {model: ID_OR_FOLDER}, each weighted (0: reported only)",
 }
 
 
