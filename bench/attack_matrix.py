@@ -109,7 +109,7 @@ def operator_config(p: Place) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    deployment: str  # grpo-pipeline/pipeline, grpo-readiness/readiness, grpo-evaluate/evaluate
+    deployment: str  # grpo-pipeline/pipeline or /train, grpo-readiness/readiness or /check, grpo-evaluate/evaluate
     parameters: Callable[[Place], dict[str, Any]]
     expect: str  # in the refusal's message (the field, and the setting that would allow it)
     refused: bool = True  # False: the trust policy lets it through (it may fail later, for another reason)
@@ -149,6 +149,7 @@ REWARD = "def score(prompts, completions, **kw):\n    return [{score}] * len(com
 
 PIPE, READY, EVAL = "grpo-pipeline/pipeline", "grpo-readiness/readiness", "grpo-evaluate/evaluate"
 TRAIN = "grpo-pipeline/train"  # the everyday deployment: the short form (flows/everyday.py)
+CHECK = "grpo-readiness/check"  # readiness alone, the same short form
 HTTP = {"engine": "http", "url": "http://203.0.113.9:30000", "reload_route": "/r"}
 OWN = {"engine": "http", "server": "sglang-jax"}  # a server the run starts itself, on 127.0.0.1
 CMD = ["sh", "-c", "touch pwned; echo {model}"]
@@ -210,6 +211,8 @@ CASES = [
     Case("storage.root outside (train)", TRAIN, lambda p: {"storage_root": str(p.outside)}, "storage.root"),
     Case("reward os:system (train)", TRAIN, lambda p: {"rewards": [{"function": "os:system"}]}, "rewards[0]"),
     Case("num_steps 1e12 (train)", TRAIN, lambda p: {"num_steps": 10**12}, "train.num_steps"),
+    Case("data outside (check)", CHECK, lambda p: {"data_source": str(p.secret)}, "data.source"),
+    Case("reward os:system (check)", CHECK, lambda p: {"rewards": [{"function": "os:system"}]}, "rewards[0]"),
     # format strings are data: refused when the config is read, before anything is formatted
     Case("template format spec", PIPE, _cfg(data__template="{prompt:>1500000000}"), "data.template"),
     Case("template nested spec", READY, _cfg(data__template="{prompt:{prompt.__class__.__mro__}}"), "format spec"),
@@ -375,7 +378,7 @@ def wait_registered(client, proc: subprocess.Popen, timeout_s: float = 180) -> N
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            versions = [client.read_deployment_by_name(d).version or "" for d in (PIPE, READY, EVAL, TRAIN)]
+            versions = [client.read_deployment_by_name(d).version or "" for d in (PIPE, READY, EVAL, TRAIN, CHECK)]
             if all(f" pid {proc.pid} " in v for v in versions):
                 return
         except Exception:  # noqa: BLE001 - not registered yet

@@ -29,7 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic.json_schema import SkipJsonSchema
 
 from flows.params import _DEFAULTS, _ON_USER_DATA, _TOP, RunParams
-from flows.pipeline import Refused, _allowed, _run_named, run_pipeline
+from flows.pipeline import Refused, _allowed, _run_named, readiness_run, run_pipeline
 from grpo_core.agent.builtin import BUILTIN_TOOLS
 from grpo_core.config.model import LoraConfig
 from grpo_core.config.run import RunConfig
@@ -224,3 +224,29 @@ def grpo_train(
         return run_pipeline(cfg, log)
     except Refused as refused:  # the config, or the run folder it names (check_run_root)
         return refused.state
+
+
+@flow(name="grpo-readiness", flow_run_name=_run_named("readiness-", config_of=everyday_config))
+def grpo_check(
+    data_source: T.data_source = everyday("data_source"),
+    model_path: T.model_path = everyday("model_path"),
+    rewards: T.rewards = everyday("rewards"),
+    num_steps: T.num_steps = everyday("num_steps"),
+    run_name: T.run_name = everyday("run_name"),
+    tools: T.tools = everyday("tools"),
+    learning_rate: T.learning_rate = everyday("learning_rate"),
+    new_tokens: T.new_tokens = everyday("new_tokens"),
+    epochs: T.epochs = everyday("epochs"),
+    lora: T.lora = everyday("lora"),
+    model_preset: T.model_preset = everyday("model_preset"),
+    storage_root: T.storage_root = everyday("storage_root"),
+) -> dict[str, Any]:
+    """The readiness checks alone (storage probe, devices, the data, the memory plan), nothing
+    trained, for the run grpo-pipeline/train's form would start with these fields: its report as an
+    artifact. grpo-readiness/readiness checks a config with every key."""
+    values = dict(locals())  # the parameters, before any other local
+    try:
+        cfg = _allowed(lambda: everyday_config(values), get_run_logger())  # before anything is read or written
+    except Refused as refused:
+        return refused.state
+    return readiness_run(cfg)

@@ -25,7 +25,7 @@ from prefect import flow, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import deployment, flow_run
-from prefect.states import Failed
+from prefect.states import Failed, State
 
 from flows.logs import attach as _attach_log_filter
 from flows.logs import stop_level, stop_reason
@@ -509,6 +509,12 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
         cfg = _allowed(lambda: _config(config), get_run_logger())  # before anything runs, is read or written
     except Refused as refused:
         return refused.state
+    return readiness_run(cfg)
+
+
+def readiness_run(cfg: RunConfig) -> dict[str, Any] | State:
+    """A readiness run's work for an allowed config (grpo-readiness/readiness, grpo-readiness/check):
+    the report as an artifact; a run not ready ends Failed with one log line, its reasons."""
     cfg = _fill_run_name(cfg)
     report = readiness_report(cfg, data=True)
     try:

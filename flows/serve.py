@@ -1,6 +1,7 @@
 """The deployments `grpo serve` serves against a Prefect server: the pipeline's everyday form and
-its full form, evaluation of a checkpoint, and readiness alone (grpo-pipeline/train,
-grpo-pipeline/pipeline, grpo-evaluate/evaluate, grpo-readiness/readiness). Served deployments run
+its full form, evaluation of a checkpoint, and readiness alone in the same two forms
+(grpo-pipeline/train, grpo-pipeline/pipeline, grpo-evaluate/evaluate, grpo-readiness/check,
+grpo-readiness/readiness). Served deployments run
 in this process's runner. The work-pool
 deployments in deployments/*.yaml run the same flows under other names (`pool`, `pool-nightly`,
 `gke-tpu`, `vertex`), so `prefect deploy` and `grpo serve` never overwrite each other.
@@ -50,7 +51,7 @@ from prefect.exceptions import ObjectNotFound, TerminationSignal
 from prefect.logging import get_logger
 from prefect.states import Cancelled, Crashed, Failed
 
-from flows.everyday import everyday_defaults, grpo_train
+from flows.everyday import everyday_defaults, grpo_check, grpo_train
 from flows.logs import private_folder, quiet_logging_config, stop_file, write_private
 from flows.pipeline import _config, grpo_evaluate, grpo_pipeline, grpo_readiness
 from flows.serve_runner import ServeRunner
@@ -74,7 +75,15 @@ from grpo_core.rewards.trust import (
 
 FLOW_ENTRYPOINT = os.path.join("flows", "pipeline.py")
 # each served deployment (build_deployments) by name: the flow its runs run, whatever the server says
-SERVED_FLOWS = {"train": grpo_train, "pipeline": grpo_pipeline, "evaluate": grpo_evaluate, "readiness": grpo_readiness}
+SERVED_FLOWS = {
+    "train": grpo_train,
+    "pipeline": grpo_pipeline,
+    "evaluate": grpo_evaluate,
+    "check": grpo_check,
+    "readiness": grpo_readiness,
+}
+# and as the server names them, flow/deployment: grpo-pipeline/train, ...
+SERVED_NAMES = tuple(f"{served.name}/{name}" for name, served in SERVED_FLOWS.items())
 
 
 def build_deployments(
@@ -114,11 +123,19 @@ def build_deployments(
             "run's eval folder and its evaluation table artifact.",
             **one_at_a_time,
         ),
+        grpo_check.to_deployment(
+            name="check",
+            parameters=everyday,
+            description="Preflight checks alone, nothing trained, for the run grpo-pipeline/train's form starts "
+            "with the same fields: the storage root probed, the data read, this worker's devices and the memory "
+            "plan, as the readiness artifact. Every other key: grpo-readiness/readiness.",
+            **common,
+        ),
         grpo_readiness.to_deployment(
             name="readiness",
             description="Preflight checks alone, nothing trained: the config's storage root probed, this "
             "worker's devices and the config's memory plan, as the readiness artifact. Its form is the full "
-            "one, as grpo-pipeline/pipeline's.",
+            "one, as grpo-pipeline/pipeline's; grpo-readiness/check's has the everyday fields.",
             **common,
         ),
     ]
@@ -128,8 +145,9 @@ def everyday_description(rest: list[str]) -> str:
     """grpo-pipeline/train's description; `rest`: the served config's keys its form has no field for."""
     text = (
         "The everyday run: GRPO end to end (data, readiness, training epochs, evaluation, export, summary) "
-        "from the fields most runs set: data source and format, model path or preset, rewards, steps and "
-        "epochs, run folder, learning rate, LoRA on or off, storage root. Each field says its default; an "
+        "from the fields most runs set: data source, model path or preset, rewards, steps and epochs, run "
+        "folder, tools, learning rate, new tokens per completion, LoRA on or off, storage root. Each field "
+        "says its default; an "
         "empty field is the default for this config. Every other key of the config: grpo-pipeline/pipeline."
     )
     if rest:

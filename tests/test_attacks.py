@@ -42,6 +42,8 @@ def test_every_deployment_is_covered_by_every_class():
         assert [what for what in classes if what not in names] == [], deployment
     train = " | ".join(c.name for c in CASES if c.deployment == "grpo-pipeline/train")
     assert [what for what in ("reward", "data outside", "storage.root", "1e") if what not in train] == []
+    check = " | ".join(c.name for c in CASES if c.deployment == "grpo-readiness/check")
+    assert [what for what in ("reward", "data outside") if what not in check] == []
     assert [c.name for c in CASES if c.deployment == "grpo-evaluate/evaluate"] == [
         "PATCH entrypoint and path",
         "evaluate outside",

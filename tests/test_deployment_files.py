@@ -10,18 +10,14 @@ import yaml
 from prefect.flows import load_flow_from_entrypoint
 
 from flows.cli import main
+from flows.serve import SERVED_NAMES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 # each file deploys to its own work pool; none uses a name `grpo serve` owns (flows/serve.py)
 FILES = {"prefect.yaml": "grpo-local", "gke-tpu.yaml": "grpo-gke-tpu", "vertex.yaml": "grpo-vertex"}
-SERVED = {
-    ("grpo-pipeline", "train"),
-    ("grpo-pipeline", "pipeline"),
-    ("grpo-evaluate", "evaluate"),
-    ("grpo-readiness", "readiness"),
-}
+SERVED = {tuple(name.split("/")) for name in SERVED_NAMES}
 
 
 def _spec(name: str) -> dict:

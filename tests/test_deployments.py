@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from flows.serve import SERVED_NAMES
 from grpo_core.store.root import RunRoot
 from tests.prefect_server import AUTH, BIN, _get, _stop, client_env, start_server  # noqa: F401 - for the modules below
 
@@ -90,7 +91,8 @@ def served_client(url: str, proc: subprocess.Popen):
             deadline = time.monotonic() + 120
             while True:
                 try:
-                    client.read_deployment_by_name("grpo-pipeline/pipeline")
+                    for name in SERVED_NAMES:
+                        client.read_deployment_by_name(name)
                     break
                 except Exception:  # noqa: BLE001 - not registered yet
                     assert proc.poll() is None, "".join(tail)[-3000:]
@@ -185,7 +187,7 @@ def test_run_with_parameters_and_invalid_parameters_rejected(served):
         )
     dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
     assert dep.enforce_parameter_schema and "RunParams" in json.dumps(dep.parameter_openapi_schema)
-    for name in ("grpo-pipeline/train", "grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness"):
+    for name in SERVED_NAMES:
         assert client.read_deployment_by_name(name).description  # what the UI's deployment list shows
 
 
@@ -212,6 +214,32 @@ def test_run_naming_a_library_callable_is_refused_before_anything_runs(served, t
     assert not os.path.exists(marker) and not (root / "spawn").exists()
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     assert tasks == [] and run.run_count == 1  # no stage started, no worker; the flow run not retried
+
+
+def test_the_short_readiness_form_checks_what_the_everyday_form_runs(served):
+    """grpo-readiness/check: the everyday form's fields (no `config`), the readiness checks of the
+    run grpo-pipeline/train starts with them, nothing trained; a reward the operator did not allow
+    refused before any task, naming the field, as on every served deployment."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+    from prefect.deployments import run_deployment
+
+    from flows.everyday import EVERYDAY
+
+    client, root, _ = served
+    dep = client.read_deployment_by_name("grpo-readiness/check")
+    assert set(dep.parameter_openapi_schema["properties"]) == set(EVERYDAY), dep.parameter_openapi_schema
+    params = {"data_source": "synthetic", "num_steps": 2, "run_name": "short-check", "storage_root": str(root)}
+    run = _wait(client, run_deployment("grpo-readiness/check", parameters=params, timeout=0).id)
+    assert run.state.is_completed(), run.state.message
+    assert run.name == "readiness-short-check"
+    arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    [report] = [a for a in arts if a.key == "readiness-short-check"]
+    assert "storage" in report.data and "memory" in report.data.lower(), report.data
+    assert not (root / "short-check" / "checkpoints").exists()  # nothing trained
+    refused = {**params, "run_name": "short-refused", "rewards": [{"function": "pty:spawn"}]}
+    run = _wait(client, run_deployment("grpo-readiness/check", parameters=refused, timeout=0).id)
+    assert run.state.is_failed() and "rewards[0].function 'pty:spawn' may not run" in run.state.message
+    assert client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))) == []
 
 
 def test_failed_run_retried_like_the_ui_resumes(served):

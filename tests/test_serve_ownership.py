@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from flows.serve import SERVED_NAMES
 from tests.test_deployments import AUTH, BIN, _flatten, _stop, tiny
 from tests.test_work_pool import api_client, cli_env, recipe, run_line
 
@@ -32,16 +33,13 @@ def start_serve(url: str, home, log_path, *args: str) -> subprocess.Popen:
         )
 
 
-SERVED = ("grpo-pipeline/train", "grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness")
-
-
 def registered(client, proc: subprocess.Popen, log_path, timeout: float = 120) -> dict:
     """The deployments `grpo serve` serves, once `proc` has registered them all: each carries that
     process's ownership mark (its pid) in its version."""
     deadline = time.monotonic() + timeout
     while True:
         deps = {}
-        for name in SERVED:
+        for name in SERVED_NAMES:
             try:
                 dep = client.read_deployment_by_name(name)
             except Exception:  # noqa: BLE001 - not registered yet
@@ -49,10 +47,10 @@ def registered(client, proc: subprocess.Popen, log_path, timeout: float = 120) -
             if f" pid {proc.pid} " not in (dep.version or ""):
                 break
             deps[name] = dep
-        if len(deps) == len(SERVED):
+        if len(deps) == len(SERVED_NAMES):
             return deps
         assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"grpo serve did not register {sorted(set(SERVED) - set(deps))}"
+        assert time.monotonic() < deadline, f"grpo serve did not register {sorted(set(SERVED_NAMES) - set(deps))}"
         time.sleep(0.5)
 
 
@@ -67,12 +65,12 @@ def test_an_older_serve_taken_over_leaves_the_newer_ones_schedule(server, tmp_pa
             b = start_serve(url, home, tmp_path / "b.log", "--interval", "3600")
             registered(client, b, tmp_path / "b.log")
             assert a.wait(timeout=120) == 0  # taken over: it exits at its next poll (tests/test_serve_record.py)
-            for name in SERVED:
+            for name in SERVED_NAMES:
                 assert not client.read_deployment_by_name(name).paused, f"stopping the older grpo serve paused {name}"
             dep = client.read_deployment_by_name("grpo-pipeline/pipeline")
             assert [s.active for s in dep.schedules] == [True]  # B's schedule: still running
             _stop(b)
-            for name in SERVED:
+            for name in SERVED_NAMES:
                 assert client.read_deployment_by_name(name).paused, f"the last grpo serve left {name} running"
         finally:
             _stop(a)
@@ -89,7 +87,7 @@ def test_serve_stopped_while_starting_pauses_what_it_owns(server, tmp_path):
             registered(client, proc, tmp_path / "serve.log")
         finally:
             _stop(proc)
-        for name in SERVED:
+        for name in SERVED_NAMES:
             assert client.read_deployment_by_name(name).paused, f"a grpo serve stopped early left {name} running"
 
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from flows.serve import SERVED_NAMES
 from grpo_core.store.root import RunRoot
 from tests.test_deployments import (
     AUTH,
@@ -176,12 +177,7 @@ def test_each_deployment_shows_its_description(serving):
     with _browser(base) as browser:
         browser.get(f"{base}/v2/deployments")
         WebDriverWait(browser, 60).until(lambda b: "readiness" in b.find_element(By.TAG_NAME, "body").text)
-        for name in (
-            "grpo-pipeline/train",
-            "grpo-pipeline/pipeline",
-            "grpo-evaluate/evaluate",
-            "grpo-readiness/readiness",
-        ):
+        for name in SERVED_NAMES:
             dep = client.read_deployment_by_name(name)
             assert dep.description
             browser.get(f"{base}/v2/deployments/deployment/{dep.id}?tab=Description")

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from flows.serve import SERVED_NAMES
 from grpo_core.store.root import RunRoot
 from tests.prefect_server import api_client
 from tests.test_deployments import AUTH, BIN, _stop, _wait, tiny, wait_logs
@@ -93,8 +94,7 @@ def test_recipe_deploys_the_pool_and_nothing_else(deployed):
         "grpo-readiness/pool",
     }
     assert {d.work_pool_name for d in deps} == {"grpo-local"}
-    served = ("grpo-pipeline/train", "grpo-pipeline/pipeline", "grpo-evaluate/evaluate", "grpo-readiness/readiness")
-    for served_name in served:
+    for served_name in SERVED_NAMES:
         with pytest.raises(ObjectNotFound):  # the names `grpo serve` owns are left to it
             client.read_deployment_by_name(served_name)
     for name in ("grpo-pipeline/pool-resume", "grpo-pipeline/pool-nightly", "grpo-evaluate/pool-evaluate-nightly"):
