@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from typing import Any, Callable
 
 from annotated_types import MinLen
 from prefect import flow, get_run_logger
@@ -194,59 +194,60 @@ def everyday_defaults(params: dict[str, Any] | None) -> tuple[dict[str, Any], li
 T = types.SimpleNamespace(**EVERYDAY_TYPES)  # the parameters' types, below: T.data_source, ...
 
 
-@flow(
+def _everyday_flow(name: str, doc: str, run: Callable[[RunConfig, Any], Any]) -> Callable[..., Any]:
+    """A flow function named `name` whose parameters are the everyday form's fields (EVERYDAY, in
+    its order: Prefect's form lists them so), which runs `run(config, logger)` on the config they
+    make once the trust check allows it; a refusal (the config, or the run folder it names: see
+    check_run_root) ends the flow run Failed with its message."""
+
+    def everyday_flow(
+        data_source: T.data_source = everyday("data_source"),
+        model_path: T.model_path = everyday("model_path"),
+        rewards: T.rewards = everyday("rewards"),
+        num_steps: T.num_steps = everyday("num_steps"),
+        run_name: T.run_name = everyday("run_name"),
+        tools: T.tools = everyday("tools"),
+        learning_rate: T.learning_rate = everyday("learning_rate"),
+        new_tokens: T.new_tokens = everyday("new_tokens"),
+        epochs: T.epochs = everyday("epochs"),
+        lora: T.lora = everyday("lora"),
+        model_preset: T.model_preset = everyday("model_preset"),
+        storage_root: T.storage_root = everyday("storage_root"),
+    ) -> dict[str, Any]:
+        values = {k: v for k, v in locals().items() if k in EVERYDAY}  # the parameters (not `run`)
+        log = get_run_logger()
+        try:
+            cfg = _allowed(lambda: everyday_config(values), log)  # before anything runs, is read or written
+            return run(cfg, log)
+        except Refused as refused:
+            return refused.state
+
+    everyday_flow.__name__ = everyday_flow.__qualname__ = name  # its entrypoint: flows/everyday.py:<name>
+    everyday_flow.__doc__ = doc
+    return everyday_flow
+
+
+grpo_train = flow(
     name="grpo-pipeline",
     retries=1,
     retry_delay_seconds=5,
     flow_run_name=_run_named(config_of=everyday_config),
-)
-def grpo_train(
-    data_source: T.data_source = everyday("data_source"),
-    model_path: T.model_path = everyday("model_path"),
-    rewards: T.rewards = everyday("rewards"),
-    num_steps: T.num_steps = everyday("num_steps"),
-    run_name: T.run_name = everyday("run_name"),
-    tools: T.tools = everyday("tools"),
-    learning_rate: T.learning_rate = everyday("learning_rate"),
-    new_tokens: T.new_tokens = everyday("new_tokens"),
-    epochs: T.epochs = everyday("epochs"),
-    lora: T.lora = everyday("lora"),
-    model_preset: T.model_preset = everyday("model_preset"),
-    storage_root: T.storage_root = everyday("storage_root"),
-) -> dict[str, Any]:
-    """Run GRPO end to end with the fields most runs set (prepare the data, check readiness, train
+)(
+    _everyday_flow(
+        "grpo_train",
+        """Run GRPO end to end with the fields most runs set (prepare the data, check readiness, train
     in epochs, evaluate, export, summarize); every other key takes the default for this config.
-    The same pipeline as grpo-pipeline/pipeline, whose form has every key."""
-    values = dict(locals())  # the parameters, before any other local
-    log = get_run_logger()
-    try:
-        cfg = _allowed(lambda: everyday_config(values), log)  # before anything runs or is written
-        return run_pipeline(cfg, log)
-    except Refused as refused:  # the config, or the run folder it names (check_run_root)
-        return refused.state
+    The same pipeline as grpo-pipeline/pipeline, whose form has every key.""",
+        run_pipeline,
+    )
+)
 
-
-@flow(name="grpo-readiness", flow_run_name=_run_named("readiness-", config_of=everyday_config))
-def grpo_check(
-    data_source: T.data_source = everyday("data_source"),
-    model_path: T.model_path = everyday("model_path"),
-    rewards: T.rewards = everyday("rewards"),
-    num_steps: T.num_steps = everyday("num_steps"),
-    run_name: T.run_name = everyday("run_name"),
-    tools: T.tools = everyday("tools"),
-    learning_rate: T.learning_rate = everyday("learning_rate"),
-    new_tokens: T.new_tokens = everyday("new_tokens"),
-    epochs: T.epochs = everyday("epochs"),
-    lora: T.lora = everyday("lora"),
-    model_preset: T.model_preset = everyday("model_preset"),
-    storage_root: T.storage_root = everyday("storage_root"),
-) -> dict[str, Any]:
-    """The readiness checks alone (storage probe, devices, the data, the memory plan), nothing
+grpo_check = flow(name="grpo-readiness", flow_run_name=_run_named("readiness-", config_of=everyday_config))(
+    _everyday_flow(
+        "grpo_check",
+        """The readiness checks alone (storage probe, devices, the data, the memory plan), nothing
     trained, for the run grpo-pipeline/train's form would start with these fields: its report as an
-    artifact. grpo-readiness/readiness checks a config with every key."""
-    values = dict(locals())  # the parameters, before any other local
-    try:
-        cfg = _allowed(lambda: everyday_config(values), get_run_logger())  # before anything is read or written
-    except Refused as refused:
-        return refused.state
-    return readiness_run(cfg)
+    artifact. grpo-readiness/readiness checks a config with every key.""",
+        lambda cfg, log: readiness_run(cfg),
+    )
+)
