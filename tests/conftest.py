@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from tests.cpu_devices import FAST_COMPILE
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -57,3 +59,20 @@ def pytest_collection_finish(session):
 
 def _module(item) -> str:
     return item.nodeid.split("::", 1)[0]
+
+
+@pytest.fixture
+def hub_offline(monkeypatch, tmp_path):
+    """No Hub, as a process started with HF_HUB_OFFLINE=1 sees it. huggingface_hub and datasets read
+    the variable once, when first imported: where a test before this one in the same test process
+    imported them, setting it alone left them online, and a Hub id's data retried the network for
+    ~46 s before it failed."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for module in (huggingface_hub.constants, datasets.config):
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)

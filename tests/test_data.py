@@ -16,10 +16,8 @@ ROWS = [{"question": f"{i}+{i}", "answer": str(2 * i)} for i in range(20)]
 
 
 @pytest.fixture(autouse=True)
-def offline(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+def offline(hub_offline):
+    """Every test here: no Hub (tests/conftest.py)."""
 
 
 def prep(tmp_path, **fields):

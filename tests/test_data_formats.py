@@ -22,10 +22,8 @@ TOK = CharTokenizer()
 
 
 @pytest.fixture(autouse=True)
-def offline(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+def offline(hub_offline):
+    """Every test here: no Hub (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

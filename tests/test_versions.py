@@ -83,8 +83,7 @@ def test_same_content_same_run_and_a_model_folder_rebuilt(tmp_path):
     assert version_of(str(tmp_path / "missing.jsonl")) is None  # the stage that reads it says so
 
 
-def test_hub_ids_pinned_and_unresolved(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_hub_ids_pinned_and_unresolved(tmp_path, hub_offline):
     assert version_of("Qwen/Qwen3-0.6B", "0" * 40) == "commit:" + "0" * 40
     assert version_of("openai/gsm8k", None, "dataset") == "unresolved@main"
     warnings = []
