@@ -24,6 +24,15 @@ from grpo_core.nn.tiny_hf import (  # noqa: F401  (re-exported: the tests import
     save_tokenizer,
 )
 
+# Llama 3.1's rope scaling at a tiny model's context: the tests' llama3 shape
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
 
 def build_hf_model(
     folder: pathlib.Path,

@@ -16,6 +16,7 @@ from grpo_core.config.train import SamplingConfig  # noqa: E402
 from grpo_core.errors import ConfigError  # noqa: E402
 from grpo_core.nn.hf import load_hf_model  # noqa: E402
 from grpo_core.rl.sampler import SamplerOptions, generate, pad_prompts, step_key  # noqa: E402
+from tests.hf_models import LLAMA3_ROPE  # noqa: E402
 
 V = 96
 COMMON = dict(
@@ -27,15 +28,8 @@ COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 ARCHS = {
-    "llama-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": LLAMA3}),
+    "llama-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": LLAMA3_ROPE}),
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3-qknorm-headdim": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
 }

@@ -8,6 +8,7 @@ from grpo_core.config.model import ModelConfig
 from grpo_core.config.presets import PRESETS, get_preset
 from grpo_core.errors import ConfigError
 from grpo_core.nn.model import apply_rope, create_model, rope_inv_freq
+from tests.hf_models import LLAMA3_ROPE
 
 TINY = dict(
     vocab_size=40,
@@ -27,15 +28,7 @@ TINY = dict(
         {"qk_norm": True},
         {"attention_bias": True, "tie_word_embeddings": False},  # Qwen2-like
         {"head_dim": 24},  # head_dim unlike hidden / heads
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            }
-        },
+        {"rope_scaling": LLAMA3_ROPE},
     ],
 )
 def test_forward_shapes_and_param_count(extra):

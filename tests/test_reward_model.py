@@ -12,29 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from grpo_core.errors import ConfigError  # noqa: E402
 from grpo_core.nn.reward_model import Scorer, buckets, load_classifier, pool_positions  # noqa: E402
-from tests.hf_models import build_hf_classifier  # noqa: E402
+from grpo_core.stages.reward_parity import transformers_scores  # noqa: E402
+from tests.hf_models import LLAMA3_ROPE, build_hf_classifier  # noqa: E402
 
-LLAMA3 = {
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-}
-ARCHS = {"qwen2": None, "qwen3": {"head_dim": 24}, "llama": LLAMA3}
-
-
-def hf_scores(model, rows, pad_id) -> np.ndarray:
-    """transformers' scores of `rows` as TRL computes them: one right-padded batch with its mask."""
-    t = max(len(r) for r in rows)
-    ids = torch.full((len(rows), t), pad_id)
-    mask = torch.zeros((len(rows), t), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits[:, 0].numpy()
+ARCHS = {"qwen2": None, "qwen3": {"head_dim": 24}, "llama": {"rope_scaling": LLAMA3_ROPE}}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -50,7 +31,7 @@ def test_scores_match_transformers(tmp_path, arch):
     vocab = len(tok)
     rows = [list(rng.integers(5, vocab, n)) for n in (3, 17, 40, 70, 9, 33, 64)]
     rows[2] = rows[2] + [pad, pad]  # transformers scores the last token that is not the pad id
-    want = hf_scores(hf, rows, pad)
+    want = transformers_scores(hf, rows, pad)
     model = load_classifier(str(tmp_path / arch), "float32")
     scorer = Scorer(model, batch_size=4, max_length=128, pad_id=pad, pool_pad_id=pad, placement=None)
     got = scorer(rows)
@@ -69,7 +50,7 @@ def test_pooling_and_buckets():
 def test_bfloat16_loads_and_scores_close(tmp_path):
     hf, tok = build_hf_classifier(tmp_path / "rm", "qwen3")
     rows = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    want = hf_scores(hf, rows, hf.config.pad_token_id)
+    want = transformers_scores(hf, rows, hf.config.pad_token_id)
     model = load_classifier(str(tmp_path / "rm"), "bfloat16")
     assert model.score.kernel[...].dtype.name == "bfloat16"
     got = Scorer(model, 2, 64, hf.config.pad_token_id, hf.config.pad_token_id, None)(rows)

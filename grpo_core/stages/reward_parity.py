@@ -47,14 +47,7 @@ def compare(model: str, field: str = "rewards[].model") -> dict:
     ours = reward.scorer(rows)
     folder = resolve(model, None, weights=True, field=field)
     hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
-    pad = reward.scorer.pad_id
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-    with torch.no_grad():
-        theirs = hf(input_ids=ids, attention_mask=mask).logits[:, 0].float().numpy()
+    theirs = transformers_scores(hf, rows, reward.scorer.pad_id)
     diff = float(np.abs(ours - theirs).max())
     return {
         "torch": True,
@@ -66,6 +59,20 @@ def compare(model: str, field: str = "rewards[].model") -> dict:
         "ok": diff <= TOLERANCE * max(1.0, float(np.abs(theirs).max())),
         "seconds": round(time.perf_counter() - t, 2),
     }
+
+
+def transformers_scores(model, rows: list[list[int]], pad_id: int):
+    """A transformers sequence classifier's scores of token `rows` as TRL computes them: one
+    right-padded batch with its attention mask (float32 numpy)."""
+    import torch  # heavy: only where PyTorch is installed
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float().numpy()
 
 
 def main(argv: list[str] | None = None) -> int:
