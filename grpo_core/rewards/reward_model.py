@@ -162,20 +162,20 @@ def open_all(rewards: Sequence[Any], placement=None, dtype: str = "float32") -> 
 
 def shapes(rewards: Sequence[Any], dtype: str = "float32") -> tuple[RewardModelShape, ...]:
     """What the memory plan counts of the reward models among `rewards`, each model once."""
-    seen: dict[tuple[Any, ...], RewardModelShape] = {}
-    for m in model_rewards(rewards):
-        s = m.spec
-        seen.setdefault((s.model, s.model_batch_size, s.model_max_length), m.shape(dtype))
-    return tuple(seen.values())
+    return _shapes([(m.field, m.spec) for m in model_rewards(rewards)], dtype)
 
 
 def config_shapes(cfg, dtype: str | None = None) -> tuple[RewardModelShape, ...]:
     """The reward models of a RunConfig (rewards[].model, eval.rewards[].model) as the plan counts
     them, in the run's compute dtype: from their config.json alone (the Prefect side's readiness
     request)."""
-    dtype = dtype or cfg.compute_dtype.value
+    return _shapes(cfg.reward_models, dtype or cfg.compute_dtype.value)
+
+
+def _shapes(specs: Sequence[tuple[str, RewardSpec]], dtype: str) -> tuple[RewardModelShape, ...]:
+    """The shape of each (field, spec)'s model, one per model, batch size and length."""
     seen: dict[tuple[Any, ...], RewardModelShape] = {}
-    for field, s in cfg.reward_models:
+    for field, s in specs:
         key = (s.model, s.model_batch_size, s.model_max_length)
         if key not in seen:
             seen[key] = ModelReward(s, field).shape(dtype)
