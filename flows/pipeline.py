@@ -200,30 +200,44 @@ def _config(config: RunParams | dict[str, Any] | None) -> RunConfig:
 
 def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
     """The config `make_config()` builds, refused (ConfigError naming the field, the flow run not
-    retried) when it is invalid or, in a deployment run, names what the operator did not allow:
-    code, programs, places, addresses, or more work than the limits (grpo_core.rewards.trust), or
-    the run's work-pool deployment is not as deployments/*.yaml deploys it (flows.pool_record). The
-    policy is read from this process's environment, which the operator set where the flow runs
-    (grpo serve, a work-pool worker), never from anything the API can edit. `run_url`: the
-    evaluate deployment's run folder, checked before anything is read from it. A direct call (the
-    CLI) is the local user's."""
+    retried) when it is invalid or, in a deployment run, names what the operator did not allow
+    (allowed_config), or the run's work-pool deployment is not as deployments/*.yaml deploys it
+    (flows.pool_record). `run_url`: the evaluate deployment's run folder, checked before anything
+    is read from it. A direct call (the CLI) is the local user's. `grpo serve` makes the same
+    check before it starts a flow run's process (flows.serve_runner); this one is the flow's own,
+    for every other way a deployment run starts (a work-pool worker)."""
     try:
         if deployment.id is not None:
-            why = refused_job_variables(_job_variables(log)) or pool_record_refusal(deployment.id)
+            job_variables = _job_variables(log)
+            why = refused_job_variables(job_variables) or pool_record_refusal(deployment.id)
             if why:
                 raise ConfigError(why)
-            policy = TrustPolicy.from_env()
-            if run_url is not None:
-                policy.check_run_url(run_url)
-                check_folder(policy, "run_url", run_url, run_url)  # its files: what they resolve to
-            cfg = make_config()
-            policy.check(cfg)
-            check_reads(policy, cfg)  # a link in a data or model folder is read as its target
-            return cfg
+            return allowed_config(make_config, job_variables, run_url)
         return make_config()
     except ConfigError as exc:
         _no_flow_retry(log)
         raise _refusal(exc, log) from None
+
+
+def allowed_config(make_config, job_variables: dict[str, Any] | None, run_url: str | None = None) -> RunConfig:
+    """The config `make_config()` builds for a deployment run, or ConfigError naming every field
+    that names what the operator did not allow: code, programs, places, addresses, or more work
+    than the limits (grpo_core.rewards.trust), and job variables that would set the policy itself.
+    The policy is read from this process's environment, which the operator set where the flow
+    runs (grpo serve, a work-pool worker), never from anything the API can edit. `run_url`: the
+    evaluate deployment's run folder, checked (its files by what they resolve to) before its
+    config is read."""
+    why = refused_job_variables(job_variables)
+    if why:
+        raise ConfigError(why)
+    policy = TrustPolicy.from_env()
+    if run_url is not None:
+        policy.check_run_url(run_url)
+        check_folder(policy, "run_url", run_url, run_url)  # its files: what they resolve to
+    cfg = make_config()
+    policy.check(cfg)
+    check_reads(policy, cfg)  # a link in a data or model folder is read as its target
+    return cfg
 
 
 def _refusal(exc: ConfigError, log: Any) -> ConfigError:
@@ -248,13 +262,19 @@ class Refused(ConfigError):  # noqa: N818 - not an error of the run: the caller'
 
 def _job_variables(log: Any) -> dict[str, Any]:
     """This flow run's job variables and its deployment's (what a work pool's worker applies)."""
-    found: dict[str, Any] = {"env": {}}
     try:
         with get_client(sync_client=True) as client:
-            for source in (client.read_deployment(deployment.id), client.read_flow_run(flow_run.id)):
-                found["env"].update((getattr(source, "job_variables", None) or {}).get("env") or {})
+            return job_variables_of(client.read_deployment(deployment.id), client.read_flow_run(flow_run.id))
     except Exception as exc:  # noqa: BLE001 - the API is what runs this flow: reading it fails the run
         raise ConfigError(f"could not read this flow run's job variables to check them: {exc}") from None
+
+
+def job_variables_of(*records: Any) -> dict[str, Any]:
+    """The environment the job variables of these records set (a deployment's, then its flow
+    run's, which wins), as allowed_config checks them."""
+    found: dict[str, Any] = {"env": {}}
+    for record in records:
+        found["env"].update((getattr(record, "job_variables", None) or {}).get("env") or {})
     return found
 
 
@@ -336,11 +356,7 @@ def _run_named(prefix: str = "", config_of: Any = None):
                 return prefix + str(params["run_url"]).rstrip("/").rsplit("/", 1)[-1]
             cfg = config_of(params) if config_of else _config(params.get("config"))
             if deployment.id is not None:  # as _allowed, before anything is read: refused, the flow says why
-                if refused_job_variables(_job_variables(None)):
-                    return prefix + "invalid-config"
-                policy = TrustPolicy.from_env()
-                policy.check(cfg)
-                check_reads(policy, cfg)
+                cfg = allowed_config(lambda: cfg, _job_variables(None))
             return prefix + with_versions(_fill_run_name(cfg)).name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"
