@@ -88,10 +88,10 @@ class Place:
         """The run 'edited' as a deployment run of EDITED's parameters left it after a step, before
         its reward file was edited: its config.json holds the file's old digest."""
         from flows.pipeline import _config
-        from grpo_core.data.resolve import with_versions
+        from grpo_core.resolve import resolve_run
         from grpo_core.store.runs import init_run_root
 
-        root = init_run_root(with_versions(_config(EDITED(self)["config"])))
+        root = init_run_root(resolve_run(_config(EDITED(self)["config"])))
         root.write_metrics([{"step": 0.0, "reward": 0.0}])  # it trained: another config may not take its name
 
 

@@ -163,8 +163,8 @@ def _config(args):
     """The run config from --config and --set (and grpo demo's --task), or None after printing the
     error (exit 2)."""
     from grpo_core.config.run import load_config  # CLI start
-    from grpo_core.data.resolve import with_versions  # CLI start
     from grpo_core.errors import ConfigError, StorageError  # CLI start
+    from grpo_core.resolve import resolve_run  # CLI start
 
     try:
         task = getattr(args, "task", None)
@@ -172,7 +172,7 @@ def _config(args):
         # with the versions of the sources it names: the run's name depends on them (run_name: null)
         # a run_name template ({date}, ...) filled in now: the command prints the folder it names
         cfg = cfg.with_run_name(datetime.datetime.now(datetime.timezone.utc))
-        return with_versions(cfg, warn=lambda w: print(f"warning: {w}", file=sys.stderr))
+        return resolve_run(cfg, warn=lambda w: print(f"warning: {w}", file=sys.stderr))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return None

@@ -45,8 +45,8 @@ from flows.cli import _prefect_defaults
 from flows.results import Run
 from grpo_core.config.run import RunConfig, absolute_paths, read_config
 from grpo_core.data.in_memory import is_in_memory, rows_of, split_rows, write_rows
-from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError, RunInterrupted
+from grpo_core.resolve import resolve_run
 from grpo_core.rewards.by_value import reward_name, save_code, save_reward
 from grpo_core.rewards.registry import config_rewards
 from tasks.process import add_listener, clear_interrupt, kill_live_workers, request_interrupt, watch_the_stop
@@ -165,7 +165,7 @@ def resolve(
         load_toolbox(cfg.train.agent)
     config_rewards(cfg)  # each reward loads and takes (prompts, completions, **columns), names unique: now
     cfg = cfg.with_run_name(datetime.datetime.now(datetime.timezone.utc))
-    return with_versions(cfg, warn=log.warning)
+    return resolve_run(cfg, warn=log.warning)
 
 
 def _given(config: Any) -> dict[str, Any]:

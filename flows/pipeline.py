@@ -32,9 +32,9 @@ from flows.logs import stop_level, stop_reason
 from flows.params import RunParams
 from flows.pool_record import pool_record_refusal
 from grpo_core.config.run import RunConfig, check_run_name, is_template
-from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError, RunRootInUse
 from grpo_core.launch.launchers import drop_ahead
+from grpo_core.resolve import resolve_run
 from grpo_core.rewards.trust import TrustPolicy, check_folder, check_reads, refused_job_variables
 from grpo_core.store.lease import RunLease
 from grpo_core.store.report import build_summary, checkpoint_steps, plot_curve
@@ -357,7 +357,7 @@ def _run_named(prefix: str = "", config_of: Any = None):
             cfg = config_of(params) if config_of else _config(params.get("config"))
             if deployment.id is not None:  # as _allowed, before anything is read: refused, the flow says why
                 cfg = allowed_config(lambda: cfg, _job_variables(None))
-            return prefix + with_versions(_fill_run_name(cfg)).name
+            return prefix + resolve_run(_fill_run_name(cfg)).name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"
 
@@ -392,7 +392,7 @@ def run_pipeline(cfg: RunConfig, log: Any) -> dict[str, Any]:
     cfg = _fill_run_name(cfg, log)  # a run_name template: the same folder for every retry of this flow run
     # the sources' current versions (a file rewritten in place is new data: a new run under
     # run_name: null, a refusal naming what changed under a fixed run_name)
-    cfg = with_versions(cfg, warn=log.warning)
+    cfg = resolve_run(cfg, warn=log.warning)
     # The run root's owner (grpo_core.store.lease): a second run of it is refused, not run beside this one.
     lease = RunLease(cfg.run_url, ttl_s=cfg.pipeline.lease_ttl_s, flow_run_id=flow_run.id, logger=log)
     try:

@@ -138,9 +138,27 @@ def test_the_engines_never_import_the_trainer():
 
 def test_config_is_data():
     """config/ imports only config/ and grpo_core.errors: what resolves sources, start points,
-    versions and row counts lives above it (grpo_core.store, grpo_core.data.resolve)."""
+    versions and row counts lives above it (grpo_core.store, grpo_core.data, grpo_core.resolve)."""
     reached = _package_edges().get("config", set())
     assert not reached, f"grpo_core.config imports from {sorted(reached)}"
+
+
+def test_a_config_is_resolved_in_one_place_and_the_path_goes_down():
+    """grpo_core.resolve resolves a run's config (versions, start point, rewards, row count) by
+    calling down into grpo_core.store and grpo_core.data; nothing in grpo_core calls back up into
+    it (the flows, the CLI and the notebook do), and the sources' versions do not resolve the start
+    point (grpo_core.store.startpoint.pin, which resolve_run calls beside them)."""
+    up = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "grpo_core").rglob("*.py")
+        if p.name != "resolve.py" and any(n.startswith("grpo_core.resolve") for n in _imports_of(p))
+    ]
+    assert up == []
+    assert not any(
+        n.startswith("grpo_core.store.startpoint") for n in _imports_of(ROOT / "grpo_core/store/versions.py")
+    )
+    below = {n.split(".")[1] for n in _imports_of(ROOT / "grpo_core" / "resolve.py")}
+    assert below == {"config", "data", "errors", "store"}
 
 
 def _cycle(edges: dict[str, set[str]]) -> list[str] | None:

@@ -309,13 +309,13 @@ def test_the_reward_probe_says_what_it_compared(tmp_path):
     task's reward compared each reference answer with GSM8K's whole worked solution. The probe
     says which reference it gave the reward and how that scored."""
     from grpo_core.config.run import load_config
-    from grpo_core.data.resolve import with_versions
+    from grpo_core.resolve import resolve_run
     from grpo_core.rewards.probe import check_coverage
     from grpo_core.rewards.registry import config_rewards
 
     source = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(40))
     sets = [f"storage.root={tmp_path}", f"data.source={source}", "data.eval_fraction=0.2", "data.max_prompt_tokens=128"]
-    cfg = with_versions(load_config(None, sets))  # no rewards: math_answer, the data has a reference
+    cfg = resolve_run(load_config(None, sets))  # no rewards: math_answer, the data has a reference
     m = prepare_dataset(cfg.data, TOK, RunRoot(str(tmp_path / "run")), "char")
     train, evals = load_prepared(RunRoot(str(tmp_path / "run")), m["hash"])
     assert (len(train), len(evals)) == (32, 8)
@@ -357,9 +357,9 @@ def test_a_messages_file_with_a_solution_trains_with_no_setting(tmp_path, hf_tok
     assert one["prompt_messages"][-1] == {"role": "user", "content": "3+3?"} and one["ground_truth"] == "6"
     assert detect(rows[0], "prompt") is DataFormat.PLAIN
     cfg = RunConfig.from_dict({"data": {"source": path}})
-    from grpo_core.data.resolve import resolve_rewards
+    from grpo_core.resolve import resolve_run
 
-    chosen = resolve_rewards(cfg).rewards_default
+    chosen = resolve_run(cfg).rewards_default
     assert [s.function for s in cfg.rewards] == ["math_answer"] and "its solution column" in chosen.why
     scored = score(
         make_rewards(cfg.rewards),

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from grpo_core.config.run import RunConfig, format_run_name
-from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError
+from grpo_core.resolve import resolve_run
 from grpo_core.store.root import RunRoot
 from grpo_core.store.runs import init_run_root
 from grpo_core.store.startpoint import StartPoint, policies
@@ -54,11 +54,11 @@ def test_a_name_resolves_to_the_newest_policy_an_export_before_a_checkpoint(tmp_
     src = _fake_run(tmp_path, "src", checkpoints=[2, 4], exports=[4])
     os.makedirs(f"{src.run_url}/checkpoints/6.orbax-checkpoint-tmp-1")  # a save in progress: not a policy
     assert policies(RunRoot(src.run_url)) == {2: "checkpoint", 4: "export"}
-    cfg = with_versions(_cfg(tmp_path, "next", init_from="src"))
+    cfg = resolve_run(_cfg(tmp_path, "next", init_from="src"))
     assert cfg.start_point == StartPoint(src.run_url, 4, "export", src.train_hash)
     assert dict(cfg.versions)["model.init_from"] == f"{src.run_url}@4:export:{src.train_hash}"
     # a given step, and the run named by its folder
-    at2 = with_versions(_cfg(tmp_path, "next2", init_from=f"{src.run_url}@2"))
+    at2 = resolve_run(_cfg(tmp_path, "next2", init_from=f"{src.run_url}@2"))
     assert at2.start_point == StartPoint(src.run_url, 2, "checkpoint", src.train_hash)
     assert at2.start_point.uri == f"{src.run_url}/checkpoints/2"
     # the start is part of the training hash (not of the data's); config.json records it
@@ -88,7 +88,7 @@ def test_what_cannot_be_started_from_is_refused_naming_the_field(tmp_path):
     _fake_run(tmp_path, "next", checkpoints=[2])
     for ref, message in cases.items():
         with pytest.raises(ConfigError, match=message):
-            with_versions(_cfg(tmp_path, "next", init_from=ref))
+            resolve_run(_cfg(tmp_path, "next", init_from=ref))
     with pytest.raises(ConfigError, match=r"model\.reference: base differs from start only when model\.init_from"):
         _cfg(tmp_path, "x", reference="base")
     with pytest.raises(ConfigError, match=r"model\.reference"):
@@ -100,16 +100,16 @@ def test_a_pattern_takes_the_last_finished_run_and_never_this_one(tmp_path):
     _fake_run(tmp_path, "nightly-2026-11-21", exports=[4])
     _fake_run(tmp_path, "nightly-2026-11-22", checkpoints=[2])  # preempted, never finished
     _fake_run(tmp_path, "other-2026-11-23", checkpoints=[4])
-    cfg = with_versions(_cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*"))
+    cfg = resolve_run(_cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*"))
     assert cfg.start_point.run_url.endswith("/nightly-2026-11-21") and cfg.start_point.kind == "export"
     # the night's own run, finished, is not its own start: a re-run resolves as the first run did
     _fake_run(tmp_path, "nightly-2026-11-23", init_from="nightly-*", exports=[4])
-    again = with_versions(_cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*"))
+    again = resolve_run(_cfg(tmp_path, "nightly-2026-11-23", init_from="nightly-*"))
     assert again.start_point == cfg.start_point
     # the first night of a chain: nothing finished matches yet, so the base model, said once
     _fake_run(tmp_path, "weekly-1", checkpoints=[2])
     said = []
-    first = with_versions(_cfg(tmp_path, "weekly-2", init_from="weekly-*"), warn=said.append)
+    first = resolve_run(_cfg(tmp_path, "weekly-2", init_from="weekly-*"), warn=said.append)
     assert first.start_point is None and dict(first.versions)["model.init_from"].startswith("base:")
     assert said == [
         f"model.init_from 'weekly-*': no finished run under {tmp_path} matches it (matching, not finished: "
@@ -159,7 +159,7 @@ def test_the_start_is_the_source_policy_and_the_reference_as_configured(tmp_path
     from grpo_core.store.report import build_summary
 
     lora = {"lora": {"rank": 4, "alpha": 8}} if source_lora else {}
-    src = with_versions(_cfg(tmp_path, "src", **lora))
+    src = resolve_run(_cfg(tmp_path, "src", **lora))
     root = init_run_root(src)
     prepare_dataset(src.data, make_tokenizer(src), root, src.tokenizer_id)
     parts = open_run(src, root)
@@ -172,7 +172,7 @@ def test_the_start_is_the_source_policy_and_the_reference_as_configured(tmp_path
         trained = {s: merge(m) for s, m in trained.items()}
 
     def continual(name, ref, **model):
-        cfg = with_versions(_cfg(tmp_path, name, init_from=ref, **model))
+        cfg = resolve_run(_cfg(tmp_path, name, init_from=ref, **model))
         run = init_run_root(cfg)
         prepare_dataset(cfg.data, make_tokenizer(cfg), run, cfg.tokenizer_id)
         return cfg, open_run(cfg, run)
@@ -225,7 +225,7 @@ def test_the_start_is_the_source_policy_and_the_reference_as_configured(tmp_path
     _, never = continual("never", "src")
     shutil.rmtree(src.run_url)
     assert _close(nxt.create_policy(), trained[4])
-    again = with_versions(_cfg(tmp_path, "from-ckpt", init_from="src@2", reference="base", **lora))
+    again = resolve_run(_cfg(tmp_path, "from-ckpt", init_from="src@2", reference="base", **lora))
     assert again.train_hash == cfg2.train_hash and again.start_point == cfg2.start_point
     resumed = open_run(again, at2.root)
     policy = resumed.create_policy()
@@ -235,7 +235,7 @@ def test_the_start_is_the_source_policy_and_the_reference_as_configured(tmp_path
     with pytest.raises(ConfigError, match=r"model\.init_from 'src': the policy this run starts from .* is gone"):
         never.create_policy()
     with pytest.raises(ConfigError, match=r"is not a run .*no run of this config .* holds a copy"):
-        with_versions(_cfg(tmp_path, "never", init_from="src"))
+        resolve_run(_cfg(tmp_path, "never", init_from="src"))
 
 
 def _close(a, b) -> bool:

@@ -13,8 +13,8 @@ import pytest
 from flows.cli import main
 from grpo_core.config.recipes import HF_DEFAULTS, choose, explain
 from grpo_core.config.run import DEFAULT, RunConfig, load_config
-from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError
+from grpo_core.resolve import resolve_run
 
 # The issue's command: 64 GSM8K rows as JSONL, math_answer, the qwen2.5-0.5b preset.
 ISSUE = ["data.source=gsm8k.jsonl", "rewards=[{function: math_answer}]", "model.preset=qwen2.5-0.5b"]
@@ -140,14 +140,14 @@ def test_num_steps_auto_is_epochs_over_the_prepared_rows(tmp_path, monkeypatch):
     sets = [f"data.source={data}", f"storage.root={tmp_path}", "rewards=[math_answer]"]
     cfg = load_config(None, sets)
     assert cfg.train.num_steps == "auto" and cfg.train.num_epochs == 3.0
-    ready = with_versions(cfg)
+    ready = resolve_run(cfg)
     assert ready.train.num_steps == 15  # ceil(3 x 40 / 8)
     assert ready.epoch_end(3) == 15 and ready.to_dict()["train"]["num_steps"] == 15
     assert len(list((tmp_path / "cache" / "rows").iterdir())) == 1
-    assert with_versions(load_config(None, [*sets, "train.num_epochs=1"])).train.num_steps == 5
-    assert with_versions(load_config(None, [*sets, "train.num_steps=9"])).train.num_steps == 9  # the user's
+    assert resolve_run(load_config(None, [*sets, "train.num_epochs=1"])).train.num_steps == 5
+    assert resolve_run(load_config(None, [*sets, "train.num_steps=9"])).train.num_steps == 9  # the user's
     data.write_text(rows(88))  # rewritten in place: a new version, a new count
-    assert with_versions(load_config(None, sets)).train.num_steps == 30  # ceil(3 x 80 / 8)
+    assert resolve_run(load_config(None, sets)).train.num_steps == 30  # ceil(3 x 80 / 8)
     # a run's config.json holds the number: its workers never see auto
     back = RunConfig.from_dict(ready.to_dict())
     assert back.train.num_steps == 15 and back.train_hash == ready.train_hash
@@ -229,9 +229,9 @@ RESOLVE_AND_CHECK = """
 import json, sys
 from flows.cli import main
 from grpo_core.config.run import load_config
-from grpo_core.data.resolve import with_versions
+from grpo_core.resolve import resolve_run
 recipe, sets = sys.argv[1], sys.argv[2:]
-cfg = with_versions(load_config(recipe, sets))
+cfg = resolve_run(load_config(recipe, sets))
 print(json.dumps({"config": cfg.to_dict()}))
 main(["check", "--json", "--config", recipe, *[a for s in sets for a in ("--set", s)]])
 """
@@ -344,7 +344,7 @@ def test_gsm8k_data_without_rewards_is_scored_by_math_answer(tmp_path):
     sets = [f"storage.root={tmp_path}", f"data.source={data}", f"data.eval_source={test}"]
     cfg = load_config(None, sets)
     assert cfg.rewards_default.pending  # data.format auto: the first row decides
-    ready = with_versions(cfg)
+    ready = resolve_run(cfg)
     assert rewards_of(ready) == [("math_answer", 1.0)] and not ready.rewards_default.pending
     assert (
         ready.rewards_default.why
@@ -383,23 +383,23 @@ def test_prompt_only_data_without_rewards_is_refused_naming_rewards(tmp_path, ca
     prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"write a haiku about {i}"} for i in range(12)])
     sets = [f"storage.root={tmp_path}", f"data.source={prompts}"]
     with pytest.raises(ConfigError, match=r"^rewards: none set, and data.source .* \(read as plain; columns: prompt\)"):
-        with_versions(load_config(None, sets))
+        resolve_run(load_config(None, sets))
     assert main(["check", *(a for s in sets for a in ("--set", s))]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: rewards: none set") and "think_format" in err and "integer_answer" in err
     assert not (tmp_path / "runs").exists()
     # the user's rewards always win: on prompt-only data, and over a reference too
-    own = with_versions(load_config(None, [*sets, "rewards=[integer_answer]"]))
+    own = resolve_run(load_config(None, [*sets, "rewards=[integer_answer]"]))
     assert rewards_of(own) == [("integer_answer", 1.0)] and own.rewards_default is None
-    gsm = with_versions(load_config(None, [f"data.source={gsm8k_file(tmp_path / 'g.jsonl')}", "rewards=[exact_match]"]))
+    gsm = resolve_run(load_config(None, [f"data.source={gsm8k_file(tmp_path / 'g.jsonl')}", "rewards=[exact_match]"]))
     assert rewards_of(gsm) == [("exact_match", 1.0)] and gsm.eval.accuracy_reward == "exact_match"
 
 
 def test_an_answer_column_is_the_reference_once_renamed(tmp_path):
     rows = _jsonl(tmp_path / "qa.jsonl", [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(12)])
     with pytest.raises(ConfigError, match=r"its 'answer' column: data.rename=\{answer: ground_truth\} for math_answer"):
-        with_versions(load_config(None, [f"data.source={rows}"]))
-    cfg = with_versions(load_config(None, [f"data.source={rows}", "data.rename={answer: ground_truth}"]))
+        resolve_run(load_config(None, [f"data.source={rows}"]))
+    cfg = resolve_run(load_config(None, [f"data.source={rows}", "data.rename={answer: ground_truth}"]))
     assert rewards_of(cfg) == [("math_answer", 1.0)]
 
 

@@ -11,9 +11,9 @@ from grpo_core.config import memory
 from grpo_core.config.presets import get_preset
 from grpo_core.config.run import RunConfig, load_config
 from grpo_core.config.train import RematPolicy, TrainConfig
-from grpo_core.data.resolve import with_versions
 from grpo_core.errors import ConfigError
 from grpo_core.nn.tiny_hf import write_tiny_model
+from grpo_core.resolve import resolve_run
 from grpo_core.rewards.registry import config_rewards, make_rewards
 from grpo_core.rewards.reward_model import ModelReward, config_shapes
 
@@ -51,18 +51,18 @@ def test_a_reward_is_a_function_or_a_model(rm):
 def test_a_rebuilt_reward_model_is_a_new_run(rm, tmp_path):
     """Its folder's version is recorded as model.path's is, in the training and evaluation hashes."""
     sets = [f"storage.root={tmp_path}", f"rewards=[{{model: {rm}}}]"]
-    first = with_versions(load_config(None, sets))
+    first = resolve_run(load_config(None, sets))
     assert dict(first.versions)["rewards[0].model"].startswith("files:")
-    again = with_versions(load_config(None, sets))
+    again = resolve_run(load_config(None, sets))
     assert (again.train_hash, again.eval_hash) == (first.train_hash, first.eval_hash)
     (rm / "notes.txt").write_text("retrained")
     try:
-        rebuilt = with_versions(load_config(None, sets))
+        rebuilt = resolve_run(load_config(None, sets))
     finally:
         (rm / "notes.txt").unlink()
     assert rebuilt.train_hash != first.train_hash and rebuilt.eval_hash != first.eval_hash
     assert rebuilt.name != first.name
-    plain = with_versions(load_config(None, [f"storage.root={tmp_path}"]))
+    plain = resolve_run(load_config(None, [f"storage.root={tmp_path}"]))
     assert "rewards[0].model" not in dict(plain.versions)
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from grpo_core.config.run import RunConfig, load_config
 from grpo_core.data.prepare import prepare_dataset
-from grpo_core.data.resolve import with_versions
 from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError
+from grpo_core.resolve import resolve_run
 from grpo_core.store.root import RunRoot
 from grpo_core.store.runs import init_run_root
 from grpo_core.store.versions import version_of
@@ -24,7 +24,7 @@ def _rows(n: int) -> str:
 def _config(root: str, source: str, *sets: str) -> RunConfig:
     base = [f"storage.root={root}", f"data.source={source}", "data.format=plain", "data.max_prompt_tokens=64"]
     base.append("rewards=[exact_match]")  # prompt and answer rows: no default reward fits them (issue 53)
-    return with_versions(load_config(None, [*base, "data.eval_rows=2", *sets]))
+    return resolve_run(load_config(None, [*base, "data.eval_rows=2", *sets]))
 
 
 def _check_both_behaviours(root: str, source: str, rewrite) -> None:
@@ -88,7 +88,7 @@ def test_hub_ids_pinned_and_unresolved(tmp_path, hub_offline):
     assert version_of("openai/gsm8k", None, "dataset") == "unresolved@main"
     warnings = []
     cfg = load_config(None, [f"storage.root={tmp_path}", "data.source=openai/gsm8k", "data.subset=main"])
-    cfg = with_versions(cfg, warn=warnings.append)
+    cfg = resolve_run(cfg, warn=warnings.append)
     assert dict(cfg.versions) == {"data.source": "unresolved@main"}
     assert len(warnings) == 1 and "data.source 'openai/gsm8k'" in warnings[0] and "pin" in warnings[0]
 
@@ -101,7 +101,7 @@ def test_a_run_started_before_inputs_were_versioned_resumes(tmp_path):
     sets.append("train.num_steps=8")  # a number, as every run from before versions (and before num_steps: auto)
     old = load_config(None, sets)  # no versions: as config.json was written before them
     init_run_root(old)
-    root = init_run_root(with_versions(old))
+    root = init_run_root(resolve_run(old))
     assert "versions" not in root.read_json("config.json")  # keeps its hashes: its checkpoints stay its own
     assert RunConfig.from_dict(root.read_json("config.json")).train_hash == old.train_hash
 
@@ -112,7 +112,7 @@ def test_an_unreachable_gs_source_fails_at_once_naming_the_field(tmp_path, monke
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # nothing listens there
     cfg = load_config(None, [f"storage.root={tmp_path}", "data.source=gs://bucket/prompts.jsonl"])
     with pytest.raises(StorageError, match=r"data\.source gs://bucket/prompts\.jsonl: cannot reach"):
-        with_versions(cfg)
+        resolve_run(cfg)
 
 
 def test_an_edited_reward_file_is_a_new_run_or_a_refusal_naming_it(tmp_path):
@@ -148,7 +148,7 @@ def test_an_edited_reward_file_is_a_new_run_or_a_refusal_naming_it(tmp_path):
     RunRoot(named.run_url).write_json("config.json", old)
     init_run_root(named)
     assert "rewards[0].function" not in RunRoot(named.run_url).read_json("config.json")["versions"]
-    demo = with_versions(load_config(None, []))
+    demo = resolve_run(load_config(None, []))
     assert not demo.code_versions("rewards[", "eval.rewards[")
     assert demo.train_hash == load_config(None, []).train_hash
 

@@ -104,7 +104,7 @@ NO_REFERENCE_BUILTINS = (
 class RewardChoice:
     """Rewards a recipe chose because the config sets none. `why`: as `grpo check` prints it.
     `pending`: data.format leaves open whether the rows carry a reference answer, which their
-    first row decides before the run is named (grpo_core.data.resolve.resolve_rewards)."""
+    first row decides before the run is named (grpo_core.resolve)."""
 
     specs: tuple[dict, ...]
     why: str

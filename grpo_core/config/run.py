@@ -456,10 +456,10 @@ class RunConfig:
     eval: EvalConfig
     pipeline: PipelineConfig
     # The versions of the sources the config names, by field (grpo_core.store.versions): part of
-    # the data and training hashes, so new content is a new run. Set by grpo_core.data.resolve.with_versions.
+    # the data and training hashes, so new content is a new run. Set by grpo_core.resolve.resolve_run.
     versions: tuple[tuple[str, str], ...] = ()
     # Set where `rewards` is a default chosen for the user's data (recipes.RewardChoice: why, and
-    # whether the data's first row still decides: grpo_core.data.resolve.resolve_rewards). Not in
+    # whether the data's first row still decides: grpo_core.resolve). Not in
     # to_dict: config.json and the flow's parameters hold the rewards themselves.
     rewards_default: recipes.RewardChoice | None = dataclasses.field(default=None, compare=False)
 
@@ -469,7 +469,7 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
         check(isinstance(data, dict), f"the config must be a mapping, got {type(data).__name__}")
         data = {k: v for k, v in data.items() if k != "hashes"}  # derived; config.json records them
-        versions = data.pop("versions", None) or {}  # recorded in config.json by with_versions
+        versions = data.pop("versions", None) or {}  # recorded in config.json by resolve_run
         check(
             isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()),
             f"versions must map fields to versions, got {versions!r}",
@@ -571,13 +571,13 @@ class RunConfig:
     @property
     def start_point(self):
         """Where training starts with model.init_from (grpo_core.store.startpoint.StartPoint), as
-        with_versions resolved it; None without init_from."""
+        resolve_run resolved it; None without init_from."""
         if self.model.init_from is None:
             return None
         version = dict(self.versions).get("model.init_from")
         if version is None:
             raise ConfigError(
-                f"model.init_from {self.model.init_from!r} is not resolved to a run and step (with_versions does that)"
+                f"model.init_from {self.model.init_from!r} is not resolved to a run and step (resolve_run does that)"
             )
         return StartPoint.parse(version)
 
@@ -753,7 +753,7 @@ class RunConfig:
         check(
             self.train.num_steps != "auto",
             "train.num_steps is auto, which the data's row count makes a number before a run starts "
-            "(grpo_core.data.resolve.with_versions): the data could not be prepared",
+            "(grpo_core.resolve.resolve_run): the data could not be prepared",
         )
         return (self.train.num_steps * (epoch + 1)) // e
 

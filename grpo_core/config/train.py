@@ -680,7 +680,7 @@ class TrainConfig(Section):
         del out["remat"], out["logits_chunk_mib"]  # how memory is spent: the same numbers
         del out["reward_timeout_s"]  # a time limit: a run that finishes computes the same numbers
         out["log_every"] = 1  # how often the task logs changes no result; 1 is what runs before it was read hashed
-        # num_steps: auto is resolved into a number (grpo_core.data.resolve.with_versions) before a run is named:
+        # num_steps: auto is resolved into a number (grpo_core.resolve.resolve_run) before a run is named:
         # the number is hashed, the epochs it came from are not (runs from before keep their hashes)
         del out["num_epochs"]
         # Accumulation sums exact per-token weights (algo.token_weights): the same update within

@@ -344,7 +344,7 @@ def dry_run(cfg: DataConfig, tokenizer) -> dict[str, Any]:
 def first_row_format(cfg: DataConfig) -> tuple[str, list[str]]:
     """(the format the data reads as, the columns of its first training row read in it: renamed,
     with ground_truth where gsm8k or verl derives one), as preparation reads them; nothing
-    tokenized. Which default rewards fit (grpo_core.data.resolve.resolve_rewards). DataError where
+    tokenized. Which default rewards fit (grpo_core.resolve). DataError where
     the data cannot be read, or its first row not in that format."""
     raw, _, where = _load_rows(cfg)
     if not raw:

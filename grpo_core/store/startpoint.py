@@ -12,7 +12,8 @@ pattern takes, among the runs under storage.root whose names match (this run's o
 the greatest name whose training finished (a policy at its train.num_steps): names that carry
 the date, as run_name templates write them, sort in time.
 
-The resolved point is a version like the sources' (grpo_core.store.versions): recorded in
+The resolved point (pin, which grpo_core.resolve calls beside the sources' versions of
+grpo_core.store.versions) is a version like theirs: recorded in
 config.json as versions["model.init_from"] = "<run url>@<step>:<checkpoint|export>:<train hash>",
 part of the training hash, read back by the worker that builds the starting policy. JAX-free.
 
@@ -134,6 +135,28 @@ def resolve(cfg, warn: Callable[[str], None] | None = None) -> StartPoint | None
         )
     _check_compatible(cfg, source, url)
     return StartPoint(url, step, found[step], source.train_hash)
+
+
+def pin(cfg, versions: dict[str, str], warn: Callable[[str], None] | None = None) -> str | None:
+    """The version model.init_from is pinned to for this run (StartPoint.version, or NO_MATCH for
+    a pattern no finished run matches yet); None without init_from. `versions`: the sources'
+    (grpo_core.store.versions), which say whether a run of this very config holds a copy to go on
+    from where the source run is gone (pinned_copy)."""
+    if cfg.model.init_from is None:
+        return None
+    try:
+        start = resolve(cfg, warn)
+    except StartSourceMissingError as gone:  # a run of this config that copied it goes on from its copy
+        pinned = pinned_copy(cfg, versions)
+        if pinned is None:
+            raise StartSourceMissingError(
+                f"{gone}; no run of this config under {cfg.storage_url} holds a copy of a policy it started "
+                "from (a run copies its start to start/ at its first training step)"
+            ) from None
+        if warn is not None:
+            warn(f"{gone}: this run goes on from its own copy of the policy it started from ({pinned})")
+        return pinned
+    return start.version if start is not None else f"{NO_MATCH} {cfg.model.init_from!r}"
 
 
 def _check_compatible(cfg, source, url: str) -> None:

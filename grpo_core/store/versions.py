@@ -11,14 +11,14 @@ Hub repository that moved on is a new input, not yesterday's.
   an upload to that repository will not be noticed until a revision is pinned
 
 - a reward model (rewards[i].model): as model.path, so a rebuilt classifier folder is a new run
-- model.init_from: the run and step it resolves to (grpo_core.store.startpoint)
 - code a config names (a reward's `file.py:fn`, a module's file): a digest of the file's content,
   so an edited reward is a new run (or, under a fixed run_name, a refusal naming the file), never
   yesterday's run reported again; a built-in is the project's own code, a pickled callable
   (grpo_core.rewards.by_value) is already named by the digest of its source
 
-The flow computes them once per invocation (grpo_core.data.resolve.with_versions), before it names the run:
-they are part of the data and training hashes, recorded in config.json and the data manifest.
+grpo_core.resolve computes them once per invocation, before the run is named, beside the start
+point model.init_from resolves to (grpo_core.store.startpoint.pin): they are part of the data and
+training hashes, recorded in config.json and the data manifest.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import Any, Callable
 from grpo_core.config.run import PICKLED
 from grpo_core.store.root import check_reachable, filesystem
 from grpo_core.store.sources import is_url, looks_local
-from grpo_core.store.startpoint import NO_MATCH, StartSourceMissingError, pinned_copy, resolve
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -167,19 +166,4 @@ def source_versions(cfg, warn: Callable[[str], None] | None = None) -> dict[str,
                 "upload to it is not noticed; pin a commit (model.revision) to train on a known version"
             )
         out[field] = v
-    if cfg.model.init_from is not None:  # the run and step it names, pinned for this run
-        try:
-            start = resolve(cfg, warn)
-        except StartSourceMissingError as gone:  # a run of this config that copied it goes on from its copy
-            pinned = pinned_copy(cfg, out)
-            if pinned is None:
-                raise StartSourceMissingError(
-                    f"{gone}; no run of this config under {cfg.storage_url} holds a copy of a policy it started "
-                    "from (a run copies its start to start/ at its first training step)"
-                ) from None
-            if warn is not None:
-                warn(f"{gone}: this run goes on from its own copy of the policy it started from ({pinned})")
-            out["model.init_from"] = pinned
-            return out
-        out["model.init_from"] = start.version if start is not None else f"{NO_MATCH} {cfg.model.init_from!r}"
     return out

@@ -1,9 +1,24 @@
-"""A run config resolved against the world: the versions of the sources it names (a file
-rewritten in place, an object uploaded again, a Hub repository that moved on: a new version;
-grpo_core.store.versions), model.init_from pinned to one run and step
-(grpo_core.store.startpoint), the default rewards checked against the data's first row (a
-reference answer or a refusal), and train.num_steps: auto made a number from the rows the data
-holds. grpo_core.config stays data; this is what fills it in, once, before a run is named."""
+"""A run's config resolved once, in one place, before the run is named: every fact about the
+world the config depends on is read here, from the layers below, and written into the config,
+which is then the record the stages receive (init_run writes it to config.json; each stage's
+load_run reads it back; nothing downstream resolves any of it again):
+
+1. the architecture of model.path (its config.json: missing or unsupported fails here, naming
+   the field) — grpo_core.store.sources
+2. the versions of the sources and the code it names (a file rewritten in place, an object
+   uploaded again, a Hub repository that moved on, an edited reward file: a new version) —
+   grpo_core.store.versions
+3. model.init_from pinned to one run and step, or to this config's own copy of it where that run
+   is gone — grpo_core.store.startpoint
+4. default rewards the data's first row decides (a reference answer: math_answer; none: a
+   refusal naming `rewards`) — grpo_core.data.prepare and grpo_core.config.recipes
+5. train.num_steps: auto made a number from the training rows the data holds (read, rendered and
+   tokenized as preparation will; counted once per data hash) — grpo_core.data.prepare
+
+Each step calls down; neither grpo_core.data nor grpo_core.store calls back up here. `grpo run`,
+`grpo check`, the notebook, the flows and the flow-run names all resolve through resolve_run,
+so what check reports is what run will do. grpo_core.config stays data.
+"""
 
 from __future__ import annotations
 
@@ -18,20 +33,27 @@ from grpo_core.data.prepare import dry_run, first_row_format
 from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.errors import ConfigError, DataError
 from grpo_core.store.sources import cache_dir, model_config
+from grpo_core.store.startpoint import pin
 from grpo_core.store.versions import source_versions
 
-
-def with_versions(cfg: RunConfig, warn: Callable[[str], None] | None = None) -> RunConfig:
-    """`cfg` with the current versions of the sources it names and, with model.init_from, the
-    policy it names resolved to one run and step; train.num_steps: auto made a number from the
-    data those versions hold (resolve_steps). A model.path whose config.json is missing or of an
-    unsupported model fails here, naming the field."""
-    model_config(cfg)  # the checkpoint's architecture (read once, small files only)
-    cfg = dataclasses.replace(cfg, versions=tuple(sorted(source_versions(cfg, warn).items())))
-    return resolve_steps(resolve_rewards(cfg))
+Warn = Callable[[str], None]
 
 
-def resolve_rewards(cfg: RunConfig) -> RunConfig:
+def resolve_run(cfg: RunConfig, warn: Warn | None = None) -> RunConfig:
+    """`cfg` resolved (steps 1-5 above): the record of the run it names. `warn` hears what
+    resolving noticed but does not refuse (an unresolved Hub revision, a pattern that matches no
+    finished run yet, a start point gone but copied)."""
+    model_config(cfg)  # 1: the checkpoint's architecture (read once, small files only)
+    versions = source_versions(cfg, warn)  # 2
+    start = pin(cfg, versions, warn)  # 3: after the sources, whose versions find this config's own copy
+    if start is not None:
+        versions["model.init_from"] = start
+    cfg = dataclasses.replace(cfg, versions=tuple(sorted(versions.items())))
+    cfg = _decide_rewards(cfg)  # 4
+    return _count_steps(cfg)  # 5: keyed by the data hash, which the versions are part of
+
+
+def _decide_rewards(cfg: RunConfig) -> RunConfig:
     """`cfg` with default rewards whose fit the data's first row decides (recipes.default_rewards:
     no rewards set, data.format auto or plain, no column renamed to ground_truth) decided:
     math_answer where the rows carry a reference answer, else ConfigError naming `rewards` and
@@ -50,7 +72,7 @@ def resolve_rewards(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, rewards_default=decided)
 
 
-def resolve_steps(cfg: RunConfig) -> RunConfig:
+def _count_steps(cfg: RunConfig) -> RunConfig:
     """`cfg` with train.num_steps: auto made a number: train.num_epochs passes over the training
     rows that data preparation will keep (read, rendered and tokenized as it will, nothing
     written; counted once per data hash in the model cache folder). Data the run cannot prepare
