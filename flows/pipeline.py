@@ -13,6 +13,7 @@ import base64
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -357,11 +358,41 @@ def _run_named(prefix: str = "", config_of: Any = None):
             cfg = config_of(params) if config_of else _config(params.get("config"))
             if deployment.id is not None:  # as _allowed, before anything is read: refused, the flow says why
                 cfg = allowed_config(lambda: cfg, _job_variables(None))
-            return prefix + resolve_run(_fill_run_name(cfg)).name
+            return prefix + _resolve_for_name(_fill_run_name(cfg)).name
         except Exception:  # noqa: BLE001 - a bad config fails in the flow itself, with its message
             return prefix + "invalid-config"
 
     return name
+
+
+# A flow run's config as its name resolved it: Prefect computes the name first, in the process
+# that then runs the body, so the body takes that resolution instead of reading the sources again
+# (one resolution per flow run: its name and its run folder agree by construction). By flow run id;
+# the body takes it out (a retry of the flow run resolves anew).
+_RESOLVED_FOR_NAME: dict[str, tuple[str, RunConfig, list[str]]] = {}
+
+
+def _same(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+
+
+def _resolve_for_name(cfg: RunConfig) -> RunConfig:
+    said: list[str] = []
+    resolved = resolve_run(cfg, warn=said.append)
+    if flow_run.id is not None:
+        _RESOLVED_FOR_NAME[str(flow_run.id)] = (_same(cfg), resolved, said)
+    return resolved
+
+
+def _resolve_in_body(cfg: RunConfig, log: Any) -> RunConfig:
+    """`cfg` resolved (grpo_core.resolve.resolve_run) once for this flow run: as its name resolved
+    it where that was this very config, its warnings said now, in the run's log."""
+    named = _RESOLVED_FOR_NAME.pop(str(flow_run.id), None)
+    if named is None or named[0] != _same(cfg):
+        return resolve_run(cfg, warn=log.warning)
+    for warning in named[2]:
+        log.warning("%s", warning)
+    return named[1]
 
 
 @flow(name="grpo-pipeline", retries=1, retry_delay_seconds=5, flow_run_name=_run_named())
@@ -392,7 +423,7 @@ def run_pipeline(cfg: RunConfig, log: Any) -> dict[str, Any]:
     cfg = _fill_run_name(cfg, log)  # a run_name template: the same folder for every retry of this flow run
     # the sources' current versions (a file rewritten in place is new data: a new run under
     # run_name: null, a refusal naming what changed under a fixed run_name)
-    cfg = resolve_run(cfg, warn=log.warning)
+    cfg = _resolve_in_body(cfg, log)
     # The run root's owner (grpo_core.store.lease): a second run of it is refused, not run beside this one.
     lease = RunLease(cfg.run_url, ttl_s=cfg.pipeline.lease_ttl_s, flow_run_id=flow_run.id, logger=log)
     try:

@@ -161,7 +161,17 @@ def test_second_run_of_a_finished_config_trains_nothing(baseline, monkeypatch):
     # every stage is done: readiness and export start no process (seconds, not ~10 s each)
     monkeypatch.setattr("tasks.stages.run_worker", no_worker)
     monkeypatch.setattr("tasks.stages.readiness_report", no_worker)
+    from grpo_core.resolve import resolve_run
+
+    resolved = []  # the flow run's name and its body: one resolution of the config between them
+
+    def counted(cfg, warn=None):
+        resolved.append(cfg.run_name)
+        return resolve_run(cfg, warn)
+
+    monkeypatch.setattr("flows.pipeline.resolve_run", counted)
     s = run_pipeline(small_config(root, "baseline"))
+    assert resolved == ["baseline"]
     assert s["status"] == "completed" and s["steps"] == NUM_STEPS
     assert run.list("metrics") == shards  # no step ran again
     assert s["eval_after"] == first["eval_after"]
