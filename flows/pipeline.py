@@ -33,7 +33,7 @@ from flows.logs import stop_level, stop_reason
 from flows.params import RunParams
 from flows.pool_record import pool_record_refusal
 from grpo_core.config.run import RunConfig, check_run_name, is_template
-from grpo_core.errors import ConfigError, RunRootInUse
+from grpo_core.errors import ConfigError, RunRootInUse, StorageError
 from grpo_core.launch.launchers import drop_ahead
 from grpo_core.resolve import resolve_run
 from grpo_core.rewards.trust import TrustPolicy, check_folder, check_reads, refused_job_variables
@@ -561,12 +561,19 @@ def grpo_readiness(config: RunParams = RunParams()) -> dict[str, Any]:
 
 def readiness_run(cfg: RunConfig) -> dict[str, Any] | State:
     """A readiness run's work for an allowed config (grpo-readiness/readiness, grpo-readiness/check):
-    the report as an artifact; a run not ready ends Failed with one log line, its reasons."""
-    cfg = _fill_run_name(cfg)
+    the report as an artifact; a run not ready ends Failed with one log line, its reasons. The
+    config is resolved as the pipeline's run of it would resolve it (grpo_core.resolve: its run
+    folder, rewards and num_steps are the run's), as `grpo check` does."""
+    log = get_run_logger()
+    try:
+        cfg = _resolve_in_body(_fill_run_name(cfg), log)
+    except (ConfigError, StorageError) as exc:  # what the run would refuse before any task: its answer
+        log.error("not ready: %s: %s", type(exc).__name__, exc)
+        return Failed(message=f"not ready: {type(exc).__name__}: {exc}")
     report = readiness_report(cfg, data=True)
     try:
         publish_readiness(report, cfg.name)
     except StageError as exc:  # an answer, not a crash: one line in the log, the state holds it
-        get_run_logger().error("%s", exc)
+        log.error("%s", exc)
         return Failed(message=str(exc))
     return {k: report.get(k) for k in ("ready", "backend", "device_kind", "device_count", "process_count")}

@@ -213,7 +213,8 @@ def test_run_naming_a_library_callable_is_refused_before_anything_runs(served, t
     assert "--allow-reward-module" in run.state.message
     assert not os.path.exists(marker) and not (root / "spawn").exists()
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-    assert tasks == [] and run.run_count == 1  # no stage started, no worker; the flow run not retried
+    # no stage started, no worker; not even the flow run's process (grpo serve refused it), not retried
+    assert tasks == [] and run.run_count == 0
 
 
 def test_the_short_readiness_form_checks_what_the_everyday_form_runs(served):
@@ -236,6 +237,23 @@ def test_the_short_readiness_form_checks_what_the_everyday_form_runs(served):
     [report] = [a for a in arts if a.key == "readiness-short-check"]
     assert "storage" in report.data and "memory" in report.data.lower(), report.data
     assert not (root / "short-check" / "checkpoints").exists()  # nothing trained
+    # the user's data, run_name, rewards and num_steps empty: the run folder, the rewards and the
+    # number of steps the check reports are those grpo-pipeline/train would run (resolved as it is)
+    from flows.everyday import everyday_config
+    from grpo_core.resolve import resolve_run
+    from tasks.stages import _key
+
+    rows = root / "check-rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1=", "ground_truth": str(i + 1)}) + "\n" for i in range(12)))
+    mine = {"data_source": str(rows), "storage_root": str(root), "run_name": None, "num_steps": None}
+    given = {**dep.parameters, **mine}  # the served config's values are the form's defaults
+    will = resolve_run(everyday_config(given))
+    assert will.name != everyday_config(given).name  # the data's version is part of the run's name
+    run = _wait(client, run_deployment("grpo-readiness/check", parameters=mine, timeout=0).id)
+    assert run.state.is_completed() and run.name == f"readiness-{will.name}", (run.name, run.state.message)
+    arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    [report] = [a for a in arts if a.key == _key(f"readiness-{will.name}")]
+    assert f"train.num_steps {will.train.num_steps} x" in report.data, report.data
     refused = {**params, "run_name": "short-refused", "rewards": [{"function": "pty:spawn"}]}
     run = _wait(client, run_deployment("grpo-readiness/check", parameters=refused, timeout=0).id)
     assert run.state.is_failed() and "rewards[0].function 'pty:spawn' may not run" in run.state.message

@@ -318,7 +318,13 @@ def test_the_v5e_lora_recipe_fits_its_chip_as_xla_compiles_it(hub):
     assert report["ready"] and checks["memory"]["ok"] and checks["target"]["ok"], checks
     assert "XLA on v5e:1x1" in checks["memory"]["detail"] and "(chosen by the compiler)" in checks["memory"]["detail"]
     target = report["target"]
-    assert [p["program"] for p in target["programs"]] == ["update", "prefill", "decode", "eval_prefill", "eval_decode"]
+    assert sorted(p["program"] for p in target["programs"]) == [
+        "decode",
+        "eval_decode",
+        "eval_prefill",
+        "prefill",
+        "update",
+    ]
     assert all(p["compiled"] and p["fits"] and p["peak_bytes"] <= 0.95 * 16 * 2**30 for p in target["programs"])
     tried = target["update_candidates"]  # stopped at the first that fits
     assert len(tried) >= 2 and tried[-1]["fits"] and not any(c["fits"] for c in tried[:-1]), tried

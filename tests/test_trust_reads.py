@@ -17,7 +17,7 @@ from grpo_core.config.run import load_config
 from grpo_core.data.prepare import EncodeError, dry_run
 from grpo_core.data.synthetic import CharTokenizer
 from grpo_core.errors import ConfigError, excerpt
-from grpo_core.rewards.trust import ENV_ROOTS, TrustPolicy, check_folder, check_reads, link_out
+from grpo_core.rewards.trust import ENV_ROOTS, TRUST_ENV, TrustPolicy, check_folder, check_reads, link_out
 
 SECRET = "TOPSECRET-" + "s" * 200
 
@@ -281,6 +281,8 @@ def test_grpo_serve_refuses_before_a_process_what_the_flow_would(name, params, p
     from flows import everyday, serve
 
     monkeypatch.chdir(place.base)
+    for variable in TRUST_ENV:  # the operator's policy: this process's environment, whatever set it before
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv(ENV_ROOTS, str(place.runs))
     p = types.SimpleNamespace(runs=place.runs, outside=place.outside, secret=place.outside / "secret.jsonl")
     given = params(p)
