@@ -69,6 +69,7 @@ def test_tiny_update_compiles_for_each_topology(aot, topology, kind):
     assert r["peak_bytes"] == r["xla_peak_bytes"] + r["resident_bytes"] > r["argument_bytes"]
 
 
+@pytest.mark.slow  # two TPU compiles of the update (~36 s in make test-fast's budget): make test runs it
 def test_more_chips_hold_less_of_the_updates_activations(aot):
     """The tokens' hidden states are laid out over the learner's rows (CausalLM.hidden_states_grouped):
     16 chips hold less of the update's temporaries than 4. Left to XLA's sharding propagation they

@@ -204,6 +204,7 @@ def test_lora_in_the_run_config_form_and_hash():
         RunParams.model_validate({"model": {"lora": {"rank": 0}}})
 
 
+@pytest.mark.slow  # end to end: train, evaluate and export workers (~25 s); make test runs it
 def test_lora_run_evaluates_and_exports_a_merged_model_transformers_loads(tmp_path):
     """Train a LoRA run on a tiny Qwen3 folder with the worker's own stages; evaluate and export
     from its adapter-only checkpoint; transformers loads the export with the merged policy's logits."""

@@ -189,6 +189,7 @@ def _grpo_run(tmp_path, terminal: bool) -> str:
     return out
 
 
+@pytest.mark.slow  # end to end: a whole `grpo run` in a terminal (~30 s with its server); make test runs it
 @pytest.mark.usefixtures("prefect_server")
 def test_grpo_run_in_a_terminal_shows_bars_for_steps_and_evaluation(tmp_path):
     out = _grpo_run(tmp_path, terminal=True)
