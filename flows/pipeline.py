@@ -204,9 +204,7 @@ def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
     retried) when it is invalid or, in a deployment run, names what the operator did not allow
     (allowed_config), or the run's work-pool deployment is not as deployments/*.yaml deploys it
     (flows.pool_record). `run_url`: the evaluate deployment's run folder, checked before anything
-    is read from it. A direct call (the CLI) is the local user's. `grpo serve` makes the same
-    check before it starts a flow run's process (flows.serve_runner); this one is the flow's own,
-    for every other way a deployment run starts (a work-pool worker)."""
+    is read from it. A direct call (the CLI) is the local user's."""
     try:
         if deployment.id is not None:
             job_variables = _job_variables(log)
