@@ -261,19 +261,13 @@ class Refused(ConfigError):  # noqa: N818 - not an error of the run: the caller'
 
 def _job_variables(log: Any) -> dict[str, Any]:
     """This flow run's job variables and its deployment's (what a work pool's worker applies)."""
+    found: dict[str, Any] = {"env": {}}
     try:
         with get_client(sync_client=True) as client:
-            return job_variables_of(client.read_deployment(deployment.id), client.read_flow_run(flow_run.id))
+            for source in (client.read_deployment(deployment.id), client.read_flow_run(flow_run.id)):
+                found["env"].update((getattr(source, "job_variables", None) or {}).get("env") or {})
     except Exception as exc:  # noqa: BLE001 - the API is what runs this flow: reading it fails the run
         raise ConfigError(f"could not read this flow run's job variables to check them: {exc}") from None
-
-
-def job_variables_of(*records: Any) -> dict[str, Any]:
-    """The environment the job variables of these records set (a deployment's, then its flow
-    run's, which wins), as allowed_config checks them."""
-    found: dict[str, Any] = {"env": {}}
-    for record in records:
-        found["env"].update((getattr(record, "job_variables", None) or {}).get("env") or {})
     return found
 
 
