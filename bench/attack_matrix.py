@@ -408,20 +408,27 @@ class Outcome:
         return refused and self.case.expect in self.message and SECRET not in self.message
 
 
+# The cases' own writes (a PATCH, the flow run's creation), one at a time: the embedded server's
+# SQLite answers two writes that meet with 503, which Prefect's client retries after 2, 4, 8, 16
+# and 32 s, so a case could wait a minute for a collision with another stream's submission, not for
+# its refusal. The refusals (grpo serve's and the flows') still run beside each other.
+_WRITES = threading.Lock()
+
+
 def submit(client, case: Case, p: Place, timeout_s: float = 300) -> Outcome:
     """Submit one case and wait for its flow run to end."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments import run_deployment
 
-    dep = client.read_deployment_by_name(case.deployment)
-    before = dep.parameters
-    record = case.record(p) if case.record else {}
-    kept = {k: getattr(dep, k) for k in record}
-    if case.patch:  # what an unauthenticated PATCH /api/deployments/{id} did (HTTP 204)
-        client.update_deployment(dep.id, _deployment_update(parameters=case.patch(p)))
-    if record:
-        client.update_deployment(dep.id, _deployment_update(**record))
-    try:
+    with _WRITES:  # one writer at a time (see _WRITES)
+        dep = client.read_deployment_by_name(case.deployment)
+        before = dep.parameters
+        record = case.record(p) if case.record else {}
+        kept = {k: getattr(dep, k) for k in record}
+        if case.patch:  # what an unauthenticated PATCH /api/deployments/{id} did (HTTP 204)
+            client.update_deployment(dep.id, _deployment_update(parameters=case.patch(p)))
+        if record:
+            client.update_deployment(dep.id, _deployment_update(**record))
         try:
             t = time.monotonic()
             run = run_deployment(
@@ -430,6 +437,7 @@ def submit(client, case: Case, p: Place, timeout_s: float = 300) -> Outcome:
         finally:
             if case.patch:
                 client.update_deployment(dep.id, _deployment_update(parameters=before))
+    try:
         deadline = time.monotonic() + timeout_s
         while not (run := client.read_flow_run(run.id)).state.is_final():
             if time.monotonic() > deadline:
@@ -438,7 +446,8 @@ def submit(client, case: Case, p: Place, timeout_s: float = 300) -> Outcome:
         seconds = time.monotonic() - t  # from submission to the final state, as the caller sees it
     finally:
         if record:  # the later cases' runs of this deployment find it as the serve registered it
-            client.update_deployment(dep.id, _deployment_update(**kept))
+            with _WRITES:
+                client.update_deployment(dep.id, _deployment_update(**kept))
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     return Outcome(case, run.state.type.value, seconds, run.state.message or "", len(tasks))
 

@@ -204,7 +204,9 @@ def _allowed(make_config, log: Any, run_url: str | None = None) -> RunConfig:
     retried) when it is invalid or, in a deployment run, names what the operator did not allow
     (allowed_config), or the run's work-pool deployment is not as deployments/*.yaml deploys it
     (flows.pool_record). `run_url`: the evaluate deployment's run folder, checked before anything
-    is read from it. A direct call (the CLI) is the local user's."""
+    is read from it. A direct call (the CLI) is the local user's. `grpo serve` makes the same
+    check before it starts a flow run's process (flows.serve_runner); this one is the flow's own,
+    for every other way a deployment run starts (a work-pool worker)."""
     try:
         if deployment.id is not None:
             job_variables = _job_variables(log)
@@ -261,13 +263,19 @@ class Refused(ConfigError):  # noqa: N818 - not an error of the run: the caller'
 
 def _job_variables(log: Any) -> dict[str, Any]:
     """This flow run's job variables and its deployment's (what a work pool's worker applies)."""
-    found: dict[str, Any] = {"env": {}}
     try:
         with get_client(sync_client=True) as client:
-            for source in (client.read_deployment(deployment.id), client.read_flow_run(flow_run.id)):
-                found["env"].update((getattr(source, "job_variables", None) or {}).get("env") or {})
+            return job_variables_of(client.read_deployment(deployment.id), client.read_flow_run(flow_run.id))
     except Exception as exc:  # noqa: BLE001 - the API is what runs this flow: reading it fails the run
         raise ConfigError(f"could not read this flow run's job variables to check them: {exc}") from None
+
+
+def job_variables_of(*records: Any) -> dict[str, Any]:
+    """The environment the job variables of these records set (a deployment's, then its flow
+    run's, which wins), as allowed_config checks them."""
+    found: dict[str, Any] = {"env": {}}
+    for record in records:
+        found["env"].update((getattr(record, "job_variables", None) or {}).get("env") or {})
     return found
 
 

@@ -27,6 +27,8 @@ run into GRPO_PROJECT_DIR, or fails the run with a message saying what to set.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import os
 import shutil
@@ -50,10 +52,18 @@ from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound, TerminationSignal
 from prefect.logging import get_logger
 from prefect.states import Cancelled, Crashed, Failed
+from pydantic.fields import FieldInfo
 
-from flows.everyday import everyday_defaults, grpo_check, grpo_train
+from flows.everyday import EVERYDAY, everyday_config, everyday_defaults, grpo_check, grpo_train
 from flows.logs import private_folder, quiet_logging_config, stop_file, write_private
-from flows.pipeline import _config, grpo_evaluate, grpo_pipeline, grpo_readiness
+from flows.pipeline import (
+    _config,
+    allowed_config,
+    grpo_evaluate,
+    grpo_pipeline,
+    grpo_readiness,
+    job_variables_of,
+)
 from flows.serve_runner import ServeRunner
 from grpo_core.errors import ConfigError
 from grpo_core.rewards.registry import builtin_rewards
@@ -72,6 +82,7 @@ from grpo_core.rewards.trust import (
     place_values,
     value_of,
 )
+from tasks.stages import load_run
 
 FLOW_ENTRYPOINT = os.path.join("flows", "pipeline.py")
 # each served deployment (build_deployments) by name: the flow its runs run, whatever the server says
@@ -84,6 +95,43 @@ SERVED_FLOWS = {
 }
 # and as the server names them, flow/deployment: grpo-pipeline/train, ...
 SERVED_NAMES = tuple(f"{served.name}/{name}" for name, served in SERVED_FLOWS.items())
+
+
+def _asks(name: str, args: dict[str, Any]) -> tuple[Any, str | None]:
+    """What a served flow's arguments ask for, as its body reads them: the maker of the config it
+    runs and, for grpo-evaluate, the run folder it reads (flows.pipeline._allowed's arguments)."""
+    if name in ("train", "check"):
+        return (lambda: everyday_config({k: args[k] for k in EVERYDAY})), None
+    if name == "evaluate":
+        return (lambda: load_run(args["run_url"])), args["run_url"]
+    return (lambda: _config(args["config"])), None
+
+
+def refusal(name: str, flow_run: Any, record: Any) -> str | None:
+    """Why the flow of the served deployment `name` would refuse `flow_run` (its trust check,
+    flows.pipeline.allowed_config, on its parameters and the job variables of the run and of the
+    deployment's `record`), said by grpo serve before the run's process starts: no process for a
+    refused run. None where it would not refuse, or where something else stops it first (the
+    engine's own validation of the parameters): the flow meets that and says so as ever."""
+    flow = SERVED_FLOWS[name]
+    try:
+        bound = inspect.signature(flow.fn).bind(**flow.validate_parameters(dict(flow_run.parameters or {})))
+        bound.apply_defaults()
+        # a default given as pydantic's Field (the everyday form's): its value, as the engine's call takes it
+        args = {
+            k: v.get_default(call_default_factory=True) if isinstance(v, FieldInfo) else v
+            for k, v in bound.arguments.items()
+        }
+        make_config, run_url = _asks(name, args)
+    except Exception:  # noqa: BLE001 - the engine validates them again, and fails the run saying why
+        return None
+    try:
+        allowed_config(make_config, job_variables_of(record, flow_run), run_url)
+    except ConfigError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - not a refusal: the flow meets it and says so
+        return None
+    return None
 
 
 def build_deployments(
@@ -257,7 +305,7 @@ def serve(
             print(f"grpo serve: could not check for runs a stopped grpo serve left: {exc}", file=sys.stderr)
         runner = _Runner(token, _on_taken_over, pause_on_shutdown=False, limit=limit)
         for d in deployments:
-            runner.serve_deployment(d, SERVED_FLOWS[d.name])
+            runner.serve_deployment(d, SERVED_FLOWS[d.name], functools.partial(refusal, d.name))
         print(f"grpo serve: serving {', '.join(_full_name(d) for d in deployments)} (pid {os.getpid()})", flush=True)
         rest = everyday_defaults(parameters)[1]
         if rest:

@@ -14,6 +14,10 @@ runs:
   (GUARDED: what Prefect acts on to load or run code, or to say where it runs). A difference fails
   the flow run, naming the fields, and starts nothing. The entrypoint above holds without this
   check (a PATCH can land between the check and the start); the check says so loudly.
+- Then the flow run's parameters and job variables go through the flow's own trust check
+  (flows.pipeline.allowed_config, with the policy of this process's environment): a run the flow
+  would refuse is failed here with the flow's message and one log line, and no process starts for
+  it. The flow checks again when it runs (as it does under a work-pool worker).
 - Each poll for flow runs first checks that this process still owns its deployments (its token in
   their `version`): when another `grpo serve` registered them, this one polls no more and
   `on_taken_over` is called.
@@ -34,6 +38,7 @@ from uuid import UUID
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import DeploymentUpdate
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
@@ -61,11 +66,13 @@ _EMPTY = {"pull_steps": [], "job_variables": {}}  # the server reads back null a
 
 @dataclass(frozen=True)
 class Served:
-    """A deployment this process registered: its full name, the flow it runs and the record."""
+    """A deployment this process registered: its full name, the flow it runs, the record, and
+    `refusal(flow_run, record)`: why the flow would refuse that flow run (None: start it)."""
 
     name: str
     flow: Any
     record: dict[str, Any]
+    refusal: Callable[[Any, Any], str | None] | None = None
 
     @property
     def entrypoint(self) -> str:  # a module path: the same file wherever the serve was started
@@ -117,7 +124,11 @@ def _values(record, fields: list[str]) -> str:
     return ", ".join(out)
 
 
-class DeploymentChangedError(Exception):
+class NotStartedError(Exception):
+    """A flow run failed before its process started (its message says why, in its log and state)."""
+
+
+class DeploymentChangedError(NotStartedError):
     """A flow run refused because its deployment's record changed (its message says which fields)."""
 
 
@@ -127,8 +138,8 @@ class _QuietRefusals(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, BaseExceptionGroup):  # raised in the executor's task group: kept if it holds another
-            return exc.split(DeploymentChangedError)[1] is not None
-        return not isinstance(exc, DeploymentChangedError)
+            return exc.split(NotStartedError)[1] is not None
+        return not isinstance(exc, NotStartedError)
 
 
 logging.getLogger("prefect.runner.flow_run_executor").addFilter(_QuietRefusals())
@@ -146,13 +157,14 @@ class ServeRunner(Runner):
         self._on_taken_over = on_taken_over
         self._taken_over = False
 
-    def serve_deployment(self, deployment, flow) -> UUID:
+    def serve_deployment(self, deployment, flow, refusal: Callable[[Any, Any], str | None] | None = None) -> UUID:
         """Register `deployment` (running `flow`) with the API and with this runner, every GUARDED
         field of its record included: add_deployment updates only the fields set on the deployment
         object (pull_steps and entrypoint, not `path`, the work pool or the job variables), so what
         differs after it is set again here. Says what an earlier record held that grpo serve does not
-        register (an earlier PATCH). Returns the deployment's id."""
-        served = Served(f"{deployment.flow_name}/{deployment.name}", flow, expected_record(deployment))
+        register (an earlier PATCH). `refusal(flow_run, record)`: why the flow would refuse a flow
+        run of it, checked before its process starts (None: start it). Returns the deployment's id."""
+        served = Served(f"{deployment.flow_name}/{deployment.name}", flow, expected_record(deployment), refusal)
         with get_client(sync_client=True) as client:
             try:
                 before = client.read_deployment_by_name(served.name)
@@ -206,9 +218,9 @@ class ServeRunner(Runner):
             taken = {d.id for d in others}
             self._on_taken_over([s.name for i, s in self.served.items() if i in taken], others[0].version or "")
 
-    async def check_record(self, flow_run, served: Served | None) -> None:
+    async def check_record(self, flow_run, served: Served | None) -> Any:
         """Fail `flow_run` (raising DeploymentChangedError) unless its deployment's record on the
-        server is what this process registered."""
+        server is what this process registered; that record."""
         current, fields = None, []
         if served is None:
             message = f"its deployment {flow_run.deployment_id} is not one this grpo serve registered"
@@ -216,12 +228,25 @@ class ServeRunner(Runner):
             current = await self._client.read_deployment(flow_run.deployment_id)
             fields = changed_fields(served.record, current)
             if not fields:
-                return
+                return current
             message = changed_message(served.name, fields)
         # said once, where the run's log is read (the UI, the API) and on this process's console
         flow_run_logger(flow_run).error(f"{message} (now {_values(current, fields)})" if fields else message)
         await self._client.set_flow_run_state(flow_run.id, Failed(message=message))
         raise DeploymentChangedError(message)
+
+    async def check_parameters(self, flow_run, served: Served, record: Any) -> None:
+        """Fail `flow_run` (raising NotStartedError) where its flow would refuse its parameters or
+        job variables: the flow's own message in its state, one line in its log, no process."""
+        if served.refusal is None:
+            return
+        why = await anyio.to_thread.run_sync(served.refusal, flow_run, record)  # reads files: not in the loop
+        if why is None:
+            return
+        message = f"ConfigError: {why}"
+        flow_run_logger(flow_run).error("refused before any task ran: %s", message)  # as the flow says it
+        await self._client.set_flow_run_state(flow_run.id, Failed(message=message))
+        raise NotStartedError(message)
 
 
 class _OwnCode:
@@ -233,8 +258,9 @@ class _OwnCode:
 
     async def start(self, flow_run, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         runner, served = self._runner, self._served
-        await runner.check_record(flow_run, served)
+        record = await runner.check_record(flow_run, served)
         assert served is not None  # check_record refuses a deployment this process did not register
+        await runner.check_parameters(flow_run, served, record)
         flow_run_logger(flow_run).info(
             "Loading the flow's code from %s (%s, grpo serve's own: the pull steps, path and entrypoint of "
             "the deployment's record on the server are not used)",

@@ -213,7 +213,8 @@ def test_run_naming_a_library_callable_is_refused_before_anything_runs(served, t
     assert "--allow-reward-module" in run.state.message
     assert not os.path.exists(marker) and not (root / "spawn").exists()
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-    assert tasks == [] and run.run_count == 1  # no stage started, no worker; the flow run not retried
+    # no stage started, no worker; not even the flow run's process (grpo serve refused it), not retried
+    assert tasks == [] and run.run_count == 0
 
 
 def test_the_short_readiness_form_checks_what_the_everyday_form_runs(served):

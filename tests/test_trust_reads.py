@@ -17,7 +17,7 @@ from grpo_core.config.run import load_config
 from grpo_core.data.prepare import EncodeError, dry_run
 from grpo_core.data.synthetic import CharTokenizer
 from grpo_core.errors import ConfigError, excerpt
-from grpo_core.rewards.trust import ENV_ROOTS, TrustPolicy, check_folder, check_reads, link_out
+from grpo_core.rewards.trust import ENV_ROOTS, TRUST_ENV, TrustPolicy, check_folder, check_reads, link_out
 
 SECRET = "TOPSECRET-" + "s" * 200
 
@@ -248,11 +248,62 @@ def test_a_reward_models_folder_is_a_place_read(place, monkeypatch, tmp_path):
     )
     from flows.serve import allow_code
 
-    for name in (ENV_ROOTS, "GRPO_REWARD_PATHS", "GRPO_REWARD_MODULES", "GRPO_ALLOW_FIELDS", "GRPO_LIMITS"):
-        monkeypatch.delenv(name, raising=False)
+    for name in TRUST_ENV:  # set first, so that monkeypatch restores their absence after allow_code sets them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     os.unlink(place.runs / "model" / "tokenizer.json")
     allow_code([], [], [], {"rewards": [{"model": rm}]})
     served = TrustPolicy.from_env()
     assert os.path.realpath(rm) in served.roots
     check_reads(served, c)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("pipeline", lambda p: {"config": {"storage": {"root": str(p.runs)}, "data": {"source": str(p.secret)}}}),
+        (
+            "readiness",
+            lambda p: {"config": {"storage": {"root": str(p.runs)}, "pipeline": {"worker_python": "/bin/sh"}}},
+        ),
+        ("train", lambda p: {"storage_root": str(p.runs), "data_source": str(p.secret)}),
+        ("check", lambda p: {"storage_root": str(p.runs), "rewards": [{"function": "os:system"}]}),
+        ("evaluate", lambda p: {"run_url": str(p.outside)}),
+    ],
+)
+def test_grpo_serve_refuses_before_a_process_what_the_flow_would(name, params, place, monkeypatch):
+    """grpo serve checks a flow run's parameters and job variables before it starts the run's
+    process (flows.serve.refusal, in flows.serve_runner): the message is the flow's own (its
+    _allowed on the same arguments), the everyday form's unset fields take their defaults, an
+    allowed run is started (None), and job variables that set the policy are refused."""
+    from prefect.utilities.callables import get_call_parameters
+
+    from flows import everyday, serve
+
+    monkeypatch.chdir(place.base)
+    for variable in TRUST_ENV:  # the operator's policy: this process's environment, whatever set it before
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv(ENV_ROOTS, str(place.runs))
+    p = types.SimpleNamespace(runs=place.runs, outside=place.outside, secret=place.outside / "secret.jsonl")
+    given = params(p)
+    record = types.SimpleNamespace(job_variables={})
+    said = serve.refusal(name, types.SimpleNamespace(parameters=given, job_variables={}), record)
+    flow = serve.SERVED_FLOWS[name]
+    _flow_run(monkeypatch, given, "a-deployment")
+    for module in (pipeline, everyday):  # the flows' logger, outside a flow run
+        monkeypatch.setattr(module, "get_run_logger", lambda: None)
+    monkeypatch.setattr(pipeline, "_refusal", lambda exc, log: exc)  # the flow's ConfigError itself
+    with pytest.raises(ConfigError) as flows_own:
+        flow.fn(**get_call_parameters(flow.fn, (), flow.validate_parameters(given)))  # as Prefect's engine calls it
+    assert said == str(flows_own.value) and SECRET not in said
+    allowed = {"evaluate": {"run_url": str(place.runs / "r")}}.get(name, {})
+    run = types.SimpleNamespace(parameters=allowed, job_variables={})
+    if name == "evaluate":  # its run folder is allowed; that it holds no run is the flow's to say, as ever
+        assert serve.refusal(name, run, record).endswith(
+            "does not exist: start the run with grpo_pipeline, which writes it first"
+        )
+    else:
+        assert serve.refusal(name, run, record) is None
+    run.job_variables = {"env": {ENV_ROOTS: "/"}}
+    assert serve.refusal(name, run, record).startswith("job_variables.env sets GRPO_ALLOW_ROOTS")

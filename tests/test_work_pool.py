@@ -126,14 +126,25 @@ def test_worker_without_project_dir_fails_naming_it(deployed, tmp_path):
 
 
 def test_worker_with_project_dir_runs_the_pipeline(deployed, tmp_path):
+    """A run completes; a run whose config the worker's policy refuses (a reward module) is refused
+    by the flow itself, before any task: no grpo serve checked it first here."""
     client, env, worker_line = deployed
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterId
     from prefect.deployments import run_deployment
 
     run = run_deployment("grpo-pipeline/pool", parameters={"config": tiny(tmp_path, "pool-run")}, timeout=0)
+    bad = dict(tiny(tmp_path, "refused"), rewards=[{"function": "os:system"}])
+    refused = run_deployment("grpo-readiness/pool", parameters={"config": bad}, timeout=0)
     with worker(worker_line, env, tmp_path / "worker.log"):
         run = _wait(client, run.id, timeout=300)
+        refused = _wait(client, refused.id, timeout=300)
     assert run.state.is_completed(), (run.state, (tmp_path / "worker.log").read_text()[-3000:])
+    said = "ConfigError: rewards[0].function 'os:system' may not run in a deployment run"
+    assert refused.state.is_failed() and refused.state.message.startswith(said), refused.state.message
+    assert client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[refused.id]))) == []
+    line = lambda log: log.message.startswith("refused before any task ran: " + said) and log.level >= 40
+    assert any(map(line, wait_logs(client, refused.id, lambda logs: any(map(line, logs)))))
+    assert not (tmp_path / "refused").exists()
     summary = RunRoot(str(tmp_path / "pool-run")).read_json("summary.json")
     assert summary["status"] == "completed" and summary["steps"] == 4
     # the scheduler has had this whole module to act: still nothing scheduled for the nightly deployment
