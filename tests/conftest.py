@@ -76,3 +76,29 @@ def hub_offline(monkeypatch, tmp_path):
     for module in (huggingface_hub.constants, datasets.config):
         monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+
+
+# GRPO_TEST_CPU=FILE: each test's CPU seconds (its process's and those of the processes it started and
+# waited for, by setup, call and teardown) appended to FILE as tab-separated lines, for keeping the
+# suite in budget on a 2-core machine, where the suite's wall time is its CPU time over the cores.
+# `python -m bench.suite_cpu FILE` sums them by module.
+_CPU_FILE = os.environ.get("GRPO_TEST_CPU")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_FILE:
+        yield
+        return
+    import resource
+    import time
+
+    def now():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime, time.monotonic()
+
+    before = now()
+    yield
+    after = now()
+    with open(_CPU_FILE, "a") as out:
+        out.write("\t".join([item.nodeid, *(f"{b - a:.2f}" for a, b in zip(before, after))]) + "\n")
