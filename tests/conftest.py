@@ -100,5 +100,31 @@ def pytest_runtest_protocol(item, nextitem):
     before = now()
     yield
     after = now()
+    figures = [f"{b - a:.2f}" for a, b in zip(before, after)]
     with open(_CPU_FILE, "a") as out:
-        out.write("\t".join([item.nodeid, *(f"{b - a:.2f}" for a, b in zip(before, after))]) + "\n")
+        out.write("\t".join([item.nodeid, *figures, os.environ.get("PYTEST_XDIST_WORKER", "-"), _running()]) + "\n")
+
+
+def _running() -> str:
+    """The processes this test process started that still run (the session's Prefect server
+    among them), as pid:name, from /proc: a test that leaves one running costs the tests after it."""
+    parent: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            if rest[0] != "Z":
+                parent[int(entry)], names[int(entry)] = int(rest[1]), name
+    mine, me = [], os.getpid()
+    for pid in parent:
+        p = parent[pid]
+        while p > 1 and p != me:
+            p = parent.get(p, 0)
+        if p == me:
+            mine.append(f"{pid}:{names[pid]}")
+    return ",".join(sorted(mine))
