@@ -58,8 +58,39 @@ def worker(line: str, env: dict, log_path):
         )
     try:
         yield proc
+        _runs_exit(proc.pid)
     finally:
         _stop(proc)
+
+
+def _runs_exit(worker_pid: int, timeout: float = 120) -> None:
+    """Wait until the flow-run processes the worker started have exited: a run's process sets its
+    final state, then sends its last log lines on its way out (a stop then would lose them)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parent, engine = {}, set()
+        for entry in pathlib.Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue  # it has just exited
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            if b"prefect.engine" in cmdline:
+                engine.add(int(entry.name))
+
+        def under_worker(pid: int) -> bool:
+            while pid in parent and pid != worker_pid:
+                pid = parent[pid]
+            return pid == worker_pid
+
+        if not any(map(under_worker, engine)):
+            return
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +174,8 @@ def test_worker_with_project_dir_runs_the_pipeline(deployed, tmp_path):
     assert refused.state.is_failed() and refused.state.message.startswith(said), refused.state.message
     assert client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[refused.id]))) == []
     line = lambda log: log.message.startswith("refused before any task ran: " + said) and log.level >= 40
-    assert any(map(line, wait_logs(client, refused.id, lambda logs: any(map(line, logs)))))
+    logs = wait_logs(client, refused.id, lambda logs: any(map(line, logs)))
+    assert any(map(line, logs)), ([log.message[:200] for log in logs], (tmp_path / "worker.log").read_text()[-3000:])
     assert not (tmp_path / "refused").exists()
     summary = RunRoot(str(tmp_path / "pool-run")).read_json("summary.json")
     assert summary["status"] == "completed" and summary["steps"] == 4
