@@ -144,4 +144,11 @@ if [ "$LEVEL" = demo ] && [ "$INSTALLER" = uv ]; then
     phase "bytecode of what the demo imports" - env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c \
         "import flows.cli, flows.pipeline, tasks.stages, grpo_core.stages.ahead, grpo_core.stages.worker as w; w.preload()"
 fi
+if [ "$LEVEL" = dev ] && [ "$INSTALLER" = uv ]; then
+    # uv compiles what this install added; a demo's install before it left two thirds of the
+    # packages (Prefect's server among them) as sources, which every test's process compiled again.
+    # compileall skips what is compiled already (its one error: a torch file in Python 3.12 syntax).
+    phase "bytecode of the packages a demo's install left as sources" - "$VENV/bin/python" -c \
+        "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
+fi
 echo "install: $LEVEL installed in $VENV in $(took SECONDS-started)"

@@ -33,10 +33,12 @@ def test_variants_install_what_the_constraints_pin():
     assert ".venv/bin/python -m pip install -q --target $BOOT -c constraints.txt uv" in cpu  # uv, pinned
     assert "$BOOT/bin/uv pip install --python .venv/bin/python -c constraints.txt -e .[dev,tpu-aot]" in cpu
     assert not any("jax[tpu]" in c for c in cpu)
+    assert "install: bytecode of the packages a demo's install left as sources" in cpu
     demo = dry_run(".venv", "python3", "cpu", "demo")  # make demo: the project alone, editable
     assert "$BOOT/bin/uv pip install --python .venv/bin/python -c constraints.txt -e ." in demo
     assert not any("[dev" in c or "tpu-aot" in c for c in demo)
     assert "install: bytecode of what the demo imports" in demo
+    assert not any("left as sources" in c for c in demo)
     tpu = dry_run("/opt/venv", "python3", "tpu", GRPO_DEV="0")
     assert "$BOOT/bin/uv pip install --python /opt/venv/bin/python -c constraints.txt ." in tpu  # the image
     assert any(c.startswith(f"$BOOT/bin/uv pip install --python /opt/venv/bin/python jax[tpu]=={jax} -f ") for c in tpu)
