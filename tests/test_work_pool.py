@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import subprocess
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -17,6 +18,7 @@ from flows.serve import SERVED_NAMES
 from grpo_core.store.root import RunRoot
 from tests.prefect_server import api_client
 from tests.test_deployments import AUTH, BIN, _stop, _wait, tiny, wait_logs
+from tests.test_interrupt import _alive, _descendants
 
 pytestmark = pytest.mark.slow
 
@@ -66,31 +68,18 @@ def worker(line: str, env: dict, log_path):
 def _runs_exit(worker_pid: int, timeout: float = 120) -> None:
     """Wait until the flow-run processes the worker started have exited: a run's process sets its
     final state, then sends its last log lines on its way out (a stop then would lose them)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        parent, engine = {}, set()
-        for entry in pathlib.Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue  # it has just exited
-            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            if b"prefect.engine" in cmdline:
-                engine.add(int(entry.name))
-
-        def under_worker(pid: int) -> bool:
-            while pid in parent and pid != worker_pid:
-                pid = parent[pid]
-            return pid == worker_pid
-
-        if not any(map(under_worker, engine)):
+        if not [pid for pid in _alive(_descendants(worker_pid)) if b"prefect.engine" in _cmdline(pid)]:
             return
         time.sleep(0.5)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it has just exited
+        return b""
 
 
 @pytest.fixture(scope="module")
