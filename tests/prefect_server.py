@@ -8,9 +8,11 @@ every module that needs a Prefect API:
   slots, work pools), and empties it again when it ends.
 
 Between the modules that use it, the server is paused (SIGSTOP to its process group, SIGCONT
-when the next one starts): idle, its services still poll (~2 % of a core with the 2-s
-scheduler loop). A second server for the in-process flows (Prefect's test harness) cost each
-test process another start and its idle polling for the whole run (~20 CPU-s).
+when the next one starts): idle, its services still poll (2-4 % of a core). Its scheduler keeps
+Prefect's 60-s loop: a deployment a test registers is scheduled by the loop for recently updated
+ones (every 5 s); a 2-s main loop cost ~1.4 CPU-s a minute more. A second server for the
+in-process flows (Prefect's test harness) cost each test process another start and its idle
+polling for the whole run (~20 CPU-s).
 
 Prefect reads its settings at import, so the environment is set when this plugin is imported
 (tests/conftest.py names it): a throwaway PREFECT_HOME, no telemetry, a generous start-up
@@ -118,7 +120,6 @@ def start_server(home, **env: str) -> tuple[subprocess.Popen, str]:
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_AUTH_STRING": AUTH,
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
         "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
         "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_API_URL": "",
