@@ -1,5 +1,5 @@
 """Agentic GRPO with the real model: the tiny preset learns to call the synthetic tool task's tool
-(grpo demo --task tools, in-process and shorter), and a worker killed in the middle of an episode
+(grpo demo --task tools, without the pipeline and shorter), and a worker killed in the middle of an episode
 (a tool call SIGKILLs it) resumes to the same bytes as a run that was never killed."""
 
 import json
@@ -18,11 +18,18 @@ from grpo_core.data.tokenizer import make_tokenizer
 from grpo_core.rl.checkpoint import Checkpointer
 from grpo_core.store.root import RunRoot
 from grpo_core.store.runs import init_run_root
+from tests.cpu_devices import run_with_devices
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_tiny_model_learns_to_call_its_tool():
+    # 120 steps compute more than they compile: with XLA's optimised code, so in a child process (as
+    # tests/test_trainer.py's learning run; 45 against 58 CPU-s with the tests' FAST_COMPILE)
+    run_with_devices(1, "import tests.test_agent_run as t; t.learn_to_call()", timeout_s=1200, optimized=True)
+
+
+def learn_to_call():
     """The demo's tool task in-process: at step 0 almost no episode calls the tool; within 120 steps
     nearly every one does, and its answer turn follows the result (two turns an episode)."""
     from grpo_core.config.presets import get_preset
