@@ -1,6 +1,6 @@
 """Agentic GRPO with the real model: the tiny preset learns to call the synthetic tool task's tool
-(grpo demo --task tools, without the pipeline and shorter), and a worker killed in the middle of an episode
-(a tool call SIGKILLs it) resumes to the same bytes as a run that was never killed."""
+(grpo demo --task tools, without the pipeline and shorter), and a worker killed in the middle of
+an episode (a tool call SIGKILLs it) resumes to the same bytes as a run that was never killed."""
 
 import json
 import os
@@ -30,8 +30,9 @@ def test_the_tiny_model_learns_to_call_its_tool():
 
 
 def learn_to_call():
-    """The demo's tool task in-process: at step 0 almost no episode calls the tool; within 120 steps
-    nearly every one does, and its answer turn follows the result (two turns an episode)."""
+    """The demo's tool task without the pipeline: at step 0 almost no episode calls the tool;
+    within 120 steps nearly every one does, and its answer turn follows the result (two turns an
+    episode)."""
     from grpo_core.config.presets import get_preset
     from grpo_core.data.synthetic import CharTokenizer, ReverseTask
     from grpo_core.nn.model import create_model
