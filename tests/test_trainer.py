@@ -54,10 +54,12 @@ def test_trainers_of_one_config_share_the_learners_programs():
     second) and trains as a fresh one does; another config gets a learner of its own."""
     a, _ = make(steps=2)
     a.train_step()
+    # the process's learner cache may hold programs of earlier tests with this config: counted here
+    programs = a.learner.update._cache_size()
     b, _ = make(steps=2)
     assert b.learner is a.learner
     b.train_step()
-    assert b.learner.update._cache_size() == 1
+    assert b.learner.update._cache_size() == programs
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(a.params), jax.device_get(b.params))
     c, _ = make(steps=2, optimizer={"learning_rate": 0.5})
     assert c.learner is not a.learner
