@@ -176,7 +176,7 @@ def _trained(run: pathlib.Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(tmp_path, monkeypatch):
+def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(tmp_path, monkeypatch, request):
     """The example notebook headless, as Jupyter runs it, in a fresh folder: its Dataset in memory and
     its reward defined in a cell train a run whose metrics name that reward; the curve is shown; the
     export answers through transformers; the kernel's one Prefect server serves its second run, which
@@ -226,7 +226,17 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
             )
         )
     )
+    # The second kernel's runs go to the session's server (its own server is the first kernel's proof,
+    # above): what it shows is the run folder, and a second server start costs ~12 CPU-s here.
+    request.getfixturevalue("prefect_server")
+    from tests.prefect_server import AUTH
+
+    monkeypatch.setenv("PREFECT_API_URL", request.getfixturevalue("_session_server")[0])
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", AUTH)
     nb = _execute(edited, tmp_path)  # a new kernel: other cell file names, the same digests
+    assert "Prefect server for this kernel's runs" not in "\n".join(
+        out.get("text", "") for c in nb.cells for out in c.get("outputs", [])
+    )
     assert _run_folders(tmp_path / "runs") == [run] and _trained(run) == trained  # resumed: nothing trained
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["last_invocation"]["did_work"] is False, summary

@@ -48,7 +48,9 @@ def _invocation(root: RunRoot, steps, warnings: list, report_to=("tensorboard", 
     for s in steps:
         t.log(s, {"step": s, "reward": s / 10, "kl": 0.01 * s, "time/step": 0.5, "pass@2": 0.5, "note": "x"})
     t.log(steps[-1] + 1, {"step": steps[-1] + 1, "accuracy": 0.5, "greedy": {"reward_mean": 0.25}}, kind="eval")
-    t.close()
+    # what was sent is the test, not the run's 30-s bound on closing trackers (a loaded machine can
+    # pass it: W&B's offline start is a service process of its own)
+    t.close(timeout_s=600)
 
 
 def test_three_trackers_and_a_resume_that_sends_no_step_twice(tracker_env):
