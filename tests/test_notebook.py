@@ -180,8 +180,8 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
     """The example notebook headless, as Jupyter runs it, in a fresh folder: its Dataset in memory and
     its reward defined in a cell train a run whose metrics name that reward; the curve is shown; the
     export answers through transformers; the kernel's one Prefect server serves its second run, which
-    finds the run done. Then the whole notebook again in a new kernel: the same folder, nothing
-    trained; and the reward's body edited names a new run."""
+    finds the run done. Then the whole notebook again in a new kernel (against the session's
+    server): the same folder, nothing trained; and the reward's body edited names a new run."""
     nbformat = pytest.importorskip("nbformat")
     pytest.importorskip("nbclient")
     for var in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING"):  # the kernel starts its own server
@@ -227,7 +227,7 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
         )
     )
     # The second kernel's runs go to the session's server (its own server is the first kernel's proof,
-    # above): what it shows is the run folder, and a second server start costs ~12 CPU-s here.
+    # above): what it shows is the run folder, and a second server start costs ~10 CPU-s here.
     request.getfixturevalue("prefect_server")
     from tests.prefect_server import AUTH
 
