@@ -7,7 +7,7 @@ fails nor stalls the others."""
 import glob
 import os
 import re
-import time
+import socket
 
 import pytest
 
@@ -99,14 +99,34 @@ def test_a_failing_tracker_is_reported_once_and_stalls_nothing(tracker_env, monk
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     warnings: list[str] = []
     t = Trackers(root, ("tensorboard", "wandb", "mlflow"), "my-run", "grpo-tests", warn=warnings.append)
-    started = time.monotonic()
     for s in range(50):
         t.log(s, {"reward": 1.0})
-    assert time.monotonic() - started < 1.0  # queued: training never waits on a tracker
     t.close(timeout_s=60)
     failed = sorted(w.split(":")[1].split()[0] for w in warnings)
     assert failed == ["mlflow", "wandb"], warnings  # each once, by name
     assert [s for s, _ in scalars(root.url, "reward")] == list(range(50))  # TensorBoard unaffected
+
+
+def test_logging_never_waits_on_a_tracker(tracker_env, monkeypatch):
+    """`log` only queues: with MLflow's server taking the connection and never answering, 50 steps
+    are logged while the trackers' thread has taken none of them (no clock in the proof); once the
+    server goes away the tracker fails, reported once by name."""
+    hole = socket.socket()  # listens, never accepts: a request to it waits until the socket goes
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{hole.getsockname()[1]}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "600")
+    warnings: list[str] = []
+    t = Trackers(RunRoot(str(tracker_env / "run")), ("mlflow",), "my-run", "grpo-tests", warn=warnings.append)
+    try:
+        for s in range(50):
+            t.log(s, {"reward": 1.0})
+        assert t.thread.is_alive() and t.queue.qsize() == 50 and warnings == []
+    finally:
+        hole.close()  # its waiting connection is reset: MLflow's start fails
+    t.close(timeout_s=300)
+    assert not t.thread.is_alive() and len(warnings) == 1 and "mlflow failed to start" in warnings[0], warnings
 
 
 def test_a_tracker_that_is_not_installed_names_the_extra(tmp_path, monkeypatch):
