@@ -149,6 +149,11 @@ def _outputs(nb, marker: str) -> str:
     return "\n".join(parts)
 
 
+def _printed(nb) -> str:
+    """Everything the notebook's cells printed."""
+    return "\n".join(out.get("text", "") for c in nb.cells for out in c.get("outputs", []))
+
+
 def _execute(nb, cwd: pathlib.Path):
     from nbclient import NotebookClient
 
@@ -202,8 +207,7 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
     assert "rewards/number_reward/mean" in metrics  # the cell's reward, used in training and named
     assert "image/png" in _outputs(nb, "run.plot()")
     assert f"{run}/export/4" in _outputs(nb, "run.load_model()")
-    everything = "\n".join(out.get("text", "") for c in nb.cells for out in c.get("outputs", []))
-    assert everything.count("Prefect server for this kernel's runs") == 1  # started once, reused
+    assert _printed(nb).count("Prefect server for this kernel's runs") == 1  # started once, reused
     assert "same run: True | trained again: False" in _outputs(nb, "again = train(")
     # the agent's cell: a tool function from the cell, and episodes evaluated (their figures in the table)
     assert "tool_calls_per_episode" in _outputs(nb, "agent = train(")
@@ -234,9 +238,7 @@ def test_the_example_notebook_trains_resumes_and_an_edited_reward_is_a_new_run(t
     monkeypatch.setenv("PREFECT_API_URL", request.getfixturevalue("_session_server")[0])
     monkeypatch.setenv("PREFECT_API_AUTH_STRING", AUTH)
     nb = _execute(edited, tmp_path)  # a new kernel: other cell file names, the same digests
-    assert "Prefect server for this kernel's runs" not in "\n".join(
-        out.get("text", "") for c in nb.cells for out in c.get("outputs", [])
-    )
+    assert "Prefect server for this kernel's runs" not in _printed(nb)
     assert _run_folders(tmp_path / "runs") == [run] and _trained(run) == trained  # resumed: nothing trained
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["last_invocation"]["did_work"] is False, summary
