@@ -39,14 +39,16 @@ def inputs(dtype, b=3, t=7, heads=4, kv=2, d=16, seed=0):
 @pytest.mark.parametrize("heads,kv", [(4, 2), (4, 4), (6, 1)])
 def test_values_and_gradients_equal_the_written_out_formula(dtype, tol, heads, kv):
     q, k, v, mask = inputs(dtype, heads=heads, kv=kv)
-    out, ref = attend(q, k, v, mask), written_out(q, k, v, mask)
+    # jitted, as the model runs it: op by op, every primitive of both formulas and of their
+    # gradients is a program of its own to compile (~60 CPU-s for this test's six cases)
+    out, ref = jax.jit(attend)(q, k, v, mask), jax.jit(written_out)(q, k, v, mask)
     assert out.dtype == q.dtype and out.shape == q.shape
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
 
     w = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, mask).astype(jnp.float32) * w)
-    got = jax.grad(loss(attend), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(written_out), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss(written_out), argnums=(0, 1, 2)))(q, k, v)
     for name, g, r in zip("qkv", got, want):
         scale = float(jnp.max(jnp.abs(r.astype(jnp.float32))))
         np.testing.assert_allclose(
