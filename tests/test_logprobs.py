@@ -53,14 +53,17 @@ def test_values_and_gradients_equal_the_plain_formula(vocab_major, temperature, 
         h, w, t, temperature=temperature, chunk_mib=mib_for(chunks, b * n, vocab), vocab_major=vocab_major
     )
     ref = lambda h, w: plain(h, w, t, temperature, vocab_major)
-    for a, c in zip(ref(h, w), jax.jit(ours)(h, w)):
+    # each side jitted: op by op, every primitive of a formula and its gradient is a program of
+    # its own to compile, for each of the cases' shapes
+    for a, c in zip(jax.jit(ref)(h, w), jax.jit(ours)(h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5)
-    grads = jax.grad(objective(ref), argnums=(0, 1))(h, w)
+    grads = jax.jit(jax.grad(objective(ref), argnums=(0, 1)))(h, w)
     for a, c in zip(grads, jax.jit(jax.grad(objective(ours), argnums=(0, 1)))(h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
     # the entropy as a metric only (its cotangent a symbolic zero): the log-prob gradient is unchanged
     only_lp = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0] * g_lp) + jnp.sum(jax.lax.stop_gradient(fn(h, w)[1]))
-    for a, c in zip(jax.grad(only_lp(ref), argnums=(0, 1))(h, w), jax.grad(only_lp(ours), argnums=(0, 1))(h, w)):
+    gref, gours = (jax.jit(jax.grad(only_lp(fn), argnums=(0, 1)))(h, w) for fn in (ref, ours))
+    for a, c in zip(gref, gours):
         np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
 
 
@@ -105,9 +108,9 @@ def test_a_power_of_two_count_gives_the_plain_values_and_gradients():
     loss = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0]) + 0.5 * jnp.sum(fn(h, w)[1])
     ours = lambda h, w: token_logprobs(h, w, t, chunk_mib=mib, vocab_major=True, backend="tpu")
     ref = lambda h, w: plain(h, w, t, 1.0, True)
-    for a, c in zip(ref(h, w), jax.jit(ours)(h, w)):
+    for a, c in zip(jax.jit(ref)(h, w), jax.jit(ours)(h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5)
-    for a, c in zip(jax.grad(loss(ref), (0, 1))(h, w), jax.jit(jax.grad(loss(ours), (0, 1)))(h, w)):
+    for a, c in zip(jax.jit(jax.grad(loss(ref), (0, 1)))(h, w), jax.jit(jax.grad(loss(ours), (0, 1)))(h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
 
 
