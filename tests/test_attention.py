@@ -47,8 +47,7 @@ def test_values_and_gradients_equal_the_written_out_formula(dtype, tol, heads, k
 
     w = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, mask).astype(jnp.float32) * w)
-    got = jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.jit(jax.grad(loss(written_out), argnums=(0, 1, 2)))(q, k, v)
+    got, want = (jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v) for f in (attend, written_out))
     for name, g, r in zip("qkv", got, want):
         scale = float(jnp.max(jnp.abs(r.astype(jnp.float32))))
         np.testing.assert_allclose(

@@ -25,6 +25,12 @@ def plain(h, w, targets, temperature, vocab_major):
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], -jnp.sum(jnp.exp(lp) * lp, axis=-1)
 
 
+def grads(f, h, w):
+    """d f / d (h, w), jitted: op by op, every primitive of a formula and of its gradient is a
+    program of its own to compile, for each of the cases' shapes."""
+    return jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
+
+
 def mib_for(chunks: int, tokens: int, vocab: int) -> float:
     """The train.logits_chunk_mib that asks for this many vocabulary chunks."""
     return tokens * vocab * 4 / chunks / 2**20
@@ -53,17 +59,13 @@ def test_values_and_gradients_equal_the_plain_formula(vocab_major, temperature, 
         h, w, t, temperature=temperature, chunk_mib=mib_for(chunks, b * n, vocab), vocab_major=vocab_major
     )
     ref = lambda h, w: plain(h, w, t, temperature, vocab_major)
-    # each side jitted: op by op, every primitive of a formula and its gradient is a program of
-    # its own to compile, for each of the cases' shapes
-    for a, c in zip(jax.jit(ref)(h, w), jax.jit(ours)(h, w)):
+    for a, c in zip(jax.jit(ref)(h, w), jax.jit(ours)(h, w)):  # each side jitted (see `grads`)
         np.testing.assert_allclose(c, a, atol=1e-5)
-    grads = jax.jit(jax.grad(objective(ref), argnums=(0, 1)))(h, w)
-    for a, c in zip(grads, jax.jit(jax.grad(objective(ours), argnums=(0, 1)))(h, w)):
+    for a, c in zip(grads(objective(ref), h, w), grads(objective(ours), h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
     # the entropy as a metric only (its cotangent a symbolic zero): the log-prob gradient is unchanged
     only_lp = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0] * g_lp) + jnp.sum(jax.lax.stop_gradient(fn(h, w)[1]))
-    gref, gours = (jax.jit(jax.grad(only_lp(fn), argnums=(0, 1)))(h, w) for fn in (ref, ours))
-    for a, c in zip(gref, gours):
+    for a, c in zip(grads(only_lp(ref), h, w), grads(only_lp(ours), h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
 
 
@@ -110,7 +112,7 @@ def test_a_power_of_two_count_gives_the_plain_values_and_gradients():
     ref = lambda h, w: plain(h, w, t, 1.0, True)
     for a, c in zip(jax.jit(ref)(h, w), jax.jit(ours)(h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5)
-    for a, c in zip(jax.jit(jax.grad(loss(ref), (0, 1)))(h, w), jax.jit(jax.grad(loss(ours), (0, 1)))(h, w)):
+    for a, c in zip(grads(loss(ref), h, w), grads(loss(ours), h, w)):
         np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
 
 
